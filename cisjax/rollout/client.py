@@ -197,8 +197,10 @@ class RolloutClient:
                 raise RolloutError(f"Generate: {len(short)} prompts did not get {params.n} samples (e.g. prompt {short[0]}: {len(results[short[0]])})")
         return [[results[i][j] for j in range(params.n)] for i in range(len(prompts))]
 
-    def score(self, items: list[tuple[list[int], list[int]]], *, temperature: float = 1.0, logprobs: int = 0) -> list[dict]:
-        """Server-side prefill logprobs of the response tokens: [{"logprobs", "version", ...}] in input order."""
+    def score(self, items: list[tuple[list[int], list[int]]], *, temperature: float = 1.0, logprobs: int = 0,
+              routing: bool = False) -> list[dict]:
+        """Server-side prefill logprobs of the response tokens: [{"logprobs", "version", ...}] in input order;
+        with `routing`, also "routing": [token][moe layer][k] routed expert ids (see rollout.proto Routing)."""
         rp = self.pb.rollout_pb2
         out: dict[int, dict] = {}
 
@@ -207,12 +209,14 @@ class RolloutClient:
             if not todo:
                 return
             req = rp.ScoreRequest(sequences=[rp.Sequence(prompt_ids=items[i][0], response_ids=items[i][1]) for i in todo],
-                                  temperature=temperature, logprobs=logprobs)
+                                  temperature=temperature, logprobs=logprobs, return_routing=routing)
             for r in self.stub.Score(req, timeout=self.timeout_s, metadata=self.metadata):
                 rec = {"logprobs": list(r.logprobs), "version": r.version}
                 if logprobs:
                     rec["topk_ids"] = [list(t.token_ids) for t in r.top_logprobs]
                     rec["topk_logprobs"] = [list(t.logprobs) for t in r.top_logprobs]
+                if routing:
+                    rec["routing"] = _routing(r.routing)
                 out[todo[r.index]] = rec
 
         self._retrying("Score", attempt)
@@ -275,12 +279,18 @@ def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:
     if s.top_logprobs:
         out.top_ids = [list(t.token_ids) for t in s.top_logprobs]
         out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
-    if s.HasField("routing") and s.routing.expert_ids:
-        r = s.routing
-        flat = list(r.expert_ids)
-        step = r.num_layers * r.k
-        out.routing = [[flat[t * step + l * r.k : t * step + (l + 1) * r.k] for l in range(r.num_layers)] for t in range(len(flat) // step)]
+    if s.HasField("routing"):
+        out.routing = _routing(s.routing)
     return out
+
+
+def _routing(r) -> list:
+    """A Routing message as [token][layer][k]."""
+    flat = list(r.expert_ids)
+    step = r.num_layers * r.k
+    if not step:
+        return []
+    return [[flat[t * step + l * r.k : t * step + (l + 1) * r.k] for l in range(r.num_layers)] for t in range(len(flat) // step)]
 
 
 # ----------------------------------------------------------------------------- `cisjax generate`

@@ -74,6 +74,12 @@ class SampleResult:
 class Backend:
     """The engine behind the servicer. Implementations: transformers (reference), vllm.
 
+    The servicer calls `submit_generate` / `submit_score` from many threads at once and streams
+    each future's result as it completes; `update` (a weight reload) must wait for the work in
+    flight and hold back new work until it is done, so that every token of a sample comes from one
+    version. This base class gives that by running everything on one worker thread, in order; an
+    engine that batches concurrent requests (vllm) overrides the submit/update methods.
+
     All ids are validated against `vocab_size`/`max_model_len` before a backend sees them.
     Weight updates must be atomic: on failure the old weights and version stay in place."""
 
@@ -86,12 +92,13 @@ class Backend:
     version = 0
     supports_routing = False  # can return routed expert ids per token
 
+    # --- what a serial backend implements (called on the one worker thread)
     def generate(self, prompt_ids: list, prompt_id: int, params: Params):
         """Sample params.n continuations of one prompt; returns a list of SampleResult."""
         raise NotImplementedError
 
-    def score(self, prompt_ids: list, response_ids: list, temperature: float, top_k: int) -> dict:
-        """{"logprobs": [...], "top_ids": [[...]], "top_logprobs": [[...]]} of the response tokens."""
+    def score(self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool = False) -> dict:
+        """{"logprobs": [...], "top_ids": [[...]], "top_logprobs": [[...]], "routing": ndarray [R, layers, k]} of the response tokens."""
         raise NotImplementedError
 
     def load_directory(self, path: Path, version: int) -> None:
@@ -101,8 +108,44 @@ class Backend:
         """tensors: HF name -> numpy array (the full set of the checkpoint)."""
         raise NotImplementedError
 
+    # --- what the servicer calls
+    def submit_generate(self, prompt_ids: list, prompt_id: int, params: Params) -> futures.Future:
+        """Future of the list of SampleResult, each with timing {"started", "finished"} (time.monotonic)."""
+        return self._serial().submit(self._timed_generate, prompt_ids, prompt_id, params)
+
+    def submit_score(self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool) -> futures.Future:
+        """Future of score()'s dict plus "version", the weights it was computed with."""
+        return self._serial().submit(self._versioned_score, prompt_ids, response_ids, temperature, top_k, routing)
+
+    def update(self, kind: str, source, version: int) -> None:
+        """Reload weights ("directory", Path) or ("tensors", dict) as `version`, once the work before it is done."""
+        load = self.load_directory if kind == "directory" else self.load_tensors
+        self._serial().submit(load, source, version).result()
+
+    def cancel(self, future: futures.Future) -> None:
+        """Drop submitted work whose caller went away (best effort)."""
+        future.cancel()
+
     def close(self) -> None:
-        pass
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _serial(self) -> futures.ThreadPoolExecutor:
+        if "_pool" not in self.__dict__:
+            self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.engine}-engine")
+        return self._pool
+
+    def _timed_generate(self, prompt_ids, prompt_id, params):
+        started = time.monotonic()
+        samples = self.generate(prompt_ids, prompt_id, params)
+        finished = time.monotonic()
+        for s in samples:
+            s.timing = {"started": started, "finished": finished}
+        return samples
+
+    def _versioned_score(self, prompt_ids, response_ids, temperature, top_k, routing):
+        return dict(self.score(prompt_ids, response_ids, temperature, top_k, routing), version=self.version)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -244,7 +287,7 @@ class RolloutServicer:
         self.pb = protos.load().rollout_pb2
         self.backend = backend
         self.export_root = Path(os.path.realpath(export_root)) if export_root else None
-        self.engine_lock = threading.Lock()  # one engine call at a time; weight swaps between them
+        self.update_lock = threading.Lock()  # one weight update at a time (version check + reload)
 
     # Generate ---------------------------------------------------------------
     def Generate(self, request, context):
@@ -262,25 +305,25 @@ class RolloutServicer:
                     raise RequestError(f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context length {b.max_model_len}")
         except RequestError as err:
             _abort(context, err)
-        for i, (ids, prompt) in enumerate(zip(prompts, request.prompts)):
-            if not context.is_active():
-                return
-            with self.engine_lock:
-                started = time.monotonic()
-                samples = _engine_call(context, "generate", b.generate, ids, prompt.id, params)
-                done = time.monotonic()
+        # every prompt goes to the engine at once (it batches them with other calls' work); samples
+        # stream back as each prompt finishes
+        pending = {b.submit_generate(ids, prompt.id, params): (i, prompt.id) for i, (ids, prompt) in enumerate(zip(prompts, request.prompts))}
+        for fut, (i, prompt_id) in _as_completed(pending, context, b):
+            samples = _result(context, "generate", fut)
             for s in samples:
                 out = self.pb.Sample(
-                    prompt_index=i, prompt_id=prompt.id, sample_index=s.sample_index, token_ids=s.token_ids,
+                    prompt_index=i, prompt_id=prompt_id, sample_index=s.sample_index, token_ids=s.token_ids,
                     logprobs=s.logprobs, finish_reason=_FINISH[s.finish_reason], versions=s.versions,
-                    timing=self.pb.Timing(queue_s=started - arrived, generate_s=done - started),
+                    timing=self.pb.Timing(queue_s=max(0.0, s.timing["started"] - arrived), generate_s=s.timing["finished"] - s.timing["started"]),
                 )
                 if s.top_ids is not None:
                     out.top_logprobs.extend(self.pb.TopLogprobs(token_ids=a, logprobs=b_) for a, b_ in zip(s.top_ids, s.top_logprobs))
                 if s.routing is not None:
-                    r = s.routing
-                    out.routing.CopyFrom(self.pb.Routing(num_layers=r.shape[1], k=r.shape[2], expert_ids=r.reshape(-1).tolist()))
+                    out.routing.CopyFrom(self._routing(s.routing))
                 yield self.pb.GenerateResponse(sample=out)
+
+    def _routing(self, r):
+        return self.pb.Routing(num_layers=r.shape[1], k=r.shape[2], expert_ids=r.reshape(-1).tolist())
 
     # Score ------------------------------------------------------------------
     def Score(self, request, context):
@@ -293,6 +336,8 @@ class RolloutServicer:
                 raise RequestError(f"temperature must be > 0, got {request.temperature}")
             if not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}")
+            if request.return_routing and not b.supports_routing:
+                raise RequestError(f"the {b.engine} backend does not return routing", grpc.StatusCode.UNIMPLEMENTED)
             seqs = []
             for i, s in enumerate(request.sequences):
                 p = check_ids(s.prompt_ids, f"sequence {i} prompt_ids", b.vocab_size)
@@ -302,15 +347,14 @@ class RolloutServicer:
                 seqs.append((p, r))
         except RequestError as err:
             _abort(context, err)
-        for i, (p, r) in enumerate(seqs):
-            if not context.is_active():
-                return
-            with self.engine_lock:
-                res = _engine_call(context, "score", b.score, p, r, temperature, request.logprobs)
-                version = b.version
-            out = self.pb.ScoreResponse(index=i, logprobs=res["logprobs"], version=version)
+        pending = {b.submit_score(p, r, temperature, request.logprobs, request.return_routing): i for i, (p, r) in enumerate(seqs)}
+        for fut, i in _as_completed(pending, context, b):
+            res = _result(context, "score", fut)
+            out = self.pb.ScoreResponse(index=i, logprobs=res["logprobs"], version=res["version"])
             if request.logprobs:
                 out.top_logprobs.extend(self.pb.TopLogprobs(token_ids=a, logprobs=c) for a, c in zip(res["top_ids"], res["top_logprobs"]))
+            if request.return_routing:
+                out.routing.CopyFrom(self._routing(res["routing"]))
             yield out
 
     # UpdateWeights ----------------------------------------------------------
@@ -354,16 +398,13 @@ class RolloutServicer:
                 source = ("tensors", tensors)
             else:
                 raise RequestError("UpdateWeights needs a directory or tensor chunks")
-            with self.engine_lock:
+            with self.update_lock:
                 current = self.backend.version
                 new = version or current + 1
                 if new <= current:
                     raise RequestError(f"version {new} is not above the current version {current}", grpc.StatusCode.FAILED_PRECONDITION)
                 try:
-                    if source[0] == "directory":
-                        self.backend.load_directory(source[1], new)
-                    else:
-                        self.backend.load_tensors(source[1], new)
+                    self.backend.update(source[0], source[1], new)
                 except RequestError:
                     raise
                 except Exception as err:  # the backend keeps its old weights
@@ -380,12 +421,30 @@ class RolloutServicer:
                                     vocab_size=b.vocab_size, max_model_len=b.max_model_len)
 
 
-def _engine_call(context, what, fn, *args):
-    """A backend call; its failure ends this RPC with a clear status, never the server."""
+def _as_completed(pending: dict, context, backend: Backend):
+    """(future, tag) pairs of `pending` as they complete; when the caller goes away (cancel,
+    deadline), the rest is cancelled in the backend and the stream ends."""
+    waiting = set(pending)
     try:
-        return fn(*args)
+        while waiting:
+            done, waiting = futures.wait(waiting, timeout=0.5, return_when=futures.FIRST_COMPLETED)
+            for fut in done:
+                yield fut, pending[fut]
+            if not context.is_active():
+                return
+    finally:
+        for fut in waiting:
+            backend.cancel(fut)
+
+
+def _result(context, what, fut: futures.Future):
+    """A backend future's result; its failure ends this RPC with a clear status, never the server."""
+    try:
+        return fut.result()
     except RequestError as err:
         _abort(context, err)
+    except futures.CancelledError:
+        context.abort(grpc.StatusCode.CANCELLED, f"engine {what} was cancelled")
     except Exception as err:
         log.exception("engine %s failed", what)
         context.abort(grpc.StatusCode.INTERNAL, f"engine {what} failed: {type(err).__name__}: {err}")
@@ -464,12 +523,14 @@ class TokenAuth(grpc.ServerInterceptor):
 # ----------------------------------------------------------------------------- server
 
 
-def build_server(backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 8):
+def build_server(backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 64):
     """(grpc server started on host:port, health servicer, bound port)."""
     if host not in LOCALHOST and not token:
         raise ValueError(f"refusing to bind {host}: binding a non-localhost address requires --token")
     pb = protos.load()
     interceptors = [TokenAuth(token)] if token else []
+    # each call in flight holds a thread while its work sits in the engine's batch: `workers` bounds
+    # the calls served at once (more wait in gRPC's queue)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors)
     pb.rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(backend, export_root), server)
     health = HealthServicer()

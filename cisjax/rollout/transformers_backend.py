@@ -6,14 +6,15 @@ import hashlib
 import json
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
+import numpy as np
 import torch
 import transformers
 
 from cisjax.rollout import server as server_lib
-from cisjax.rollout.server import Params, RequestError, SampleResult
+from cisjax.rollout.server import Params, SampleResult
 
 
 def sample_seed(seed: int, prompt_id: int, sample_index: int) -> int:
@@ -56,6 +57,34 @@ class Backend(server_lib.Backend):
         self.vocab_size = int(cfg.vocab_size)
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         self.version = 0
+        self.supports_routing = bool(self._routers())
+
+    def _routers(self) -> list:
+        """The MoE routers in model order (transformers' `*TopKRouter` modules return (logits, weights, ids))."""
+        return [m for m in self.m.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+    @contextmanager
+    def _routing_capture(self, enabled: bool):
+        """A list that receives, per forward call, the routed ids of each MoE layer ([layers][tokens, k])."""
+        calls: list = []
+        if not enabled:
+            yield calls
+            return
+        routers = self._routers()
+        current: list = []
+
+        def hook(_module, _inputs, output):
+            current.append(output[2].detach().cpu().numpy().astype(np.int32))
+            if len(current) == len(routers):
+                calls.append(list(current))
+                current.clear()
+
+        handles = [r.register_forward_hook(hook) for r in routers]
+        try:
+            yield calls
+        finally:
+            for h in handles:
+                h.remove()
 
     def _load(self, model_dir):
         m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.torch_dtype, attn_implementation="eager")
@@ -64,8 +93,21 @@ class Backend(server_lib.Backend):
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_id, params: Params):
+        with self._routing_capture(params.return_routing) as calls:
+            samples = self._generate(prompt_ids, prompt_id, params)
         if params.return_routing:
-            raise RequestError("the transformers backend does not return routing", grpc.StatusCode.UNIMPLEMENTED)
+            # call 0 is the prefill ([n * L, k] per layer; its last position produced token 0), call s
+            # the decode step that produced token s ([n, k] per layer)
+            n, plen = params.n, len(prompt_ids)
+            prefill = np.stack([a.reshape(n, plen, -1)[:, -1] for a in calls[0]], axis=1)  # [n, layers, k]
+            steps = [np.stack(layers, axis=1) for layers in calls[1:]]  # each [n, layers, k]
+            for s in samples:
+                j = s.sample_index
+                rows = [prefill[j]] + [st[j] for st in steps]
+                s.routing = np.stack(rows[: len(s.token_ids)]) if s.token_ids else np.zeros((0, prefill.shape[1], prefill.shape[2]), np.int32)
+        return samples
+
+    def _generate(self, prompt_ids, prompt_id, params: Params):
         n = params.n
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         gens = [torch.Generator().manual_seed(sample_seed(seed, prompt_id, j)) for j in range(n)]
@@ -111,15 +153,18 @@ class Backend(server_lib.Backend):
 
     # ------------------------------------------------------------------ score
     @torch.no_grad()
-    def score(self, prompt_ids, response_ids, temperature, top_k):
+    def score(self, prompt_ids, response_ids, temperature, top_k, routing=False):
         seq = list(prompt_ids) + list(response_ids)
         p = len(prompt_ids)
-        logits = self.m(input_ids=torch.tensor([seq])).logits[0, p - 1 : len(seq) - 1].float()
+        with self._routing_capture(routing) as calls:
+            logits = self.m(input_ids=torch.tensor([seq])).logits[0, p - 1 : len(seq) - 1].float()
         lp = torch.log_softmax(logits.double() / temperature, -1)
         out = {"logprobs": lp[torch.arange(len(response_ids)), torch.tensor(response_ids, dtype=torch.long)].tolist()}
         if top_k:
             v, i = torch.topk(lp, min(top_k, lp.shape[-1]), dim=-1)
             out["top_ids"], out["top_logprobs"] = i.tolist(), v.tolist()
+        if routing:
+            out["routing"] = np.stack(calls[0], axis=1)[p - 1 : len(seq) - 1]  # [R, layers, k]
         return out
 
     # ------------------------------------------------------------------ weights

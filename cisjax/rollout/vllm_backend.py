@@ -1,4 +1,9 @@
-"""vLLM Backend: an in-process `vllm.LLM` over token ids (no tokenizer).
+"""vLLM Backend: an in-process `vllm.LLM` over token ids (no tokenizer), continuously batching concurrent calls.
+
+One engine thread owns the engine: it admits the requests of every call in flight, steps the
+engine and resolves each call's future as its requests finish (continuous batching). Weight
+reloads and routing captures are exclusive: new requests wait while the engine drains, the
+operation runs, then they are admitted — so every token of a sample has one weights version.
 
 Each reported logprob is that of the distribution actually sampled from (vLLM's
 logprobs_mode="processed_logprobs": after temperature, top-k and top-p). Per-sample seeds are
@@ -13,15 +18,20 @@ KV cache on CPU; unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1 on CPU.
 
 from __future__ import annotations
 
+import collections
 import gc
+import itertools
 import json
 import logging
 import os
+import queue
 import secrets
 import shutil
+import threading
+import time
+from concurrent import futures
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from cisjax.rollout import server as server_lib
@@ -35,6 +45,7 @@ for _k, _v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE
 import vllm  # noqa: E402  (after the environment defaults above)
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 
 def sample_seed(seed: int, prompt_id: int, sample_index: int) -> int:
@@ -63,9 +74,43 @@ def _prepack_moe(worker) -> int:
     return n
 
 
+_CAPTURED: list = []  # (moe layer index, routed ids [tokens, k]) of the forwards run while capture is on
+
+
+def _set_routing_capture(worker, on: bool) -> int:
+    """Install (or remove) a capture callback on every fused-MoE router of the model; runs inside
+    the worker (in this process: the engine runs in-process), returns the number of MoE layers.
+
+    vLLM's own routed-experts capture needs its V2 model runner (not on CPU); the routers' capture
+    hook is the same one it uses, called with the logical expert ids each layer routes to."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    n = 0
+    for module in worker.model_runner.get_model().modules():
+        router = getattr(module, "router", None)
+        if isinstance(router, FusedMoERouter):
+            fn = (lambda ids, layer=n: _CAPTURED.append((layer, ids.detach().cpu().numpy().astype(np.int32)))) if on else None
+            router.set_capture_fn(fn)
+            n += 1
+    return n
+
+
+class _Call:
+    """The engine requests whose outputs resolve one future: the n samples of a prompt, or one scored sequence."""
+
+    def __init__(self, requests: list, finish, future: futures.Future, routing: bool):
+        self.requests = requests  # [(request id, TokensPrompt, SamplingParams)]
+        self.finish = finish  # (call, [RequestOutput in request order]) -> the future's result
+        self.future = future
+        self.routing = routing  # run exclusively, with the routers' ids captured per request
+        self.outputs: dict = {}
+        self.version = 0
+        self.started = 0.0
+        self.captured: list = []  # per request: [layers] of routed ids over its forward passes
+
+
 class Backend(server_lib.Backend):
     engine = "vllm"
-    supports_routing = False
 
     def __init__(self, model_dir: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0):
         self.model = str(model_dir)
@@ -79,6 +124,12 @@ class Backend(server_lib.Backend):
         self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
         self.weights_dir = Path(model_dir)  # what a restart loads
         self.llm = self._start(self.weights_dir)
+        self.moe_layers = self.llm.collective_rpc(_set_routing_capture, args=(False,))[0]
+        self.supports_routing = self.moe_layers > 0
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("call", _Call) | ("exclusive", fn, future) | ("cancel", future) | ("stop",)
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
 
     def _start(self, weights_dir: Path):
         """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights)."""
@@ -99,87 +150,197 @@ class Backend(server_lib.Backend):
         log.info("reloaded %s; repacked %s fused-MoE layers", weights_dir, repacked)
         llm.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        engine_calls: dict = {}  # request id -> _Call, admitted
+        held: collections.deque = collections.deque()  # calls waiting behind exclusive work
+        exclusive: collections.deque = collections.deque()  # (fn, future, fn resolves the future itself), run once the engine is idle
+        while True:
+            busy = bool(engine_calls)
+            block = not busy and not exclusive and not held
+            while True:  # take everything that arrived; wait only when there is nothing to do
+                try:
+                    msg = self._inbox.get(block=block, timeout=None)
+                except queue.Empty:
+                    break
+                block = False
+                if msg[0] == "stop":
+                    self._fail_all(engine_calls, held, exclusive, RuntimeError("the server is shutting down"))
+                    return
+                if msg[0] == "call":
+                    call = msg[1]
+                    if call.routing:
+                        exclusive.append((lambda c=call: self._run_alone(c), call.future, True))
+                    elif exclusive:
+                        held.append(call)
+                    else:
+                        self._admit(call, engine_calls)
+                elif msg[0] == "exclusive":
+                    exclusive.append((msg[1], msg[2], False))
+                elif msg[0] == "cancel":
+                    self._cancel(msg[1], engine_calls, held)
+            try:
+                if exclusive and not engine_calls:
+                    fn, future, resolves_itself = exclusive.popleft()
+                    if resolves_itself:
+                        fn()
+                    elif future.set_running_or_notify_cancel():
+                        try:
+                            result = fn()
+                        except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                            future.set_exception(err)
+                        else:
+                            future.set_result(result)
+                    while held and not exclusive:
+                        self._admit(held.popleft(), engine_calls)
+                elif engine_calls:
+                    for out in self.llm.llm_engine.step():
+                        if out.finished and out.request_id in engine_calls:
+                            call = engine_calls.pop(out.request_id)
+                            call.outputs[out.request_id] = out
+                            if len(call.outputs) == len(call.requests):
+                                self._resolve(call)
+            except Exception as err:  # the engine broke mid-step: fail what was in flight, restart it
+                log.exception("vLLM engine step failed; restarting the engine")
+                self._fail_all(engine_calls, (), (), err)
+                engine_calls.clear()
+                try:
+                    self._restart()
+                except Exception:
+                    log.exception("vLLM engine restart failed")
+
+    def _admit(self, call: _Call, engine_calls: dict) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        call.version, call.started = self.version, time.monotonic()
+        added = []
+        try:
+            for rid, prompt, sp in call.requests:
+                self.llm.llm_engine.add_request(rid, prompt, sp)
+                added.append(rid)
+                engine_calls[rid] = call
+        except Exception as err:
+            for rid in added:
+                engine_calls.pop(rid, None)
+            if added:
+                self.llm.llm_engine.abort_request(added, internal=False)  # our (external) ids
+            call.future.set_exception(err)
+
+    def _resolve(self, call: _Call) -> None:
+        try:
+            call.future.set_result(call.finish(call, [call.outputs[rid] for rid, _, _ in call.requests]))
+        except Exception as err:  # noqa: BLE001  (a conversion error belongs to this call only)
+            call.future.set_exception(err)
+
+    def _cancel(self, future, engine_calls: dict, held) -> None:
+        gone = [rid for rid, c in engine_calls.items() if c.future is future]
+        for rid in gone:
+            del engine_calls[rid]
+        if gone:
+            self.llm.llm_engine.abort_request(gone, internal=False)  # our (external) ids
+        for c in list(held):
+            if c.future is future:
+                held.remove(c)
+        future.cancel()
+
+    @staticmethod
+    def _fail_all(engine_calls: dict, held, exclusive, err: BaseException) -> None:
+        for call in {id(c): c for c in list(engine_calls.values()) + list(held)}.values():
+            if not call.future.done():
+                call.future.set_exception(err)
+        for _, future, _ in exclusive:
+            if not future.done():
+                future.set_exception(err)
+
+    def _run_alone(self, call: _Call) -> None:
+        """A call whose routing is captured: each request alone in the engine, prefix cache reset
+        so every position runs through the routers."""
+        if not call.future.set_running_or_notify_cancel():
+            return
+        call.version, call.started = self.version, time.monotonic()
+        engine = self.llm.llm_engine
+        try:
+            if engine.has_unfinished_requests():  # the capture would mix in other requests' tokens
+                raise RuntimeError("routing capture needs an idle engine, but requests are still running")
+            self.llm.collective_rpc(_set_routing_capture, args=(True,))
+            for rid, prompt, sp in call.requests:
+                self.llm.reset_prefix_cache()
+                _CAPTURED.clear()
+                engine.add_request(rid, prompt, sp)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            call.outputs[out.request_id] = out
+                per_layer = [[] for _ in range(self.moe_layers)]
+                for layer, ids in _CAPTURED:
+                    per_layer[layer].append(ids)
+                call.captured.append(np.stack([np.concatenate(a) for a in per_layer], axis=1))  # [positions, layers, k]
+        except Exception as err:  # noqa: BLE001
+            call.future.set_exception(err)
+            return
+        finally:
+            _CAPTURED.clear()
+            self.llm.collective_rpc(_set_routing_capture, args=(False,))
+        self._resolve(call)
+
+    def _submit(self, requests: list, finish, routing: bool) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._inbox.put(("call", _Call(requests, finish, future, routing)))
+        return future
+
+    def _exclusive(self, fn):
+        future: futures.Future = futures.Future()
+        self._inbox.put(("exclusive", fn, future))
+        return future.result()
+
+    def cancel(self, future: futures.Future) -> None:
+        self._inbox.put(("cancel", future))
+
     # ------------------------------------------------------------------ generate
-    def generate(self, prompt_ids, prompt_id, params: Params):
-        if params.return_routing:
-            raise RequestError("the vllm backend does not return routing", grpc.StatusCode.UNIMPLEMENTED)
+    def submit_generate(self, prompt_ids, prompt_id, params: Params) -> futures.Future:
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         common = dict(
             max_tokens=params.max_new_tokens, stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True,
-            logprobs=params.logprobs, detokenize=False, skip_special_tokens=False,
+            logprobs=params.logprobs, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        if params.greedy:
-            sps = [SamplingParams(n=1, temperature=0.0, **common)] * params.n
-        else:
-            sps = [
-                SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
-                               seed=sample_seed(seed, prompt_id, j), **common)
-                for j in range(params.n)
-            ]
-        version = self.version
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))] * params.n, sps, use_tqdm=False)
-        results = []
-        for j, out in enumerate(outs):
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            lps, top_ids, top_lps = [], [], []
-            for t, d in zip(tokens, c.logprobs):
-                lps.append(float(d[t].logprob))
-                if params.logprobs:
-                    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None and lp.rank <= params.logprobs),
-                                    key=lambda x: x[0])
-                    ranked = [(tid, float(v)) for _, tid, v in ranked if np.isfinite(v)][: params.logprobs]
-                    top_ids.append([a for a, _ in ranked])
-                    top_lps.append([b for _, b in ranked])
-            finish = "stop" if c.finish_reason == "stop" else "length" if c.finish_reason == "length" else "abort"
-            results.append(SampleResult(
-                sample_index=j, token_ids=tokens, logprobs=lps, finish_reason=finish, versions=[version] * len(tokens),
-                top_ids=top_ids if params.logprobs else None, top_logprobs=top_lps if params.logprobs else None,
-            ))
-        return results
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        requests = []
+        for j in range(params.n):
+            if params.greedy:
+                sp = SamplingParams(n=1, temperature=0.0, **common)
+            else:
+                sp = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
+                                    seed=sample_seed(seed, prompt_id, j), **common)
+            requests.append((f"g{next(self._ids)}", prompt, sp))
+        return self._submit(requests, lambda call, outs: _samples(call, outs, params, len(prompt_ids)), params.return_routing)
 
     # ------------------------------------------------------------------ score
-    def score(self, prompt_ids, response_ids, temperature, top_k):
-        if not response_ids:
-            out = {"logprobs": []}
-            if top_k:
-                out["top_ids"], out["top_logprobs"] = [], []
-            return out
-        seq = list(prompt_ids) + list(response_ids)
-        p = len(prompt_ids)
+    def submit_score(self, prompt_ids, response_ids, temperature, top_k, routing) -> futures.Future:
         full = temperature != 1.0
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else top_k, detokenize=False)
-        (res,) = self.llm.generate([TokensPrompt(prompt_token_ids=seq)], sp, use_tqdm=False)
-        dicts = res.prompt_logprobs[p:]  # entry i: the distribution over token i given tokens < i
-        logprobs, top_ids, top_lps = [], [], []
-        for t, d in zip(response_ids, dicts):
-            if full:  # prompt logprobs are of the raw (temperature 1) distribution: rescale and renormalise
-                ids = np.fromiter(d.keys(), np.int64, len(d))
-                x = np.array([v.logprob for v in d.values()], np.float64) / temperature
-                x = x - np.logaddexp.reduce(x)
-                logprobs.append(float(x[ids == t][0]))
-                if top_k:
-                    order = np.argsort(-x, kind="stable")[:top_k]
-                    top_ids.append(ids[order].tolist())
-                    top_lps.append(x[order].tolist())
-            else:
-                logprobs.append(float(d[t].logprob))
-                if top_k:
-                    ranked = sorted(((v.rank, tid, v.logprob) for tid, v in d.items() if v.rank is not None and v.rank <= top_k), key=lambda x: x[0])[:top_k]
-                    top_ids.append([tid for _, tid, _ in ranked])
-                    top_lps.append([float(v) for _, _, v in ranked])
-        out = {"logprobs": logprobs}
-        if top_k:
-            out["top_ids"], out["top_logprobs"] = top_ids, top_lps
-        return out
+        seq = list(prompt_ids) + list(response_ids)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else top_k, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        requests = [(f"s{next(self._ids)}", TokensPrompt(prompt_token_ids=seq), sp)]
+        return self._submit(requests, lambda call, outs: _scored(call, outs[0], len(prompt_ids), list(response_ids), temperature, top_k, routing),
+                            routing and bool(response_ids))
 
     # ------------------------------------------------------------------ weights
+    def update(self, kind: str, source, version: int) -> None:
+        if kind == "directory":
+            self.load_directory(source, version)
+        else:
+            self.load_tensors(source, version)
+
     def load_directory(self, path: Path, version: int, *, owned: bool = False) -> None:
         path = Path(path)
         server_lib.check_same_model(path, self.config_json)
         missing = sorted(server_lib.checkpoint_tensor_names(self.model) - server_lib.checkpoint_tensor_names(path))
         if missing:
             raise RequestError(f"{path.name}: lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
+        self._exclusive(lambda: self._swap(path, version, owned))
+
+    def _swap(self, path: Path, version: int, owned: bool) -> None:
+        """On the engine thread, with nothing in flight."""
         try:
             self._reload(self.llm, path)
         except Exception:
@@ -194,7 +355,7 @@ class Backend(server_lib.Backend):
         self.version = version
 
     def _restart(self) -> None:
-        self._shutdown()
+        self._shutdown_engine()
         self.llm = self._start(self.weights_dir)
 
     def load_tensors(self, tensors: dict, version: int) -> None:
@@ -205,7 +366,7 @@ class Backend(server_lib.Backend):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _shutdown(self) -> None:
+    def _shutdown_engine(self) -> None:
         llm = getattr(self, "llm", None)
         self.llm = None
         if llm is not None:
@@ -217,6 +378,81 @@ class Backend(server_lib.Backend):
             gc.collect()
 
     def close(self) -> None:
-        self._shutdown()
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=60)
+        self._shutdown_engine()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- outputs -> results
+
+
+def _finish_reason(reason) -> str:
+    return "stop" if reason == "stop" else "length" if reason == "length" else "abort"
+
+
+def _ranked(d: dict, k: int) -> list:
+    """(token id, logprob) of a vLLM logprobs dict's top-k by rank, best first, finite only."""
+    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[0])
+    return [(tid, float(v)) for _, tid, v in ranked if np.isfinite(v)][:k]
+
+
+def _routing_rows(captured, first: int, count: int):
+    """Rows [first, first + count) of a request's captured routing ([positions, layers, k]): the
+    passes that produced the `count` tokens after position `first`."""
+    if captured.shape[0] < first + count:
+        raise RuntimeError(f"routing capture has {captured.shape[0]} positions, expected at least {first + count}")
+    return captured[first : first + count]
+
+
+def _samples(call: _Call, outs: list, params: Params, prompt_len: int) -> list:
+    results = []
+    finished = time.monotonic()
+    for j, out in enumerate(outs):
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        lps, top_ids, top_lps = [], [], []
+        for t, d in zip(tokens, c.logprobs):
+            lps.append(float(d[t].logprob))
+            if params.logprobs:
+                ranked = _ranked(d, params.logprobs)
+                top_ids.append([a for a, _ in ranked])
+                top_lps.append([b for _, b in ranked])
+        results.append(SampleResult(
+            sample_index=j, token_ids=tokens, logprobs=lps, finish_reason=_finish_reason(c.finish_reason),
+            versions=[call.version] * len(tokens), top_ids=top_ids if params.logprobs else None,
+            top_logprobs=top_lps if params.logprobs else None,
+            routing=_routing_rows(call.captured[j], prompt_len - 1, len(tokens)) if call.routing else None,
+            timing={"started": call.started, "finished": finished},
+        ))
+    return results
+
+
+def _scored(call: _Call, res, prompt_len: int, response_ids: list, temperature: float, top_k: int, routing: bool) -> dict:
+    out = {"logprobs": [], "version": call.version}
+    if top_k:
+        out["top_ids"], out["top_logprobs"] = [], []
+    if routing:
+        out["routing"] = (_routing_rows(call.captured[0], prompt_len - 1, len(response_ids)) if call.routing
+                          else np.zeros((0, 0, 0), np.int32))
+    if not response_ids:
+        return out
+    dicts = res.prompt_logprobs[prompt_len:]  # entry i: the distribution over token i given tokens < i
+    for t, d in zip(response_ids, dicts):
+        if temperature != 1.0:  # prompt logprobs are of the raw (temperature 1) distribution: rescale and renormalise
+            ids = np.fromiter(d.keys(), np.int64, len(d))
+            x = np.array([v.logprob for v in d.values()], np.float64) / temperature
+            x = x - np.logaddexp.reduce(x)
+            out["logprobs"].append(float(x[ids == t][0]))
+            if top_k:
+                order = np.argsort(-x, kind="stable")[:top_k]
+                out["top_ids"].append(ids[order].tolist())
+                out["top_logprobs"].append(x[order].tolist())
+        else:
+            out["logprobs"].append(float(d[t].logprob))
+            if top_k:
+                ranked = _ranked(d, top_k)
+                out["top_ids"].append([a for a, _ in ranked])
+                out["top_logprobs"].append([b for _, b in ranked])
+    return out

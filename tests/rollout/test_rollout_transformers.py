@@ -14,7 +14,7 @@ import pytest
 from cisjax import cli
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams, add_args as generate_add_args, run as generate_run
 from tests.helpers import save_tiny_hf
-from tests.rollout import serverutil
+from tests.rollout import serverutil, xla
 
 VOCAB = 97
 TOKEN = "s3cret-test-token"
@@ -121,10 +121,19 @@ def test_seeds_reproduce(client):
     assert greedy[0][0].response_ids == greedy[0][1].response_ids
 
 
-def test_routing_not_offered_by_transformers_backend(client):
-    with pytest.raises(RolloutError, match="routing") as err:
-        client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, return_routing=True))
-    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+def test_routing_matches_cisjax(client, dirs):
+    """Routed expert ids from Generate and from Score equal cisjax's (XLA fp32) routing of the same tokens."""
+    model_dir, _ = dirs
+    samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
+    items = _items(samples)
+    scored = client.score(items, routing=True)
+    refs = xla.routing(model_dir, items)
+    flat = [s for per in samples for s in per]
+    for i, (s, sc, ref) in enumerate(zip(flat, scored, refs)):
+        assert ref.shape == (len(s.response_ids), 2, 2)
+        xla.assert_routing_matches(s.routing, ref, f"generate {i}")
+        xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
+    assert client.score([([1, 2], [])], routing=True)[0]["routing"] == []
 
 
 def test_score_matches_cisjax_score(client, dirs, tmp_path):

@@ -180,12 +180,6 @@ def test_seeds_reproduce(client):
     assert greedy[0][0].response_ids == greedy[0][1].response_ids
 
 
-def test_routing_not_offered(client):
-    with pytest.raises(RolloutError, match="routing") as err:
-        client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, return_routing=True))
-    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_score_matches_cisjax_score(client, dirs, tmp_path, temperature):
     model_dir, _ = dirs

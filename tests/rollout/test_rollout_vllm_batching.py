@@ -1,0 +1,141 @@
+"""vLLM backend under concurrency: calls batched by the engine, weight updates between them, cancellation, routing capture."""
+
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+if os.environ.get("CISJAX_SKIP_VLLM") == "1":
+    pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
+import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
+
+from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
+from tests.helpers import save_tiny_hf  # noqa: E402
+from tests.rollout import xla  # noqa: E402
+from tests.rollout.test_rollout_vllm import PROMPTS, TINY, _Server  # noqa: E402
+
+CALLS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [93, 2], [38, 4, 6, 2, 6], [43, 3, 8, 3]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    model_dir = save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed=3,
+                             **{k: v for k, v in TINY.items() if k != "architectures"})
+    return model_dir, tmp_path_factory.mktemp("exports")
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    s = _Server(*dirs)
+    yield s.target
+    assert s.stop() == 0
+
+
+@pytest.fixture
+def client(server):
+    with RolloutClient(server, retry_s=10) as c:
+        yield c
+
+
+def _concurrently(target, fns):
+    """Run fn(client) for each fn on its own thread and client; results in order, with the wall time."""
+    results, errors = [None] * len(fns), []
+
+    def worker(i, fn):
+        try:
+            with RolloutClient(target, retry_s=10) as c:
+                results[i] = fn(c)
+        except Exception as err:  # noqa: BLE001  (re-raised below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i, fn)) for i, fn in enumerate(fns)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    if errors:
+        raise errors[0]
+    return results, time.monotonic() - t0
+
+
+def test_concurrent_calls_are_batched_and_equal_to_serial(client, server):
+    params = SamplingParams(n=2, max_new_tokens=24, seed=17, logprobs=2)
+    serial = [client.generate([p], params)[0] for p in CALLS]
+    concurrent, wall = _concurrently(server, [lambda c, p=p: c.generate([p], params)[0] for p in CALLS])
+    for i, (a, b) in enumerate(zip(serial, concurrent)):
+        for sa, sb in zip(a, b):
+            assert sa.response_ids == sb.response_ids, f"call {i}: batching changed the sampled tokens"
+            np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-5, err_msg=f"call {i}")
+    # the engine worked on the calls at once: their generation windows overlap, so their summed
+    # durations exceed the wall time of the whole batch (one at a time, the sum stays below it)
+    busy = sum(s.timing["generate_s"] for per in concurrent for s in per[:1])
+    assert busy > 1.5 * wall, (busy, wall)
+
+
+def test_prompts_of_one_call_are_batched(client):
+    samples = client.generate(CALLS, SamplingParams(n=1, max_new_tokens=24, seed=5))
+    starts = [s.timing["queue_s"] for per in samples for s in per]
+    ends = [s.timing["queue_s"] + s.timing["generate_s"] for per in samples for s in per]
+    assert max(starts) < min(ends), "the prompts of one request ran one after another"
+
+
+def test_cancelled_call_leaves_the_engine_serving(client, server):
+    with RolloutClient(server, timeout_s=0.3, retry_s=0) as hasty:
+        with pytest.raises(RolloutError) as err:
+            hasty.generate(CALLS, SamplingParams(n=64, max_new_tokens=120, seed=1))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    out = client.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=4, seed=2))
+    assert len(out[0][0].response_ids) == 4
+
+
+def test_routing_matches_cisjax(client, dirs):
+    """Routed expert ids captured from vLLM's routers (Generate and Score) equal cisjax's XLA fp32 routing."""
+    model_dir, _ = dirs
+    samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
+    items = [(s.prompt_ids, s.response_ids) for per in samples for s in per]
+    scored = client.score(items, routing=True, logprobs=2)
+    refs = xla.routing(model_dir, items)
+    for i, (s, sc, ref) in enumerate(zip([s for per in samples for s in per], scored, refs)):
+        assert ref.shape == (len(s.response_ids), TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
+        xla.assert_routing_matches(s.routing, ref, f"generate {i}")
+        xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
+    plain = client.score(items, logprobs=2)
+    for r, q in zip(plain, scored):  # capture changes nothing (batched vs alone: last-bit differences only)
+        np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
+        assert r["topk_ids"] == q["topk_ids"]
+
+
+def test_update_waits_for_calls_in_flight(client, server, dirs):
+    """An UpdateWeights sent while calls generate: each sample has one version, the calls in flight
+    finish on the old weights, later calls get the new ones. (Last: it changes the served weights.)"""
+    from safetensors.numpy import load_file
+
+    model_dir, _ = dirs
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    rng = np.random.default_rng(0)
+    changed = {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in tensors.items()}
+    before = client.info()["version"]
+    params = SamplingParams(n=16, max_new_tokens=100, seed=8)
+    box = {}
+
+    def in_flight():
+        with RolloutClient(server, retry_s=10) as c:
+            box["samples"] = c.generate(CALLS, params)
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(0.5)  # let the calls reach the engine
+    assert t.is_alive(), "the calls finished before the update was sent: nothing was in flight"
+    new = client.update_weights_from_tensors(changed, version=before + 1)
+    t.join(300)
+    assert new == before + 1 and "samples" in box
+    for per in box["samples"]:
+        for s in per:
+            assert len(set(s.versions)) == 1, "a sample mixes weights versions"
+            assert s.versions[0] == before
+    after = client.generate(CALLS[:1], params)
+    assert {s.version for s in after[0]} == {before + 1}
