@@ -153,8 +153,9 @@ def score_items(model, items: list[Item], mesh, rules, *, temperature=1.0, chunk
                     out["topk_ids"] = stats.topk_ids_NxK[ri, sl].tolist()
                     out["topk_logprobs"] = stats.topk_logprobs_NxK[ri, sl].tolist()
                 if expert_ids is not None:
-                    # routing of each response token at its own input position: [token][layer][k]
-                    out["routing"] = np.transpose(expert_ids[:, ri, offset + p : offset + n], (1, 0, 2)).tolist()
+                    # routing of the passes that produced the response tokens (the logprobs' positions),
+                    # as the rollout service reports it: [token][layer][k]
+                    out["routing"] = np.transpose(expert_ids[:, ri, sl], (1, 0, 2)).tolist()
                 results[i] = out
             if bar:
                 bar.advance(task, len([c for c in chunk if c]))

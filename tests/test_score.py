@@ -59,9 +59,9 @@ def test_score_matches_reference(model_dir, tmp_path):
         if len(top):
             np.testing.assert_array_equal(got["topk_ids"], top)
             np.testing.assert_allclose(got["topk_logprobs"], np.take_along_axis(lp[p - 1 : n - 1], top, -1), atol=1e-5)
-        # routing of each response token at its own position, [token][layer][k]
+        # routing of the pass that produced each response token (position before it), [token][layer][k]
         ours = np.sort(np.array(got["routing"]).reshape(len(it["response_ids"]), 2, 2), -1)
-        np.testing.assert_array_equal(ours, np.transpose(routing[:, 0, p:n], (1, 0, 2)))
+        np.testing.assert_array_equal(ours, np.transpose(routing[:, 0, p - 1 : n - 1], (1, 0, 2)))
 
 
 def test_score_temperature(model_dir, tmp_path):

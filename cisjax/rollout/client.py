@@ -324,6 +324,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--logprobs", type=int, default=0, help="also write top-K ids/logprobs per token")
+    p.add_argument("--routing", action="store_true", help="also write routed expert ids ([token][moe_layer][k]; the engine runs each such call alone)")
     p.add_argument("--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline per call, seconds")
     p.add_argument("--retry", type=float, default=120.0, help="seconds to keep retrying an unavailable server")
@@ -336,7 +337,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         raise ValueError(f"cisjax generate takes no --config overrides: {overrides}")
     prompts = read_prompts(args.input)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=args.stop, seed=args.seed, greedy=args.greedy, logprobs=args.logprobs)
+                            stop_token_ids=args.stop, seed=args.seed, greedy=args.greedy, logprobs=args.logprobs, return_routing=args.routing)
     with RolloutClient(args.server, token=args.token, timeout_s=args.timeout, retry_s=args.retry) as client:
         try:
             samples = client.generate(prompts, params)

@@ -283,12 +283,13 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
             p = argparse.ArgumentParser()
             generate_add_args(p)
             args = p.parse_args(["--server", target, "--input", str(inp), "--output", str(out), "--n", "2", "--max-new-tokens", "5",
-                                 "--seed", "11", "--logprobs", "2"])
+                                 "--seed", "11", "--logprobs", "2", "--routing"])
             assert generate_run(args, []) == 0
             lines = [json.loads(x) for x in out.read_text().splitlines()]
             assert len(lines) == 2 * len(PROMPTS)
             assert [x["response_ids"] for x in lines] == [s.response_ids for per in before for s in per]
             assert all(x["version"] == 0 and x["finish_reason"] == "length" and len(x["topk_ids"]) == 5 for x in lines)
+            assert all(np.asarray(x["routing"]).shape == (5, 2, 2) for x in lines)
         finally:
             assert _stop(proc) == 0
 
