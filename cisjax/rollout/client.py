@@ -99,6 +99,12 @@ class RolloutClient:
         self.pb = protos.load()
         self._channel = None
         self._open()
+        # The weights the server should hold: after a reconnect to a server that reports an older
+        # version (it restarted), `restore_weights()` re-sends them before the call is retried.
+        # Set by update_weights (re-sends the directory); a caller that streams tensors sets its own.
+        self.expected_version = 0
+        self.restore_weights = None
+        self._reconnected = False
 
     def _open(self):
         if self._channel is not None:
@@ -126,6 +132,8 @@ class RolloutClient:
         while True:
             tries += 1
             try:
+                if self._reconnected:
+                    self._restore()
                 return attempt()
             except grpc.RpcError as err:
                 code = err.code()
@@ -137,6 +145,18 @@ class RolloutClient:
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, self.max_backoff_s)
                 self._open()
+                self._reconnected = True
+
+    def _restore(self) -> None:
+        """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
+        version = self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata).version
+        if version < self.expected_version:
+            if self.restore_weights is None:
+                raise RolloutError(f"{self.target} restarted and serves version {version}, but version {self.expected_version} "
+                                   "was sent by streaming and cannot be re-sent by the client")
+            log.warning("server %s restarted (version %d < %d): re-sending the weights", self.target, version, self.expected_version)
+            self.restore_weights()
+        self._reconnected = False
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict:
@@ -230,8 +250,14 @@ class RolloutClient:
         (same filesystem), a dict = given manifest, False = none. Not retried. Returns the new version."""
         rp = self.pb.rollout_pb2
         manifest = sha256_manifest(path) if checksums is True else (checksums or {})
-        req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
-        return self._update(iter([req]))
+
+        def send(version=version):
+            req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
+            return self._update(iter([req]))
+
+        new = send()
+        self.expected_version, self.restore_weights = new, lambda: send(new)
+        return new
 
     def update_weights_from_tensors(self, tensors: dict, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
         """Stream HF-named numpy tensors (the full checkpoint) in chunks below gRPC's message limit."""
@@ -250,7 +276,9 @@ class RolloutClient:
                     yield rp.UpdateWeightsRequest(version=version if first else 0, chunk=chunk)
                     first = False
 
-        return self._update(messages())
+        new = self._update(messages())
+        self.expected_version, self.restore_weights = new, None  # the caller may set restore_weights
+        return new
 
     def _update(self, requests) -> int:
         try:

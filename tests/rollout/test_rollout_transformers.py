@@ -253,14 +253,30 @@ def test_update_weights(client, dirs, tmp_path):
 
 
 def test_client_retries_across_server_restart(dirs, tmp_path):
+    """A killed server comes back on its original weights: the client re-sends the weights it had
+    loaded (version 1) before retrying, so the samples are those of version 1."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
     model_dir, _ = dirs
+    export_root = tmp_path / "exports"
+    changed = export_root / "v1"
+    changed.mkdir(parents=True)
+    shutil.copy(os.path.join(model_dir, "config.json"), changed / "config.json")
+    rng = np.random.default_rng(5)
+    save_file({k: (v + 0.1 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()},
+              str(changed / "model.safetensors"))
     port = _free_port()
     target = f"127.0.0.1:{port}"
-    proc = _start(model_dir, port)
+    proc = _start(model_dir, port, export_root=export_root)
     _wait(proc, target)
     params = SamplingParams(n=2, max_new_tokens=5, seed=11)
     with RolloutClient(target, retry_s=90) as c:
+        original = c.generate(PROMPTS, params)
+        assert c.update_weights(str(changed), version=1) == 1
         before = c.generate(PROMPTS, params)
+        assert [[s.response_ids for s in per] for per in before] != [[s.response_ids for s in per] for per in original]
         proc.kill()
         proc.wait()
         result = {}
@@ -268,12 +284,13 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
         thread.start()
         time.sleep(1.0)
         assert thread.is_alive()  # pending: retrying against the dead server
-        proc = _start(model_dir, port)
+        proc = _start(model_dir, port, export_root=export_root)
         try:
             thread.join(90)
             assert not thread.is_alive() and "samples" in result
             after = result["samples"]
             assert [[s.response_ids for s in per] for per in after] == [[s.response_ids for s in per] for per in before]
+            assert {s.version for per in after for s in per} == {1}
 
             # `cisjax generate` against the restarted server: one line per sample, atomically written
             inp, out = tmp_path / "prompts.jsonl", tmp_path / "rollouts.jsonl"
@@ -288,7 +305,7 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
             lines = [json.loads(x) for x in out.read_text().splitlines()]
             assert len(lines) == 2 * len(PROMPTS)
             assert [x["response_ids"] for x in lines] == [s.response_ids for per in before for s in per]
-            assert all(x["version"] == 0 and x["finish_reason"] == "length" and len(x["topk_ids"]) == 5 for x in lines)
+            assert all(x["version"] == 1 and x["finish_reason"] == "length" and len(x["topk_ids"]) == 5 for x in lines)
             assert all(np.asarray(x["routing"]).shape == (5, 2, 2) for x in lines)
         finally:
             assert _stop(proc) == 0
