@@ -1,0 +1,98 @@
+"""Rollout groups -> one optimizer step's TrainBatch (host numpy): rows, masks, q, GRPO advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cisjax.records import TrainBatch
+
+
+@dataclass
+class Rollout:
+    """One sampled response and what the loop learned about it."""
+
+    prompt_ids: list
+    response_ids: list
+    logprobs: list  # log q of each response token, from the engine's sampling step
+    versions: list  # policy version that produced each token
+    reward: float
+    finish_reason: str = "length"
+    problem_id: str = ""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multiple: int, length_multiple: int = 64,
+                advantages_cfg=None, max_length: int = 0) -> tuple[TrainBatch, dict]:
+    """A TrainBatch [M, B, T] of numpy arrays with `prox_logprobs` zero (filled by the proximal rescoring).
+
+    One response per row (prompt then response, left-aligned); row r of the batch is group r // N,
+    sample r % N. Rows are padded with empty rows (mask false) to M * B with B a multiple of
+    `rows_multiple` (the mesh's batch axes); T is the longest sequence - 1 rounded up to
+    `length_multiple` (few distinct shapes, few recompiles). Advantages follow the recipe
+    (cisjax.rl.advantages.compute_advantages with `advantages_cfg`'s fields) over the real rows only.
+
+    Returns (batch, info) with info: rows (real), tokens (response tokens), length T, and
+    `index` [(group, sample)] of each real row in order."""
+    from cisjax.rl import advantages as adv_lib
+
+    if not groups or any(not g for g in groups):
+        raise ValueError("build_batch needs at least one group, each with at least one rollout")
+    n = len(groups[0])
+    if any(len(g) != n for g in groups):
+        raise ValueError(f"every group needs the same number of samples; got {sorted({len(g) for g in groups})}")
+    for g in groups:
+        for r in g:
+            if not r.prompt_ids:
+                raise ValueError("a rollout has an empty prompt")
+            if len(r.logprobs) != len(r.response_ids):
+                raise ValueError(f"a rollout has {len(r.response_ids)} response tokens but {len(r.logprobs)} logprobs")
+    rows = [r for g in groups for r in g]
+    longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows) - 1
+    t = _round_up(max(longest, 1), length_multiple)
+    if max_length and t > max_length:
+        raise ValueError(f"a sequence needs {longest} positions, above the configured maximum {max_length}")
+    if micro_batches < 1 or rows_multiple < 1:
+        raise ValueError(f"micro_batches ({micro_batches}) and rows_multiple ({rows_multiple}) must be >= 1")
+    b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
+    total = micro_batches * b
+
+    tokens = np.zeros((total, t), np.int32)
+    positions = np.zeros((total, t), np.int32)
+    segments = np.zeros((total, t), np.int32)
+    targets = np.zeros((total, t), np.int32)
+    mask = np.zeros((total, t), bool)
+    infer = np.zeros((total, t), np.float32)
+    for i, r in enumerate(rows):
+        seq = list(r.prompt_ids) + list(r.response_ids)
+        length = len(seq) - 1  # positions that predict a next token
+        p = len(r.prompt_ids)
+        tokens[i, :length] = seq[:-1]
+        targets[i, :length] = seq[1:]
+        positions[i, :length] = np.arange(length)
+        segments[i, :length] = 1
+        mask[i, p - 1 : length] = True  # targets p .. end are the response tokens
+        infer[i, p - 1 : length] = r.logprobs
+
+    # advantages over the real rows, laid out [G, N, T]
+    g = len(groups)
+    a = advantages_cfg
+    kw = {} if a is None else dict(reward_scale=float(a.reward_scale), reward_bias=float(a.reward_bias), group_norm=bool(a.group_norm),
+                                   group_eps=float(a.group_eps), batch_norm=bool(a.batch_norm), batch_eps=float(a.batch_eps))
+    rewards_GxN = np.asarray([[r.reward for r in grp] for grp in groups], np.float32)
+    adv_GxNxT = np.asarray(adv_lib.compute_advantages(rewards_GxN, mask[: g * n].reshape(g, n, t), **kw))
+    advantages = np.zeros((total, t), np.float32)
+    advantages[: g * n] = adv_GxNxT.reshape(g * n, t)
+
+    shape = (micro_batches, b, t)
+    batch = TrainBatch(
+        tokens_MxBxT=tokens.reshape(shape), positions_MxBxT=positions.reshape(shape), segment_ids_MxBxT=segments.reshape(shape),
+        targets_MxBxT=targets.reshape(shape), loss_mask_MxBxT=mask.reshape(shape), infer_logprobs_MxBxT=infer.reshape(shape),
+        prox_logprobs_MxBxT=np.zeros(shape, np.float32), advantages_MxBxT=advantages.reshape(shape),
+    )
+    info = dict(rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)])
+    return batch, info

@@ -1,0 +1,121 @@
+"""Rollouts ahead of training: a producer thread (prompts -> Generate -> rewards) held within a staleness bound."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cisjax.train.batching import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRollouts:
+    """Everything one optimizer step consumes from the rollout side."""
+
+    index: int  # which step's batch this is (0, 1, ...)
+    groups: list  # [prompt][sample] Rollout
+    data_state: dict  # the prompt stream's position after this batch (what a checkpoint saves)
+    server_version: int  # the weights version the server held when generation started
+    timings: dict = field(default_factory=dict)  # generate_s, reward_s
+    texts: list = field(default_factory=list)  # decoded responses, [prompt][sample] (for logs and dumps)
+
+
+class RolloutProducer:
+    """Produces StepRollouts in order on a background thread, never more than `max_staleness`
+    versions ahead of the trainer: batch s is generated only once version s - max_staleness has
+    been published (max_staleness 0 = synchronous: batch s waits for the weights of step s).
+
+    `generate(problems) -> (groups of Rollout without rewards, texts)` and `reward(groups, texts,
+    problems) -> None` (fills Rollout.reward) are the loop's callables; `stream` is a
+    cisjax.data.PromptStream. An error on the thread is raised by the next `get`."""
+
+    def __init__(self, stream, generate, reward, *, max_staleness: int, first_index: int, published_version: int,
+                 server_version=None):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.stream, self._generate, self._reward = stream, generate, reward
+        self.max_staleness = int(max_staleness)
+        self._server_version = server_version or (lambda: self._published)
+        self._next = first_index
+        self._published = published_version
+        self._ready: dict[int, StepRollouts] = {}
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
+        self._thread.start()
+
+    # -- trainer side
+    def published(self, version: int) -> None:
+        """The trainer made `version` the served weights."""
+        with self._cv:
+            self._published = version
+            self._cv.notify_all()
+
+    def get(self, index: int, timeout_s: float | None = None) -> StepRollouts:
+        """The rollouts of batch `index` (waits for them)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while index not in self._ready:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
+                if self._stop:
+                    raise RuntimeError("rollout producer stopped")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no rollouts for batch {index} after {timeout_s}s")
+                self._cv.wait(timeout=left if left is not None else 1.0)
+            return self._ready.pop(index)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    # -- producer thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    # batch s may start once version s - max_staleness is served; and at most
+                    # max_staleness + 1 batches wait unconsumed
+                    while not self._stop and (self._published < self._next - self.max_staleness or len(self._ready) > self.max_staleness):
+                        self._cv.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                    index = self._next
+                problems = self.stream.next_batch()
+                if problems is None:  # the data is exhausted
+                    with self._cv:
+                        self._stop = True
+                        self._cv.notify_all()
+                    return
+                version = self._server_version()
+                t0 = time.monotonic()
+                groups, texts = self._generate(problems)
+                t1 = time.monotonic()
+                self._reward(groups, texts, problems)
+                t2 = time.monotonic()
+                out = StepRollouts(index=index, groups=groups, data_state=self.stream.state(), server_version=version,
+                                   timings={"generate_s": t1 - t0, "reward_s": t2 - t1}, texts=texts)
+                with self._cv:
+                    self._ready[index] = out
+                    self._next = index + 1
+                    self._cv.notify_all()
+        except BaseException as err:  # noqa: BLE001  (handed to the trainer by get)
+            log.exception("rollout producer failed")
+            with self._cv:
+                self._error = err
+                self._cv.notify_all()
+
+
+def rollouts_from_samples(samples, problems) -> list:
+    """Client Samples ([prompt][sample]) -> groups of Rollout (reward 0 until scored)."""
+    return [[Rollout(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs, versions=s.versions, reward=0.0,
+                     finish_reason=s.finish_reason, problem_id=str(getattr(p, "id", i))) for s in per]
+            for i, (per, p) in enumerate(zip(samples, problems))]

@@ -1,0 +1,72 @@
+"""Rollout groups -> TrainBatch: row layout, masks, q placement, padding rows, advantages (hand-computed)."""
+
+import ml_collections
+import numpy as np
+import pytest
+
+from cisjax.train.batching import Rollout, build_batch
+
+
+def _adv(group_norm=True, batch_norm=False):
+    a = ml_collections.ConfigDict(dict(reward_scale=10.0, reward_bias=-0.5, group_norm=group_norm, group_eps=1e-5,
+                                       batch_norm=batch_norm, batch_eps=1e-5))
+    return a
+
+
+def _groups():
+    return [
+        [Rollout([1, 2, 3], [4, 5], [-0.5, -0.25], [0, 0], reward=1.0), Rollout([1, 2, 3], [6], [-1.0], [0], reward=0.0)],
+        [Rollout([7], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 1, 1], reward=1.0), Rollout([7], [11, 12], [-2.0, -3.0], [0, 1], reward=1.0)],
+    ]
+
+
+def test_rows_masks_and_q():
+    batch, info = build_batch(_groups(), micro_batches=1, rows_multiple=3, length_multiple=8, advantages_cfg=_adv())
+    m, b, t = batch.tokens_MxBxT.shape
+    assert (m, b, t) == (1, 6, 8)  # 4 rows padded to a multiple of 3; longest sequence 3 + 2 - 1 = 4 positions -> 8
+    tok, tgt, mask, q = (np.asarray(x)[0] for x in (batch.tokens_MxBxT, batch.targets_MxBxT, batch.loss_mask_MxBxT, batch.infer_logprobs_MxBxT))
+    # row 0: prompt [1, 2, 3] + response [4, 5]: inputs 1 2 3 4, targets 2 3 4 5, response targets at positions 2, 3
+    assert tok[0, :4].tolist() == [1, 2, 3, 4] and tgt[0, :4].tolist() == [2, 3, 4, 5]
+    assert mask[0].tolist() == [False, False, True, True, False, False, False, False]
+    assert q[0, 2:4].tolist() == [-0.5, -0.25] and q[0, :2].tolist() == [0, 0]
+    # row 2: prompt [7] + [8, 9, 10]: every position predicts a response token
+    assert mask[2, :3].all() and not mask[2, 3:].any() and np.allclose(q[2, :3], [-0.1, -0.2, -0.3])
+    assert np.asarray(batch.positions_MxBxT)[0, 2, :3].tolist() == [0, 1, 2]
+    assert np.asarray(batch.segment_ids_MxBxT)[0, 1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert not mask[4:].any() and not np.asarray(batch.segment_ids_MxBxT)[0, 4:].any()  # padding rows
+    assert info["rows"] == 4 and info["tokens"] == 2 + 1 + 3 + 2 and info["index"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_group_advantages_by_hand():
+    batch, _ = build_batch(_groups(), micro_batches=2, rows_multiple=1, length_multiple=4, advantages_cfg=_adv())
+    adv = np.asarray(batch.advantages_MxBxT).reshape(4, -1)
+    mask = np.asarray(batch.loss_mask_MxBxT).reshape(4, -1)
+    # group 0: shaped rewards 5, -5; mean 0, unbiased std sqrt(50) -> +-1/sqrt(2) on each valid token
+    np.testing.assert_allclose(adv[0][mask[0]], 1 / np.sqrt(2), rtol=1e-4)
+    np.testing.assert_allclose(adv[1][mask[1]], -1 / np.sqrt(2), rtol=1e-4)
+    # group 1: all solved -> no signal
+    assert not adv[2:].any()
+    assert not adv[~mask].any()
+
+
+def test_batch_normalisation_is_token_weighted():
+    batch, _ = build_batch(_groups(), micro_batches=1, rows_multiple=1, length_multiple=4, advantages_cfg=_adv(batch_norm=True))
+    adv = np.asarray(batch.advantages_MxBxT)[0]
+    mask = np.asarray(batch.loss_mask_MxBxT)[0]
+    vals = adv[mask]
+    # group values over the 8 valid tokens: 2 x a, 1 x -a, 5 x 0 (a = 1/sqrt 2): mean a/8
+    a = 1 / np.sqrt(2)
+    raw = np.array([a, a, -a, 0, 0, 0, 0, 0])
+    want = (raw - raw.mean()) / raw.std(ddof=1)
+    np.testing.assert_allclose(np.sort(vals), np.sort(want), rtol=1e-4)
+
+
+def test_bad_groups():
+    with pytest.raises(ValueError, match="same number"):
+        build_batch([_groups()[0], _groups()[1][:1]], micro_batches=1, rows_multiple=1)
+    bad = _groups()
+    bad[0][0].logprobs = [-1.0]
+    with pytest.raises(ValueError, match="logprobs"):
+        build_batch(bad, micro_batches=1, rows_multiple=1)
+    with pytest.raises(ValueError, match="maximum"):
+        build_batch(_groups(), micro_batches=1, rows_multiple=1, length_multiple=8, max_length=4)

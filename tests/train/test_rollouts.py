@@ -1,0 +1,86 @@
+"""The rollout producer: order, the staleness bound (how far ahead of the trainer it may run), errors, end of data."""
+
+import threading
+import time
+
+import pytest
+
+from cisjax.train.rollouts import RolloutProducer
+
+
+class _Stream:
+    def __init__(self, batches):
+        self.batches, self.pos = batches, 0
+
+    def next_batch(self):
+        if self.pos >= self.batches:
+            return None
+        self.pos += 1
+        return [f"problem{self.pos - 1}"]
+
+    def state(self):
+        return {"pos": self.pos}
+
+
+def _producer(max_staleness, batches=10, fail_at=None):
+    started = []
+    lock = threading.Lock()
+
+    def generate(problems):
+        with lock:
+            started.append(problems[0])
+        if fail_at is not None and problems[0] == f"problem{fail_at}":
+            raise ValueError("engine exploded")
+        return [[problems[0]]], [["text"]]
+
+    def reward(groups, texts, problems):
+        pass
+
+    p = RolloutProducer(_Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0)
+    return p, started
+
+
+def _settle(started, n, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while len(started) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # give a wrongly eager producer the chance to run further
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_runs_at_most_max_staleness_versions_ahead(staleness):
+    p, started = _producer(staleness)
+    try:
+        _settle(started, staleness + 1)
+        assert len(started) == staleness + 1  # batches 0..staleness from version 0, then it waits
+        for s in range(4):
+            ro = p.get(s, timeout_s=5)
+            assert ro.index == s and ro.groups == [[f"problem{s}"]] and ro.data_state == {"pos": s + 1}
+            p.published(s + 1)
+            _settle(started, s + 2 + staleness)
+            assert len(started) == s + 2 + staleness
+    finally:
+        p.close()
+
+
+def test_error_reaches_the_trainer():
+    p, _ = _producer(1, fail_at=1)
+    try:
+        assert p.get(0, timeout_s=5).index == 0
+        p.published(1)
+        with pytest.raises(RuntimeError, match="engine exploded"):
+            p.get(1, timeout_s=5)
+    finally:
+        p.close()
+
+
+def test_end_of_data():
+    p, _ = _producer(2, batches=2)
+    try:
+        p.get(0, timeout_s=5)
+        p.get(1, timeout_s=5)
+        p.published(2)
+        with pytest.raises(RuntimeError, match="stopped"):
+            p.get(2, timeout_s=5)
+    finally:
+        p.close()
