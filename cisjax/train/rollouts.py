@@ -89,7 +89,10 @@ class RolloutProducer:
                     if self._stop:
                         return
                     index = self._next
-                problems = self.stream.next_batch()
+                try:
+                    problems = self.stream.next_batch()
+                except StopIteration:
+                    problems = None
                 if problems is None:  # the data is exhausted
                     with self._cv:
                         self._stop = True

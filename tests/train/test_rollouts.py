@@ -14,7 +14,7 @@ class _Stream:
 
     def next_batch(self):
         if self.pos >= self.batches:
-            return None
+            raise StopIteration
         self.pos += 1
         return [f"problem{self.pos - 1}"]
 
