@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.total_steps = 1000  # horizon of the decaying schedules
     c.train.final_lr_ratio = 0.0  # end of the decaying schedules, as a fraction of lr
     c.train.micro_batches = 1  # gradient accumulation: M micro-batches per optimizer step
+    c.train.length_multiple = 128  # batch rows padded to a multiple of this many tokens (few shapes, few recompiles)
     c.train.precision = "bf16"  # bf16 (bf16 compute, fp32 master weights + optimizer) | fp32 | fp16 (static loss scale)
     c.train.loss_scale = 1024.0  # fp16 precision: static loss scale
 
@@ -89,4 +90,24 @@ def get_config() -> ml_collections.ConfigDict:
     c.score = ml_collections.ConfigDict()
     c.score.row_tokens = 0  # tokens per packed row; 0 = longest sequence rounded up to 128
     c.score.rows = 8  # packed rows per forward call
+
+    # --- publishing weights to the rollout server after each step (cisjax.train.publish) ------
+    c.publish = ml_collections.ConfigDict()
+    c.publish.mode = "disk"  # disk: atomic versioned export + UpdateWeights(path), kept for restarts | stream: tensor chunks over gRPC, no shared filesystem needed
+    c.publish.dir = ""  # disk mode: the export root (vNNNNNN directories + LATEST); "" = <run dir>/exports
+    c.publish.server_dir = ""  # publish.dir as the rollout server sees it (its --export-root or a directory under it); "" = the same path
+    c.publish.dtype = "bfloat16"  # dtype of the published tensors: bfloat16 (what the engine serves; half the bytes) | float32 | float16
+    c.publish.keep = 2  # disk mode: newest export versions kept (the served one and its predecessor); 0 = keep all
+    c.publish.canary = ml_collections.ConfigDict()
+    c.publish.canary.every = 1  # check the engine on the first publish and on every N-th after it; 0 = never
+    c.publish.canary.num_sequences = 8  # fixed random-token sequences scored by both engines (seeded by `seed`)
+    c.publish.canary.prompt_len = 16  # tokens of context per sequence
+    c.publish.canary.response_len = 32  # scored tokens per sequence (num_sequences x response_len logprobs compared)
+    # Bounds measured on a tiny Qwen2-MoE (256 random-token positions; vLLM and HF engines in fp32 and bf16, trainer
+    # precision fp32 and bf16): correct publishes give mean |Δ| <= 1e-2 with any bf16 side (4e-7 all fp32); broken
+    # ones (experts or router mis-mapped, a lost shared-expert gate, a stale engine after a 10%-of-std change)
+    # >= 0.09. The max |Δ| of correct publishes reaches 0.38 (routing flips: MoE's heavy tail), so it cannot
+    # separate the cases; its bound catches single-token blow-ups the mean dilutes. All-fp32 setups can go far tighter.
+    c.publish.canary.mean_abs = 0.05  # bound on the mean |trainer - engine| logprob; 0 = unchecked
+    c.publish.canary.max_abs = 3.0  # bound on the largest |trainer - engine| logprob; 0 = unchecked
     return c

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import flax.nnx as nnx
@@ -132,8 +132,9 @@ def _flat(state) -> dict:
 # ----------------------------------------------------------------------------- safetensors files
 
 
-class SafetensorsDir:
-    """Lazy, memory-mapped view of the safetensors files of a model directory (single or sharded).
+class SafetensorsDir(Mapping):
+    """Lazy, memory-mapped view of the safetensors files of a model directory (single or sharded):
+    a Mapping of HF name -> memmapped ndarray (nothing read until used).
 
     Reads the documented format (8-byte header length, JSON header, raw little-endian data)
     with numpy memmaps: the safetensors numpy API has no bfloat16, and slices must be read
@@ -167,6 +168,17 @@ class SafetensorsDir:
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.entries:
+            raise KeyError(name)
+        return self.array(name)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -291,6 +303,98 @@ def _reader(files: SafetensorsDir, row: Row, dtype: np.dtype):
 # ----------------------------------------------------------------------------- saving
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str  # HF tensor name
+    shape: tuple[int, ...]  # HF shape
+    dtype: np.dtype  # the dtype the tensor is produced in
+
+
+def _params_of(model) -> dict:
+    """Flat {path: Param variable} of an nnx model or a (graphdef, params) pair."""
+    if isinstance(model, tuple):
+        if len(model) != 2:
+            raise TypeError("model must be an nnx model or a (graphdef, params) pair")
+        model = nnx.merge(*model)
+    return _flat(nnx.state(model, nnx.Param))
+
+
+def _plan(flat: dict, hf_config: Mapping, dtype: str | None) -> list[tuple[TensorSpec, Row, int]]:
+    """(spec, row, expert index) of every HF tensor, in the table's order (experts of one parameter back to back)."""
+    rows = resolve_rows(family_module(dict(hf_config)).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()})
+    out_dtype = np.dtype(dtype_of(dtype)) if dtype else None
+    plan = []
+    for row in rows:
+        var = flat[row.path]
+        dt = out_dtype or np.dtype(var.dtype)
+        for e, name in enumerate(row.hf_names):
+            plan.append((TensorSpec(name, row.hf_shape(tuple(var.shape)), dt), row, e))
+    return plan
+
+
+def tensor_specs(model, hf_config: Mapping, dtype: str | None = None) -> list[TensorSpec]:
+    """Name, shape and dtype of every HF tensor `iter_tensors` yields, in the same order (nothing is transferred)."""
+    return [spec for spec, _, _ in _plan(_params_of(model), hf_config, dtype)]
+
+
+def _iter_plan(flat: dict, plan) -> Iterator[tuple[str, np.ndarray]]:
+    held: tuple[str, np.ndarray] | None = None  # one parameter on the host: the experts of one are yielded back to back
+    for spec, row, e in plan:
+        if held is None or held[0] != row.path:
+            held = None  # drop the previous parameter before fetching the next one
+            held = (row.path, _to_host(flat[row.path][...]))
+        arr = held[1]
+        arr = arr if row.kind == "id" else arr.T if row.kind == "T" else arr[e].T
+        yield spec.name, np.ascontiguousarray(arr, dtype=spec.dtype)
+
+
+def iter_tensors(model, hf_config: Mapping, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, C-contiguous numpy array) of every tensor of the HF checkpoint, lazily, in `tensor_specs` order.
+
+    At most one parameter (e.g. the stacked experts of one projection of one layer) and one HF tensor
+    are on the host at a time. `model` is an nnx model or a (graphdef, params) pair; `dtype`
+    (float32 | bfloat16 | float16) defaults to the parameters' own. Multi-process: every process must
+    iterate it to the end in step (each parameter's gather is collective); every process gets every tensor.
+    """
+    flat = _params_of(model)
+    return _iter_plan(flat, _plan(flat, hf_config, dtype))
+
+
+class HFTensors(Mapping):
+    """The model's HF tensors as a read-only Mapping whose `items()` streams them lazily (`iter_tensors`):
+    what `RolloutClient.update_weights_from_tensors` iterates, with bounded host memory.
+
+    `keys()`/`len()`/`specs` need no transfer; `self[name]` fetches one tensor (its whole parameter).
+    Multi-process: `items()`/`values()` are collective, as `iter_tensors`."""
+
+    def __init__(self, model, hf_config: Mapping, dtype: str | None = None):
+        self._flat = _params_of(model)
+        self._plan = _plan(self._flat, hf_config, dtype)
+        self.specs = {spec.name: spec for spec, _, _ in self._plan}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in self.specs.values())
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        hit = [p for p in self._plan if p[0].name == name]
+        if not hit:
+            raise KeyError(name)
+        return next(_iter_plan(self._flat, hit))[1]
+
+    def items(self):
+        return _iter_plan(self._flat, self._plan)
+
+    def values(self):
+        return (arr for _, arr in self.items())
+
+
 def save(
     model,
     out_dir: str | os.PathLike,
@@ -300,51 +404,35 @@ def save(
     max_shard_bytes: int = 4 << 30,
 ) -> Path:
     """Write the model as an HF directory (config.json + safetensors, sharded with an index when
-    larger than `max_shard_bytes`), streaming one tensor at a time. `dtype` (float32 | bfloat16 |
-    float16) defaults to the parameters' own dtype. On multi-process runs every process must call
-    this (the gather is collective); only process 0 writes."""
+    larger than `max_shard_bytes`), streaming one tensor at a time (`iter_tensors`). `dtype` (float32 |
+    bfloat16 | float16) defaults to the parameters' own dtype. `model`: an nnx model or a (graphdef,
+    params) pair. On multi-process runs every process must call this (the gather is collective); only
+    process 0 writes."""
     out = Path(out_dir)
-    family = family_module(hf_config)
-    flat = _flat(nnx.state(model, nnx.Param))
-    rows = resolve_rows(family.WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()})
-    out_dtype = np.dtype(dtype_of(dtype)) if dtype else None
-
-    plan = []  # (hf name, shape, dtype, row, expert index)
-    for row in rows:
-        var = flat[row.path]
-        dt = out_dtype or np.dtype(var.dtype)
-        for e, name in enumerate(row.hf_names):
-            plan.append((name, row.hf_shape(tuple(var.shape)), dt, row, e))
-
-    cache: dict[str, np.ndarray] = {}
+    flat = _params_of(model)
+    plan = _plan(flat, hf_config, dtype)
+    specs = [spec for spec, _, _ in plan]
+    stream = _iter_plan(flat, plan)
 
     def produce(name: str) -> np.ndarray:
-        _, _, _, row, e = by_name[name]
-        if row.path not in cache:  # experts of one parameter are written back to back
-            cache.clear()
-            cache[row.path] = _to_host(flat[row.path][...])
-        arr = cache[row.path]
-        if row.kind == "id":
-            return arr
-        if row.kind == "T":
-            return arr.T
-        return arr[e].T
+        got, arr = next(stream)
+        if got != name:
+            raise AssertionError(f"tensor stream out of order: {got!r} where {name!r} was planned")
+        return arr
 
-    by_name = {p[0]: p for p in plan}
     shards, current, size = [], [], 0
-    for name, shape, dt, _, _ in plan:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    for spec in specs:
+        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
-        current.append((name, shape, dt))
+        current.append((spec.name, spec.shape, spec.dtype))
         size += nbytes
     shards.append(current)
 
     if jax.process_index() != 0:
-        for shard in shards:  # take part in the collective gathers, write nothing
-            for name, *_ in shard:
-                produce(name)
+        for _ in stream:  # take part in the collective gathers, write nothing
+            pass
         return out
     out.mkdir(parents=True, exist_ok=True)
     # Weights of an earlier save into the same directory would be mixed into (or, through a stale
@@ -358,10 +446,10 @@ def save(
         _write_shard(out / fname, shard, produce)
         weight_map.update({name: fname for name, _, _ in shard})
     if len(shards) > 1:
-        total = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for _, s, d, _, _ in plan)
+        total = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in specs)
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     hf_out = dict(hf_config)
-    saved = out_dtype or np.dtype(next(iter(flat.values())).dtype)
+    saved = specs[0].dtype
     hf_out["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}[saved]
     if "torch_dtype" in hf_config:  # the transformers 4 spelling: kept up to date only where present
         hf_out["torch_dtype"] = hf_out["dtype"]

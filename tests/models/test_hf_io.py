@@ -252,3 +252,43 @@ def test_duplicate_tensor_across_files(src, tmp_path):
     out = variant(src, tmp_path)
     shutil.copy(out / "model.safetensors", out / "model-extra.safetensors")
     raises(out, "is in both", "model-extra.safetensors")
+
+
+# ----------------------------------------------------------------------------- the lazy tensor stream
+
+
+def test_iter_tensors_is_lazy_and_equals_the_files(src, monkeypatch):
+    """iter_tensors / HFTensors yield the checkpoint's tensors (bit for bit, in tensor_specs order) with one
+    parameter on the host at a time: nothing is fetched before the first item, one fetch per parameter."""
+    import ml_dtypes
+
+    model, _, hf = hf_io.load(src)
+    want = tensors(src)
+    fetched = []
+    to_host = hf_io._to_host
+    monkeypatch.setattr(hf_io, "_to_host", lambda x: fetched.append(x.shape) or to_host(x))
+
+    specs = hf_io.tensor_specs(model, hf, "bfloat16")
+    assert sorted(s.name for s in specs) == sorted(want) and fetched == []
+    stream = hf_io.iter_tensors(nnx.split(model, nnx.Param), hf, "bfloat16")  # a (graphdef, params) pair works too
+    assert fetched == []
+    got = {}
+    for spec, (name, arr) in zip(specs, stream):
+        assert name == spec.name and arr.shape == spec.shape and arr.dtype == np.dtype(ml_dtypes.bfloat16) and arr.flags.c_contiguous
+        got[name] = arr
+    assert len(got) == len(want)
+    experts = [n for n in want if ".mlp.experts." in n]
+    assert experts and len(fetched) == len(want) - len(experts) + len({re.sub(r"experts\.\d+", "", n) for n in experts})
+    import torch
+
+    for name, t in want.items():
+        np.testing.assert_array_equal(got[name].view(np.int16), bits(t.to(torch.bfloat16)), err_msg=name)
+
+    lazy = hf_io.HFTensors(model, hf)
+    assert set(lazy) == set(want) and len(lazy) == len(want)
+    assert lazy.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+    name = experts[3]
+    np.testing.assert_array_equal(lazy[name], want[name].numpy())
+    before = len(fetched)
+    first = next(iter(lazy.items()))
+    assert len(fetched) == before + 1 and first[0] == specs[0].name

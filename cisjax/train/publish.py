@@ -1,0 +1,345 @@
+"""The trainer's per-step weight publisher: export (disk) or stream the params to the rollout server, then the weight canary."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cisjax import export as export_lib
+from cisjax import sharding
+from cisjax.models import hf_io
+from cisjax.models.hf_config import dtype_of
+from cisjax.rollout import canary as canary_lib
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Publisher", "PublishReport", "CanaryError", "PublishError", "MODES"]
+
+MODES = ("disk", "stream")
+_OK, _MISMATCH, _ERROR = 0, 1, 2  # canary outcomes agreed across processes
+
+
+class PublishError(RuntimeError):
+    """The server did not take the weights (UpdateWeights failed, or it reports another version); raised on every
+    process. (A failed export raises export.ExportError, also on every process.)"""
+
+
+class CanaryError(RuntimeError):
+    """The engine's logprobs of the canary sequences disagree with the trainer's beyond the configured
+    bounds after a publish: the message holds the report (and, in disk mode, which tensor families of
+    the export differ from the params). Raised on every process. `.report` (CanaryReport) and
+    `.families` (list of canary.FamilyDiff) are set on process 0 (None elsewhere)."""
+
+    def __init__(self, message: str, report=None, families=None):
+        super().__init__(message)
+        self.report = report
+        self.families = families
+
+
+@dataclass
+class PublishReport:
+    version: int  # the version the server now serves
+    mode: str  # disk | stream
+    path: str | None  # disk mode: the export directory
+    bytes: int  # bytes of tensors exported / streamed
+    export_s: float  # disk: writing the export; stream: gathering and converting the tensors
+    reload_s: float  # disk: the UpdateWeights call (the server verifies and reloads); stream: the rest of the call (sending, reloading)
+    canary_s: float  # trainer logprobs + server scoring + comparison; 0 when the canary did not run
+    canary: canary_lib.CanaryReport | None  # None when the canary did not run (or on processes other than 0)
+
+    def metrics(self) -> dict:
+        """Flat numbers for the training log."""
+        out = {"publish/version": float(self.version), "publish/bytes": float(self.bytes), "publish/export_s": self.export_s,
+               "publish/reload_s": self.reload_s, "publish/canary_s": self.canary_s}
+        if self.canary is not None:
+            out.update({"publish/canary_mean_abs": self.canary.mean_abs, "publish/canary_max_abs": self.canary.max_abs})
+        return out
+
+
+class _TimedTensors:
+    """A Mapping-like view of HFTensors for RolloutClient.update_weights_from_tensors: `items()` yields the
+    tensors lazily (one on the host at a time), times their production, and
+    `drain()` produces whatever the consumer left (multi-process: every process must take part in
+    every gather, also when process 0's stream broke off)."""
+
+    def __init__(self, tensors: hf_io.HFTensors):
+        self.tensors = tensors
+        self._it = iter(tensors.items())
+        self._lock = threading.Lock()  # gRPC pulls on its own thread; drain() on the caller's
+        self.produce_s = 0.0
+        self.started = False
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def items(self):
+        if self.started:
+            raise RuntimeError("the tensor stream can be iterated once")
+        self.started = True
+        return self._generate()
+
+    def _generate(self):
+        while True:
+            t0 = time.perf_counter()
+            with self._lock:
+                try:
+                    name, arr = next(self._it)
+                except StopIteration:
+                    return
+                finally:
+                    self.produce_s += time.perf_counter() - t0
+            yield name, arr
+
+    def drain(self):
+        with self._lock:
+            for _ in self._it:
+                pass
+
+
+def _agree(code: int) -> int:
+    """Process 0's status code on every process (collective when there are several processes)."""
+    if jax.process_count() == 1:
+        return int(code)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+
+
+def _shards(spec_entry, mesh) -> int:
+    if spec_entry is None:
+        return 1
+    axes = (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _frozen(rules) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rules.items()))
+
+
+@functools.lru_cache(maxsize=8)
+def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size: int, dtype: str | None):
+    """Jitted (params, TrainBatch) -> logprobs [1, B, T]: the step's forward (train.step.make_logprobs_fn) at temperature
+    1 on the params rounded to the published dtype. Cached: Publishers of one model share one compilation."""
+    import ml_collections
+
+    from cisjax.train import step as step_lib
+
+    cfg = ml_collections.ConfigDict({
+        "logprobs": {"temperature": 1.0, "chunk_size": chunk_size},  # the server scores at temperature 1
+        "train": {"precision": precision}, "correction": {"method": "none"},
+    })
+    logprobs_fn = step_lib.make_logprobs_fn(graphdef, cfg, mesh, dict(rules))
+    rounded = jnp.dtype(dtype_of(dtype)) if dtype else None
+
+    def canary_logprobs(params, batch):
+        # the weights the engine got: the params rounded to the published dtype (the step's own bf16 compute rounds
+        # its matmul weights anyway; the router, norms and fp32 compute see the difference)
+        if rounded is not None:
+            params = jax.tree.map(lambda x: x.astype(rounded).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        return logprobs_fn(params, batch)
+
+    return jax.jit(canary_logprobs)
+
+
+class Publisher:
+    """Publishes the trainer's params as policy version `version` to the rollout server, then checks it.
+
+    Built once per run from the graphdef (train.state.create), the model's HF config.json dict, the run
+    config (`cfg.publish`; the trainer's precision and `cfg.logprobs.chunk_size` for the canary's forward),
+    the RolloutClient (only process 0 uses it; other processes may pass None), and the mesh and rules
+    the params live on. The export root (disk mode) is `root`, else cfg.publish.dir, else `run_dir`/exports.
+
+    publish(params, version):
+      * disk: `export.export` as root/vNNNNNN in cfg.publish.dtype (atomic, manifest, LATEST, keep), then
+        `client.update_weights(path as the server sees it, version, the manifest's sha256)`;
+        stream: `client.update_weights_from_tensors` with the HF tensors produced lazily (hf_io.HFTensors).
+      * the canary (first publish and every cfg.publish.canary.every-th): the trainer's logprobs of fixed
+        random-token sequences under these params (the step's own forward, at temperature 1) against the
+        server's `Score` of the same sequences (which must come from `version`); a mean or max |Δ| beyond
+        cfg.publish.canary.{mean_abs,max_abs} raises CanaryError with the report, and in disk mode the
+        per-family differences between the params and the files read back, worst first.
+    Multi-process: every process calls publish (the export's and the canary's gathers are collective);
+    only process 0 talks to the server; failures are agreed so that every process raises together.
+    """
+
+    def __init__(self, graphdef, hf_config, cfg, client, mesh, rules, *, root: str | os.PathLike | None = None,
+                 run_dir: str | os.PathLike | None = None):
+        from cisjax.records import TrainBatch
+        from cisjax.train import step as step_lib
+
+        pc = cfg.publish
+        if pc.mode not in MODES:
+            raise ValueError(f"publish.mode={pc.mode!r}; one of {MODES}")
+        self.graphdef, self.hf_config, self.cfg, self.mesh = graphdef, dict(hf_config), cfg, mesh
+        self.rules = sharding.rules_from_config(dict(rules) if rules is not None else None)
+        self.mode, self.dtype, self.keep = pc.mode, pc.dtype or None, int(pc.keep)
+        self.is_writer = jax.process_index() == 0
+        if self.is_writer and client is None:
+            raise ValueError("Publisher: process 0 needs a RolloutClient")
+        self.client = client
+        if root is None:
+            root = pc.dir or (Path(run_dir) / "exports" if run_dir else None)
+        if self.mode == "disk" and not root:
+            raise ValueError("publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)")
+        self.root = Path(root) if root else None
+        self.server_dir = pc.server_dir or None
+        self.publishes = 0
+
+        c = pc.canary
+        self.every = int(c.every)
+        if self.every < 0:
+            raise ValueError(f"publish.canary.every={self.every} must be >= 0 (0 = off)")
+        for what in ("mean_abs", "max_abs"):
+            if not float(c[what]) >= 0:
+                raise ValueError(f"publish.canary.{what}={c[what]} must be >= 0 (0 = unchecked)")
+        self.bounds = {k: float(c[k]) or math.inf for k in ("mean_abs", "max_abs")}
+        self.sequences = []
+        if self.every:
+            vocab = int(self.hf_config["vocab_size"])
+            self.sequences = canary_lib.canary_sequences(vocab, num=int(c.num_sequences), prompt_len=int(c.prompt_len),
+                                                         response_len=int(c.response_len), seed=int(cfg.seed))
+            precision = step_lib.resolve_precision(cfg)
+            self._logprobs_fn = _canary_logprobs_fn(graphdef, mesh, _frozen(self.rules), precision, int(cfg.logprobs.chunk_size), self.dtype)
+            spec = step_lib.batch_sharding(mesh, self.rules).spec
+            spec = tuple(spec) + (None,) * (3 - len(spec))
+            rows = -(-len(self.sequences) // _shards(spec[1], mesh)) * _shards(spec[1], mesh)
+            length = int(c.prompt_len) + int(c.response_len)
+            length = -(-length // _shards(spec[2], mesh)) * _shards(spec[2], mesh)
+            tokens, positions, segments, targets = (np.zeros((1, rows, length), np.int32) for _ in range(4))
+            for i, (p, r) in enumerate(self.sequences):
+                seq = p + r
+                tokens[0, i, : len(seq)] = seq
+                positions[0, i, : len(seq)] = np.arange(len(seq))
+                segments[0, i, : len(seq)] = 1
+                targets[0, i, : len(seq) - 1] = seq[1:]
+            zeros = np.zeros((1, rows, length), np.float32)
+            self._batch = step_lib.place_batch(
+                TrainBatch(tokens, positions, segments, targets, np.zeros((1, rows, length), bool), zeros, zeros, zeros), mesh, self.rules)
+
+    # ------------------------------------------------------------------ the canary's two sides
+
+    def trainer_logprobs(self, params) -> list[list[float]]:
+        """The trainer's logprobs of each canary sequence's response tokens under `params` (collective)."""
+        out = self._logprobs_fn(params, self._batch)
+        if not out.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            out = multihost_utils.process_allgather(out, tiled=True)
+        lp = np.asarray(out)[0]
+        return [lp[i, len(p) - 1 : len(p) + len(r) - 1].tolist() for i, (p, r) in enumerate(self.sequences)]
+
+    def canary_due(self) -> bool:
+        """Whether the next publish runs the canary."""
+        return self.every > 0 and self.publishes % self.every == 0
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, params, version: int) -> PublishReport:
+        version = int(version)
+        model = (self.graphdef, params)
+        path = None
+        jax.block_until_ready(params)  # the step that produced them is not export time
+        t0 = time.perf_counter()
+        if self.mode == "disk":
+            path = export_lib.export(model, self.hf_config, self.root, version, dtype=self.dtype, keep=self.keep,
+                                     metadata={"source": "publish"})
+            export_s = time.perf_counter() - t0
+            nbytes = hf_io.HFTensors(model, self.hf_config, self.dtype).nbytes
+            served, error = None, None
+            if self.is_writer:
+                try:
+                    manifest = export_lib.read_manifest(path)
+                    target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
+                    served = self.client.update_weights(target, version=version,
+                                                        checksums={n: f["sha256"] for n, f in manifest["files"].items()})
+                except Exception as e:
+                    error = e
+            reload_s = time.perf_counter() - t0 - export_s
+        else:
+            stream = _TimedTensors(hf_io.HFTensors(model, self.hf_config, self.dtype))
+            served, error = None, None
+            try:
+                if self.is_writer:
+                    try:
+                        served = self.client.update_weights_from_tensors(stream, version=version)
+                    except Exception as e:
+                        error = e
+            finally:
+                if jax.process_count() > 1:
+                    stream.drain()
+            nbytes = stream.tensors.nbytes
+            export_s = stream.produce_s
+            reload_s = time.perf_counter() - t0 - export_s
+        if error is None and self.is_writer and served != version:
+            error = PublishError(f"the server reports version {served} after publishing version {version}")
+        if _agree(int(error is not None)):
+            if error is None:
+                raise PublishError(f"publishing version {version} failed on process 0; see its log")
+            if isinstance(error, PublishError):
+                raise error
+            raise PublishError(f"publishing version {version} ({self.mode}) failed: {type(error).__name__}: {error}") from error
+
+        report, canary_s = None, 0.0
+        if self.canary_due():
+            t1 = time.perf_counter()
+            report = self._canary(params, version, path)
+            canary_s = time.perf_counter() - t1
+        self.publishes += 1
+        out = PublishReport(version=version, mode=self.mode, path=str(path) if path else None, bytes=int(nbytes), export_s=export_s,
+                            reload_s=reload_s, canary_s=canary_s, canary=report)
+        log.info("published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s", version, self.mode, nbytes / 1e6,
+                 export_s, reload_s, canary_s, f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "")
+        return out
+
+    def _canary(self, params, version: int, path: Path | None):
+        trainer = self.trainer_logprobs(params)  # collective
+        report, message, error = None, "", None
+        code = _OK
+        if self.is_writer:
+            try:
+                scored = self.client.score(self.sequences, temperature=1.0)
+                stale = sorted({s["version"] for s in scored} - {version})
+                if stale:
+                    code, message = _MISMATCH, f"weight canary FAILED: the server scored with version(s) {stale}, not the published {version}"
+                else:
+                    report = canary_lib.compare(trainer, [s["logprobs"] for s in scored], **self.bounds)
+                    if not report.ok:
+                        code, message = _MISMATCH, report.summary()
+            except Exception as e:
+                code, error = _ERROR, e
+                message = f"weight canary: scoring on the server failed: {type(e).__name__}: {e}"
+        code = _agree(code)
+        if code == _OK:
+            return report
+        families = None
+        if self.mode == "disk" and code == _MISMATCH:
+            expected = hf_io.HFTensors((self.graphdef, params), self.hf_config, self.dtype)
+            if self.is_writer:
+                families = canary_lib.family_differences(expected, hf_io.SafetensorsDir(path))
+                message += ("\nexported files vs the trainer's params (per tensor family, worst first):\n"
+                            + canary_lib.format_differences(families))
+                if not any(f.note or f.max_abs > 0 for f in families):
+                    message += "\n  -> the export is faithful: the engine's reload or its forward differs from the trainer's"
+            else:
+                for _ in expected.items():  # the gathers are collective
+                    pass
+        if not self.is_writer:
+            message = f"weight canary failed for version {version} on process 0; see its log"
+        elif self.mode == "stream" and code == _MISMATCH:
+            message += "\n(stream mode: no files to compare; publish.mode=disk names the tensor families that differ)"
+        if self.is_writer:
+            log.error("%s", message)
+        raise CanaryError(message, report, families) from error

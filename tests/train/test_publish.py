@@ -1,0 +1,264 @@
+"""The trainer's weight publisher (cisjax.train.publish) against real rollout-server subprocesses: disk and stream
+publishes pass the canary; a corrupted export, an engine left on stale weights and a stale version fail it."""
+
+import os
+import re
+
+import flax.nnx as nnx
+import jax
+import numpy as np
+import pytest
+
+from cisjax import config as config_lib
+from cisjax import export as export_lib
+from cisjax import sharding
+from cisjax.models import hf_io
+from cisjax.rollout.client import RolloutClient
+from cisjax.train import step as step_lib
+from cisjax.train.publish import CanaryError, Publisher
+from tests.helpers import save_tiny_hf
+from tests.rollout import serverutil
+
+# The vLLM CPU test model of tests/rollout/test_rollout_vllm.py (hidden and MoE sizes multiples of 32).
+TINY = dict(
+    architectures=["Qwen2MoeForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128,
+)
+VLLM_ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
+EXPERTS_DOWN = "model.layers.*.mlp.experts.*.down_proj.weight"
+
+
+class _Server:
+    def __init__(self, backend, model_dir, export_root, env, timeout):
+        port = serverutil.free_port()
+        self.proc = serverutil.start(backend, model_dir, port, export_root=export_root, env=env)
+        self.target = f"127.0.0.1:{port}"
+        serverutil.wait_serving(self.proc, self.target, timeout=timeout, poll=0.5)
+
+    def stop(self):
+        return serverutil.stop(self.proc, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **TINY)
+
+
+@pytest.fixture(scope="module")
+def tf_server(model_dir, tmp_path_factory):
+    """(target, export root) of a transformers-backend server."""
+    root = tmp_path_factory.mktemp("tf_exports")
+    s = _Server("transformers", model_dir, root, env={"OMP_NUM_THREADS": "1"}, timeout=90)
+    yield s.target, root
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir, tmp_path_factory):
+    if os.environ.get("CISJAX_SKIP_VLLM") == "1":
+        pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
+    root = tmp_path_factory.mktemp("vllm_exports")
+    s = _Server("vllm", model_dir, root, env=VLLM_ENV, timeout=300)
+    yield s.target, root
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir):
+    """The default config (bf16 compute over fp32 master weights, bf16 publishes, the default canary bounds) with a
+    small canary; the tiny model on a 2-device fsdp mesh (3 sequences: the batch is padded to the mesh)."""
+    cfg = config_lib.load(None, ["--config.publish.canary.num_sequences=3", "--config.publish.canary.prompt_len=8",
+                                 "--config.publish.canary.response_len=12"])
+    mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    rules = sharding.rules_from_config(None)
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return dict(cfg=cfg, mesh=mesh, rules=rules, hf=hf, graphdef=graphdef, params=params)
+
+
+def _cfg(trainer, **publish):
+    cfg = trainer["cfg"].copy_and_resolve_references()
+    for k, v in publish.items():
+        cfg.publish[k] = v
+    return cfg
+
+
+def _publisher(trainer, client, root, **publish):
+    t = trainer
+    return Publisher(t["graphdef"], t["hf"], _cfg(t, **publish), client, t["mesh"], t["rules"], root=root)
+
+
+def _changed(params, seed, scale=0.1):
+    """Every parameter moved by `scale` of its own std: a change the canary must see when the engine misses it."""
+    rng = np.random.default_rng(seed)
+
+    def one(x):
+        host = np.asarray(x)
+        moved = (host + scale * host.std() * rng.standard_normal(host.shape)).astype(host.dtype)
+        return jax.device_put(moved, x.sharding)
+
+    return jax.tree.map(one, params)
+
+
+def _next_version(client):
+    return client.info()["version"] + 1
+
+
+def test_publish_disk_then_stream_transformers(tf_server, trainer):
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        pub = _publisher(trainer, client, root, mode="disk")
+        params = _changed(trainer["params"], 1)
+        v = _next_version(client)
+        rep = pub.publish(params, v)
+        assert rep.version == v == client.info()["version"]
+        assert rep.canary is not None and rep.canary.ok and rep.canary.tokens == 3 * 12
+        assert rep.canary.mean_abs < pub.bounds["mean_abs"] and rep.bytes > 0 and rep.export_s > 0 and rep.canary_s > 0
+        export_lib.verify(rep.path)
+        assert export_lib.latest(pub.root) == (v, pub.root / export_lib.version_name(v))
+        # The engine now serves different weights: its logprobs moved by far more than the bound, so a canary
+        # against the old params (an engine that missed the update) would fail.
+        before = pub.trainer_logprobs(trainer["params"])
+        scored = [s["logprobs"] for s in client.score(pub.sequences)]
+        assert np.mean(np.abs(np.subtract(before, scored))) > 2 * pub.bounds["mean_abs"]
+
+        stream = _publisher(trainer, client, root, mode="stream")
+        params = _changed(params, 2)
+        rep = stream.publish(params, v + 1)
+        assert rep.version == v + 1 == client.info()["version"] and rep.path is None
+        assert rep.canary.ok and rep.bytes == hf_io.HFTensors((trainer["graphdef"], params), trainer["hf"], "bfloat16").nbytes
+        assert set(rep.metrics()) >= {"publish/export_s", "publish/reload_s", "publish/canary_s", "publish/bytes", "publish/canary_mean_abs"}
+
+
+def test_corrupted_export_fails_and_names_the_family(tf_server, trainer, monkeypatch):
+    """An export whose routed experts' down_proj are shifted by one expert (every layer): the canary fails and the
+    report names that family first, with the files read back."""
+    n = TINY["num_experts"]
+    original = hf_io._write_shard
+    params = _changed(trainer["params"], 3)
+    right = dict(hf_io.iter_tensors((trainer["graphdef"], params), trainer["hf"], "bfloat16"))
+
+    def write(path, items, produce):
+        arrays = {name: produce(name) for name, _, _ in items}  # one small shard: the whole model
+        for name in list(arrays):
+            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", name)
+            if m:
+                layer, e = m.groups()
+                arrays[name] = right[f"model.layers.{layer}.mlp.experts.{(int(e) + 1) % n}.down_proj.weight"]
+        return original(path, items, lambda name: arrays[name])
+
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        pub = _publisher(trainer, client, root, mode="disk")
+        monkeypatch.setattr(hf_io, "_write_shard", write)
+        v = _next_version(client)
+        with pytest.raises(CanaryError) as err:
+            pub.publish(params, v)
+    text = str(err.value)
+    assert "weight canary FAILED" in text and "mean_abs" in text
+    assert err.value.report is not None and not err.value.report.ok
+    assert err.value.families[0].family == EXPERTS_DOWN and err.value.families[0].relative > 0.5
+    assert all(f.max_abs == 0 for f in err.value.families[1:])  # nothing else differs
+    listed = text.split("worst first):\n", 1)[1].splitlines()
+    assert listed[0].startswith(f"  {EXPERTS_DOWN} [{TINY['num_hidden_layers'] * n} tensors]: relative")
+    assert len([ln for ln in listed if ln.startswith("  model.")]) == 1
+
+
+class _StaleClient:
+    """A client whose stream update sends the OLD params under the new version: the engine misses the change."""
+
+    def __init__(self, client, old):
+        self.client, self.old = client, old
+
+    def update_weights_from_tensors(self, tensors, *, version):
+        for _ in tensors.items():  # the publisher's stream is consumed, not sent
+            pass
+        return self.client.update_weights_from_tensors(self.old, version=version)
+
+    def score(self, *args, **kwargs):
+        return self.client.score(*args, **kwargs)
+
+
+def test_engine_on_stale_weights_fails_the_canary(tf_server, trainer):
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        old = {name: np.asarray(a) for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")}
+        pub = _publisher(trainer, _StaleClient(client, old), root, mode="stream")
+        v = _next_version(client)
+        with pytest.raises(CanaryError, match=r"(?s)weight canary FAILED.*stream mode: no files"):
+            pub.publish(_changed(trainer["params"], 4), v)
+        assert client.info()["version"] == v
+
+
+def test_canary_every_and_off(tf_server, trainer):
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        every2 = _publisher(trainer, client, root, mode="stream")
+        every2.every = 2
+        v = _next_version(client)
+        params = _changed(trainer["params"], 5)
+        assert every2.publish(params, v).canary is not None  # the first publish is always checked
+        assert every2.publish(params, v + 1).canary is None
+        cfg = _cfg(trainer, mode="stream")
+        cfg.publish.canary.every = 0
+        off = Publisher(trainer["graphdef"], trainer["hf"], cfg, client, trainer["mesh"], trainer["rules"], root=root)
+        rep = off.publish(params, v + 2)
+        assert rep.canary is None and rep.canary_s == 0 and client.info()["version"] == v + 2
+
+
+def test_publish_vllm_fp32(vllm_server, trainer):
+    """The real engine (fp32 on CPU): a disk publish and a stream publish both pass the default bounds."""
+    target, root = vllm_server
+    with RolloutClient(target, retry_s=10) as client:
+        assert client.info()["engine"] == "vllm"
+        v = _next_version(client)
+        params = _changed(trainer["params"], 6)
+        disk = _publisher(trainer, client, root, mode="disk")
+        rep = disk.publish(params, v)
+        assert rep.canary.ok and client.info()["version"] == v
+        before = [s["logprobs"] for s in client.score(disk.sequences)]
+        params = _changed(params, 7)
+        rep = _publisher(trainer, client, root, mode="stream").publish(params, v + 1)
+        assert rep.canary.ok and client.info()["version"] == v + 1
+        after = [s["logprobs"] for s in client.score(disk.sequences)]
+        assert np.mean(np.abs(np.subtract(before, after))) > 2 * rep.canary.mean_abs_bound  # the reload took effect
+
+
+def test_two_processes_publish_and_fail_together(model_dir, tmp_path):
+    """Two processes x 4 CPU devices, one mesh; process 0 has a fake client: a passing canary, a failing one (CanaryError
+    on both, process 0's naming no differing family: the export is faithful), a stream broken off (PublishError on both)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = serverutil.free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    repo = Path(__file__).resolve().parents[2]
+    procs = []
+    for pid in range(2):
+        log = open(tmp_path / f"worker{pid}.log", "w")
+        cmd = [sys.executable, "-m", "tests.train._publish_worker", str(port), str(pid), str(model_dir), str(tmp_path / "exports"),
+               str(tmp_path / f"out{pid}.json")]
+        procs.append((subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    logs = "\n".join((tmp_path / f"worker{i}.log").read_text()[-3000:] for i in range(2))
+    assert all(proc.returncode == 0 for proc, _ in procs), logs
+    out = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    assert out[0]["right"] == out[1]["right"] and len(out[0]["right"]) == 3
+    assert out[0]["pass"] is True and out[1]["pass"] is True
+    assert "weight canary FAILED" in out[0]["fail"] and "tensor families identical" in out[0]["fail"]
+    assert "export is faithful" in out[0]["fail"]
+    assert "failed for version 2 on process 0" in out[1]["fail"]
+    assert "ConnectionError: stream broken off" in out[0]["broken_stream"]
+    assert "failed on process 0" in out[1]["broken_stream"]
+    assert out[0]["stream_pass"] is True and out[1]["stream_pass"] is True
