@@ -201,6 +201,34 @@ def confined(path: str, export_root: Path | None) -> Path:
     return real
 
 
+EXPORT_MANIFEST = "manifest.json"  # written last by `cisjax export` (cisjax/export.py), before the atomic rename
+
+
+def check_export(root: Path) -> None:
+    """Refuse what is not a complete export: a writer's temp directory (`.tmp-*`, in progress or
+    abandoned by a killed writer) and a directory whose manifest.json disagrees with its files (by
+    size here; every byte when the caller sends checksums). A plain HF directory without a manifest
+    is accepted."""
+    import json
+
+    if root.name.startswith(".tmp-"):
+        raise RequestError(f"{root.name} is an export being written (or abandoned by a killed writer), not a complete export",
+                           grpc.StatusCode.FAILED_PRECONDITION)
+    manifest = root / EXPORT_MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        sizes = {name: int(entry["size"]) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RequestError(f"{root.name}: unreadable {EXPORT_MANIFEST}: {err}", grpc.StatusCode.DATA_LOSS) from None
+    for name, size in sizes.items():
+        f = root / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise RequestError(f"{root.name}: {name} is missing or not the {size} bytes its {EXPORT_MANIFEST} lists (incomplete export)",
+                               grpc.StatusCode.DATA_LOSS)
+
+
 def check_manifest(root: Path, sha256: dict) -> None:
     for name, digest in sha256.items():
         f = Path(os.path.realpath(root / name))
@@ -372,6 +400,7 @@ class RolloutServicer:
                 if next(request_iterator, None) is not None:
                     raise RequestError("an UpdateWeights from a directory is a single message")
                 path = confined(first.directory.path, self.export_root)
+                check_export(path)
                 check_manifest(path, dict(first.directory.sha256))
                 source = ("directory", path)
             elif kind == "chunk":
@@ -599,4 +628,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the module's imported copy: the backends import cisjax.rollout.server, and its classes
+    # (RequestError above all) must be the ones the servicer catches, not this __main__ module's twins
+    from cisjax.rollout import server as _server
+
+    sys.exit(_server.main())

