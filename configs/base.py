@@ -110,4 +110,47 @@ def get_config() -> ml_collections.ConfigDict:
     # separate the cases; its bound catches single-token blow-ups the mean dilutes. All-fp32 setups can go far tighter.
     c.publish.canary.mean_abs = 0.05  # bound on the mean |trainer - engine| logprob; 0 = unchecked
     c.publish.canary.max_abs = 3.0  # bound on the largest |trainer - engine| logprob; 0 = unchecked
+    # --- the run (`cisjax train`, cisjax.train.loop) ---------------------------------------------
+    c.run = ml_collections.ConfigDict()
+    c.run.dir = ""  # run directory: metrics.jsonl, tb/, dumps/, checkpoints/, exports/, logs; "" = runs/default
+    c.run.steps = 0  # optimizer steps; 0 = as many as data.epochs over the data give
+    c.run.dump_every = 10  # token dump every N steps (the paper: every ten); 0 = never
+    c.run.dump_tokens = 4096  # tokens sampled per dump (0 = all valid tokens of the step)
+    c.run.tensorboard = True  # TensorBoard event files under <run dir>/tb (metrics.jsonl is always written)
+    c.run.progress = "auto"  # rich progress bar: auto (on a terminal) | on | off (one line per step)
+
+    # --- training data (cisjax.data) -------------------------------------------------------------
+    c.data = ml_collections.ConfigDict()
+    c.data.source = ""  # a local .jsonl/.parquet file or directory with <split>.jsonl, or hf:<dataset>[:<config>]
+    c.data.kind = "gsm8k"  # answer layout: gsm8k (text after ####, commas stripped) | math500 | dapo_math_17k | svamp | minerva_math | olympiadbench
+    c.data.split = "train"  # split to train on
+    c.data.limit = 0  # use only the first N problems (0 = all), e.g. for smoke runs
+    c.data.tokenizer = ""  # tokenizer directory; "" = model.path
+    c.data.instruction = "Please put your final answer within \\boxed{}."  # appended to each problem (paper, Appendix C)
+    c.data.chat_template = True  # format prompts with the tokenizer's chat template
+    c.data.prompts_per_step = 256  # prompts per optimizer step (the recipe: 7,473 x 3 epochs / 87 steps)
+    c.data.epochs = 3  # passes over the data, each in a new seeded order
+
+    # --- rollouts (cisjax.rollout via cisjax.train.rollouts) -------------------------------------
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.server = ""  # HOST:PORT of a running rollout server; "" = start one as a child process (embedded)
+    c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN)
+    c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers
+    c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32
+    c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)
+    c.rollout.group_size = 4  # samples per prompt (the GRPO group)
+    c.rollout.temperature = 1.0  # sampling temperature (p is computed at the same temperature: logprobs.temperature)
+    c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
+    c.rollout.top_k = 0  # top-k sampling (0 = off)
+    c.rollout.max_new_tokens = 1024  # generated tokens per sample at most
+    c.rollout.max_staleness = 2  # rollouts may come from weights up to N versions old (0 = synchronous)
+    c.rollout.seed = -1  # sampling seed (one per batch derived from it: reproducible runs); -1 = fresh randomness
+    c.rollout.timeout_s = 3600.0  # deadline of one rollout call
+    c.rollout.retry_s = 900.0  # how long the client retries an unavailable server (restarts included)
+    c.rollout.startup_s = 900.0  # how long to wait for the server to serve
+
+    # --- rewards (cisjax.rl.rewards) ---------------------------------------------------------------
+    c.reward = ml_collections.ConfigDict()
+    c.reward.workers = 2  # math-verify processes
+    c.reward.timeout_s = 10.0  # per item; a hanging item scores 0 (10 s: harder answers took up to 0.8 s on a loaded 2-core machine)
     return c

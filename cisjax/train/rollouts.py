@@ -29,7 +29,7 @@ class RolloutProducer:
     versions ahead of the trainer: batch s is generated only once version s - max_staleness has
     been published (max_staleness 0 = synchronous: batch s waits for the weights of step s).
 
-    `generate(problems) -> (groups of Rollout without rewards, texts)` and `reward(groups, texts,
+    `generate(problems, index) -> (groups of Rollout without rewards, texts)` and `reward(groups, texts,
     problems) -> None` (fills Rollout.reward) are the loop's callables; `stream` is a
     cisjax.data.PromptStream. An error on the thread is raised by the next `get`."""
 
@@ -100,7 +100,7 @@ class RolloutProducer:
                     return
                 version = self._server_version()
                 t0 = time.monotonic()
-                groups, texts = self._generate(problems)
+                groups, texts = self._generate(problems, index)
                 t1 = time.monotonic()
                 self._reward(groups, texts, problems)
                 t2 = time.monotonic()

@@ -26,7 +26,7 @@ def _producer(max_staleness, batches=10, fail_at=None):
     started = []
     lock = threading.Lock()
 
-    def generate(problems):
+    def generate(problems, index):
         with lock:
             started.append(problems[0])
         if fail_at is not None and problems[0] == f"problem{fail_at}":
