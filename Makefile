@@ -26,6 +26,8 @@ bench: setup
 	$(BIN)/cisjax bench moe
 	$(BIN)/cisjax bench logprobs
 	$(BIN)/cisjax bench step
+	$(BIN)/cisjax bench export
+	$(BIN)/cisjax bench rollout
 
 clean:
 	rm -rf $(VENV) .pytest_cache

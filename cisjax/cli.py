@@ -20,6 +20,8 @@ BENCHES = {
     "moe": ("cisjax.bench.moe", "MoE layer forward+backward vs a dense MLP of equal active FLOPs"),
     "logprobs": ("cisjax.bench.logprobs", "chunked vs naive logprobs: peak memory, time, equality"),
     "step": ("cisjax.bench.step", "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss"),
+    "export": ("cisjax.bench.export", "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s"),
+    "rollout": ("cisjax.bench.rollout", "rollout tokens/s through gRPC vs the same vLLM engine called in-process"),
 }
 
 

@@ -247,9 +247,10 @@ class RolloutClient:
     def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True) -> int:
         """Tell the server to load an exported directory (a path under its --export-root, as the
         server sees it). checksums: True = sha256 of every file under `path` as this process sees it
-        (same filesystem), a dict = given manifest, False = none. Not retried. Returns the new version."""
+        (same filesystem) — those recorded in its manifest.json when it is a `cisjax export` — a dict = given
+        manifest, False = none. Not retried. Returns the new version."""
         rp = self.pb.rollout_pb2
-        manifest = sha256_manifest(path) if checksums is True else (checksums or {})
+        manifest = (recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
 
         def send(version=version):
             req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
@@ -285,6 +286,17 @@ class RolloutClient:
             return self.stub.UpdateWeights(requests, timeout=self.timeout_s, metadata=self.metadata).version
         except grpc.RpcError as err:
             raise RolloutError(f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()) from None
+
+
+def recorded_checksums(path: str | Path) -> dict | None:
+    """The sha256 of every file as `cisjax export` recorded them in manifest.json at write time
+    (so the server checks the files against what was written, and nobody re-reads them here), or
+    None for a directory without a manifest."""
+    try:
+        files = json.loads((Path(path) / "manifest.json").read_text())["files"]
+        return {name: entry["sha256"] for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def sha256_manifest(path: str | Path) -> dict:
