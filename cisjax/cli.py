@@ -9,6 +9,8 @@ import sys
 # command -> (module, one-line help). Modules define add_args(parser) and run(args, overrides)
 # (or add_<command>_args / run_<command> when one module serves two commands); benches run(args).
 COMMANDS = {
+    "train": ("cisjax.train.loop", "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each step"),
+    "demo": ("cisjax.demo", "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up"),
     "score": ("cisjax.score", "training-side (XLA) logprobs of response tokens: jsonl in, jsonl out"),
     "serve": ("cisjax.rollout.server", "rollout gRPC server (token ids in/out) over an inference engine backend"),
     "generate": ("cisjax.rollout.client", "sample rollouts from a rollout server: prompts jsonl in, one line per sample out"),

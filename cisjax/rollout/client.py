@@ -149,14 +149,18 @@ class RolloutClient:
 
     def _restore(self) -> None:
         """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
-        version = self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata).version
-        if version < self.expected_version:
-            if self.restore_weights is None:
-                raise RolloutError(f"{self.target} restarted and serves version {version}, but version {self.expected_version} "
-                                   "was sent by streaming and cannot be re-sent by the client")
-            log.warning("server %s restarted (version %d < %d): re-sending the weights", self.target, version, self.expected_version)
-            self.restore_weights()
-        self._reconnected = False
+        self._reconnected = False  # the re-send below is itself a retried call: it must not restore again
+        try:
+            version = self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata).version
+            if version < self.expected_version:
+                if self.restore_weights is None:
+                    raise RolloutError(f"{self.target} restarted and serves version {version}, but version {self.expected_version} "
+                                       "was sent by streaming and cannot be re-sent by the client")
+                log.warning("server %s restarted (version %d < %d): re-sending the weights", self.target, version, self.expected_version)
+                self.restore_weights()
+        except grpc.RpcError:
+            self._reconnected = True  # still down: restore on the next try
+            raise
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict:
@@ -248,13 +252,28 @@ class RolloutClient:
         """Tell the server to load an exported directory (a path under its --export-root, as the
         server sees it). checksums: True = sha256 of every file under `path` as this process sees it
         (same filesystem) — those recorded in its manifest.json when it is a `cisjax export` — a dict = given
-        manifest, False = none. Not retried. Returns the new version."""
+        manifest, False = none. Retried on UNAVAILABLE (a directory can be sent again). Returns the new version."""
         rp = self.pb.rollout_pb2
         manifest = (recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
 
         def send(version=version):
             req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
-            return self._update(iter([req]))
+            tries = []
+
+            def attempt():
+                tries.append(1)
+                try:
+                    return self.stub.UpdateWeights(iter([req]), timeout=self.timeout_s, metadata=self.metadata).version
+                except grpc.RpcError as err:
+                    # a retry after a lost answer finds the update done: the server already serves `version`
+                    if len(tries) > 1 and version and err.code() == grpc.StatusCode.FAILED_PRECONDITION and self.info()["version"] == version:
+                        return version
+                    raise
+
+            try:  # retried across a server restart, like the other calls (a directory can be sent again)
+                return self._retrying("UpdateWeights", attempt)
+            except grpc.RpcError as err:
+                raise RolloutError(f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()) from None
 
         new = send()
         self.expected_version, self.restore_weights = new, lambda: send(new)

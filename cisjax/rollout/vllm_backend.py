@@ -156,6 +156,10 @@ class Backend(server_lib.Backend):
             max_model_len=self.max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # Score at temperature != 1 needs the whole vocabulary of prompt logprobs
             enable_prefix_caching=True,
+            # A prompt's prefill split over steps discards the token sampled at its end, and vLLM then rewinds
+            # the request's seeded generator, which torch's CPU generators cannot do ("CPU Generator does not
+            # use offset"): every request is seeded here, so prompts are prefilled whole.
+            enable_chunked_prefill=not _on_cpu(),
         )
         if self.architecture in MLA_ARCHITECTURES and _on_cpu():
             log.info("MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope))

@@ -1,0 +1,12 @@
+"""DeepSeek-V2-Lite on GSM8K with the paper's recipe (Appendix C); the operator by --config.correction.method=..."""
+
+import qwen15_moe_a27b
+
+
+def get_config():
+    c = qwen15_moe_a27b.get_config()  # the same recipe; vLLM rollouts, weights reloaded from disk every step
+    c.model.path = ""  # a local copy of deepseek-ai/DeepSeek-V2-Lite (set with --config.model.path=DIR)
+    c.publish.mode = "disk"
+    # The paper kept the optimizer states in bf16 for this model; cisjax keeps fp32 moments (model.param_dtype).
+    c.run.dir = "runs/deepseek_v2_lite"
+    return c

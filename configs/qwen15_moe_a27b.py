@@ -1,0 +1,27 @@
+"""Qwen1.5-MoE-A2.7B on GSM8K with the paper's recipe (Appendix C); the operator by --config.correction.method=..."""
+
+import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.path = ""  # a local copy of Qwen/Qwen1.5-MoE-A2.7B (set with --config.model.path=DIR)
+    c.data.source = "hf:openai/gsm8k:main"  # or a local GSM8K train.jsonl
+    c.data.kind = "gsm8k"
+    # the recipe: lr 3e-6, weight decay 0.01, clip (0.2, 0.28), no KL, 4 samples per prompt at T = 1,
+    # <= 1024 new tokens, staleness <= 2, 3 epochs of the 7,473 problems = 87 steps of 256 prompts
+    c.train.lr = 3e-6
+    c.train.weight_decay = 0.01
+    c.loss.clip_low, c.loss.clip_high = 0.2, 0.28
+    c.loss.kl_coef = 0.0
+    c.rollout.group_size = 4
+    c.rollout.temperature = 1.0
+    c.rollout.max_new_tokens = 1024
+    c.rollout.max_staleness = 2
+    c.data.prompts_per_step = 256
+    c.data.epochs = 3
+    c.correction.method = "cis"  # lam 2.3, kappa 5e-3 (base defaults)
+    c.train.micro_batches = 16  # 1,024 responses of up to ~1.3k tokens per step: accumulate
+    c.checkpoint.every = 10
+    c.run.dir = "runs/qwen15_moe_a27b"
+    return c
