@@ -215,9 +215,10 @@ def export(
     from cisjax.models import hf_io
 
     try:
-        hf_io.save(model, tmp if writer else final, dict(hf_config), dtype=dtype, max_shard_bytes=max_shard_bytes)
+        digests: dict = {}  # sha256 of the weight files, computed while they were written
+        hf_io.save(model, tmp if writer else final, dict(hf_config), dtype=dtype, max_shard_bytes=max_shard_bytes, digests=digests)
         if writer:
-            _write_manifest(tmp, version, metadata)
+            _write_manifest(tmp, version, metadata, digests)
             _commit(tmp, final)
     except BaseException as e:
         if tmp is not None and tmp.exists():
@@ -281,12 +282,16 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(tmp: Path, version: int, metadata: Mapping | None) -> dict:
-    """Hash and fsync every file hf_io.save wrote, write manifest.json (fsynced), fsync the directory."""
+def _write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None) -> dict:
+    """Hash (unless hashed while written: `digests`) and fsync every file hf_io.save wrote, write
+    manifest.json (fsynced), fsync the directory."""
     files = {}
     for file in sorted(tmp.iterdir()):
         if not file.is_file() or file.is_symlink():
             raise ExportError(f"{file}: not a regular file in an export")
+        if digests and file.name in digests:  # written and fsynced by hf_io.save, hashed on the way
+            files[file.name] = {"size": file.stat().st_size, "sha256": digests[file.name]}
+            continue
         h = hashlib.sha256()
         with open(file, "rb") as f:
             while chunk := f.read(_CHUNK):

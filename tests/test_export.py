@@ -256,14 +256,14 @@ WORKER = textwrap.dedent(
         write = hf_io._write_shard
         calls = []
 
-        def dying(path, items, produce):
+        def dying(path, items, produce, *rest):
             calls.append(path)
             if len(calls) == 2:
                 with open(path, "wb") as f:
                     f.write(b"partial")
                     f.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            write(path, items, produce)
+            write(path, items, produce, *rest)
 
         hf_io._write_shard = dying
     else:  # die after the rename, before LATEST is updated

@@ -200,8 +200,16 @@ class SafetensorsDir(Mapping):
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce) -> None:
-    """Write one safetensors file, streaming tensors one by one (`produce(name)` -> ndarray)."""
+def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce, digests: dict | None = None) -> None:
+    """Write one safetensors file, streaming tensors one by one (`produce(name)` -> ndarray). With
+    `digests`, also its sha256 (as digests[file name]), hashed on a thread while the next tensor is
+    produced and written (hashlib releases the GIL), instead of a second pass over the file."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    hasher = hashlib.sha256() if digests is not None else None
+    pool = ThreadPoolExecutor(max_workers=1) if hasher is not None else None  # one thread: updates stay in order
+    pending = []
     header, offset = {}, 0
     for name, shape, dtype in items:
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -210,16 +218,29 @@ def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce) 
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name, shape, dtype in items:
-            arr = np.ascontiguousarray(produce(name), dtype=dtype)
-            if arr.shape != tuple(shape):
-                raise AssertionError(f"{name}: produced shape {arr.shape}, planned {shape}")
-            f.write(arr.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    def write(f, data) -> None:
+        f.write(data)
+        if hasher is not None:
+            pending.append(pool.submit(hasher.update, data))
+
+    try:
+        with open(path, "wb") as f:
+            write(f, len(blob).to_bytes(8, "little"))
+            write(f, blob)
+            for name, shape, dtype in items:
+                arr = np.ascontiguousarray(produce(name), dtype=dtype)
+                if arr.shape != tuple(shape):
+                    raise AssertionError(f"{name}: produced shape {arr.shape}, planned {shape}")
+                write(f, memoryview(arr.reshape(-1).view(np.uint8)))  # the array's own bytes, no copy (bf16 has no buffer format)
+            f.flush()
+            os.fsync(f.fileno())
+        for fut in pending:
+            fut.result()
+        if hasher is not None:
+            digests[path.name] = hasher.hexdigest()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -406,12 +427,14 @@ def save(
     *,
     dtype: str | None = None,
     max_shard_bytes: int = 4 << 30,
+    digests: dict | None = None,
 ) -> Path:
     """Write the model as an HF directory (config.json + safetensors, sharded with an index when
     larger than `max_shard_bytes`), streaming one tensor at a time (`iter_tensors`). `dtype` (float32 |
     bfloat16 | float16) defaults to the parameters' own dtype. `model`: an nnx model or a (graphdef,
     params) pair. On multi-process runs every process must call this (the gather is collective); only
-    process 0 writes."""
+    process 0 writes. `digests` (a dict) receives the sha256 of each safetensors file, computed while
+    writing."""
     out = Path(out_dir)
     flat = _params_of(model)
     plan = _plan(flat, hf_config, dtype)
@@ -447,7 +470,7 @@ def save(
     names = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards):
-        _write_shard(out / fname, shard, produce)
+        _write_shard(out / fname, shard, produce, digests)
         weight_map.update({name: fname for name, _, _ in shard})
     if len(shards) > 1:
         total = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in specs)

@@ -584,6 +584,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)")
     p.add_argument("--export-root", default=None, help="UpdateWeights may only load directories under this one (unset: directory updates disabled)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    p.add_argument("--max-model-len", type=int, default=0, help="vllm: context length (default: the model's max_position_embeddings)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the engine shards the model over (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)")
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
@@ -596,7 +599,13 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         raise ValueError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
     if args.export_root and not Path(args.export_root).is_dir():
         raise FileNotFoundError(f"--export-root {args.export_root} is not a directory")
-    backend = importlib.import_module(BACKENDS[args.backend]).Backend(args.model, dtype=args.dtype)
+    options = {}
+    if args.backend == "vllm":
+        options = dict(max_model_len=args.max_model_len or None, tensor_parallel_size=args.tensor_parallel_size,
+                       gpu_memory_utilization=args.gpu_memory_utilization or None)
+    elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len:
+        raise ValueError("--max-model-len, --tensor-parallel-size and --gpu-memory-utilization are vllm options")
+    backend = importlib.import_module(BACKENDS[args.backend]).Backend(args.model, dtype=args.dtype, **options)
     server, health, port = build_server(backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root)
     stop = threading.Event()
 

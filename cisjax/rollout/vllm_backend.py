@@ -130,7 +130,8 @@ class _Call:
 class Backend(server_lib.Backend):
     engine = "vllm"
 
-    def __init__(self, model_dir: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0):
+    def __init__(self, model_dir: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None):
         self.model = str(model_dir)
         self.dtype = dtype
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
@@ -138,6 +139,10 @@ class Backend(server_lib.Backend):
         self.vocab_size = int(self.config_json["vocab_size"])
         self.max_model_len = int(max_model_len or self.config_json.get("max_position_embeddings") or 4096)
         self.engine_seed = seed
+        # passed to vllm.LLM as given (GPU machines); unset = vLLM's defaults
+        self.engine_options = {"tensor_parallel_size": int(tensor_parallel_size)}
+        if gpu_memory_utilization:
+            self.engine_options["gpu_memory_utilization"] = float(gpu_memory_utilization)
         self.version = 0
         self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
         self.weights_dir = Path(model_dir)  # what a restart loads
@@ -160,6 +165,7 @@ class Backend(server_lib.Backend):
             # the request's seeded generator, which torch's CPU generators cannot do ("CPU Generator does not
             # use offset"): every request is seeded here, so prompts are prefilled whole.
             enable_chunked_prefill=not _on_cpu(),
+            **self.engine_options,
         )
         if self.architecture in MLA_ARCHITECTURES and _on_cpu():
             log.info("MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope))

@@ -244,7 +244,7 @@ WRITER = textwrap.dedent(
     model, _, hf = hf_io.load(src, dtype="float32", param_dtype="float32")
     write, calls = hf_io._write_shard, []
 
-    def stalled(path, items, produce):  # the second shard: part of it on disk, then wait to be killed
+    def stalled(path, items, produce, *rest):  # the second shard: part of it on disk, then wait to be killed
         calls.append(path)
         if len(calls) == 2:
             with open(path, "wb") as f:
@@ -253,7 +253,7 @@ WRITER = textwrap.dedent(
                 os.fsync(f.fileno())
             open(ready, "w").close()
             time.sleep(600)
-        write(path, items, produce)
+        write(path, items, produce, *rest)
 
     hf_io._write_shard = stalled
     ex.export(model, hf, root, int(version), dtype="float32", max_shard_bytes=20_000)
