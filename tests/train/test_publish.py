@@ -139,14 +139,14 @@ def test_corrupted_export_fails_and_names_the_family(tf_server, trainer, monkeyp
     params = _changed(trainer["params"], 3)
     right = dict(hf_io.iter_tensors((trainer["graphdef"], params), trainer["hf"], "bfloat16"))
 
-    def write(path, items, produce):
+    def write(path, items, produce, *rest):
         arrays = {name: produce(name) for name, _, _ in items}  # one small shard: the whole model
         for name in list(arrays):
             m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", name)
             if m:
                 layer, e = m.groups()
                 arrays[name] = right[f"model.layers.{layer}.mlp.experts.{(int(e) + 1) % n}.down_proj.weight"]
-        return original(path, items, lambda name: arrays[name])
+        return original(path, items, lambda name: arrays[name], *rest)
 
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
