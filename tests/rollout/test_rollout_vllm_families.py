@@ -31,11 +31,10 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
-from cisjax import cli  # noqa: E402
 from cisjax import export as ex  # noqa: E402
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
 from tests.helpers import save_tiny_hf  # noqa: E402
-from tests.rollout import serverutil  # noqa: E402
+from tests.rollout import serverutil, xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import ENV, TINY as QWEN2_MOE, _items, _perturbed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,15 +130,7 @@ def client(family):
         yield c
 
 
-def rescore(model_dir, items, tmp_path, *, temperature=1.0, top_k=0, dtype="float32"):
-    """`cisjax score` of [(prompt_ids, response_ids)] (JAX, params and compute in `dtype`)."""
-    tag = f"{temperature}_{top_k}_{dtype}_{time.monotonic_ns()}"
-    inp, out = tmp_path / f"rescore_in_{tag}.jsonl", tmp_path / f"rescore_out_{tag}.jsonl"
-    inp.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in items))
-    argv = ["score", "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype", dtype,
-            "--temperature", str(temperature), "--top-k", str(top_k), "--no-progress"]
-    assert cli.main(argv) == 0
-    return [json.loads(line) for line in out.read_text().splitlines()]
+rescore = xla.rescore
 
 
 def _flat(samples):

@@ -1,6 +1,11 @@
-"""cisjax's own (XLA, fp32) routing of scored sequences: the reference the engines' routing capture is checked against."""
+"""cisjax's own (XLA) side of the rollout tests: `cisjax score` logprobs and routing of sequences, the reference the engines are checked against."""
+
+import json
+import time
 
 import numpy as np
+
+from cisjax import cli
 
 from cisjax.models import hf_io
 from tests.models import parity
@@ -24,3 +29,19 @@ def assert_routing_matches(got: list, ref: np.ndarray, where: str) -> None:
     got = np.sort(np.asarray(got, np.int64).reshape(ref.shape), axis=-1)
     bad = np.argwhere((got != ref).any(-1))
     assert bad.size == 0, f"{where}: routing differs at (token, layer) {bad[:5].tolist()} of {len(bad)}"
+
+
+def rescore(model_dir, items, tmp_path, *, temperature=1.0, top_k=0, dtype="float32") -> list:
+    """`cisjax score` of [(prompt_ids, response_ids)] (JAX, params and compute in `dtype`), one dict per item."""
+    tag = f"{temperature}_{top_k}_{dtype}_{time.monotonic_ns()}"
+    inp, out = tmp_path / f"rescore_in_{tag}.jsonl", tmp_path / f"rescore_out_{tag}.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in items))
+    argv = ["score", "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype", dtype,
+            "--temperature", str(temperature), "--top-k", str(top_k), "--no-progress"]
+    assert cli.main(argv) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def items_of(samples) -> list:
+    """[(prompt_ids, response_ids)] of client Samples given as [prompt][sample]."""
+    return [(s.prompt_ids, s.response_ids) for per in samples for s in per]
