@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 
 # command -> (module, one-line help). Modules define add_args(parser) and run(args, overrides)
-# (or add_<command>_args / run_<command> when one module serves two commands); benches run(args).
+# (or add_<command>_args / run_<command> when one module serves two commands); benches run(args) or run(args, overrides).
 COMMANDS = {
     "train": ("cisjax.train.loop", "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each step"),
     "demo": ("cisjax.demo", "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up"),
@@ -24,6 +25,7 @@ BENCHES = {
     "step": ("cisjax.bench.step", "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss"),
     "export": ("cisjax.bench.export", "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s"),
     "rollout": ("cisjax.bench.rollout", "rollout tokens/s through gRPC vs the same vLLM engine called in-process"),
+    "loop": ("cisjax.bench.loop", "RL loop step time with rollouts ahead of training (async) vs synchronous, same config"),
 }
 
 
@@ -57,7 +59,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         if chosen in (None, "bench") and chosen_bench in (None, name):
             mod = _module(module)
             mod.add_args(p)
-            p.set_defaults(_run=lambda args, _overrides, run=mod.run: run(args))
+            takes_overrides = len(inspect.signature(mod.run).parameters) > 1  # `bench loop` takes --config.x=y
+            p.set_defaults(_run=lambda args, overrides, run=mod.run, t=takes_overrides: run(args, overrides) if t else run(args))
     return parser
 
 

@@ -24,6 +24,9 @@ from cisjax.data import TRAIN_INSTRUCTION
 # response is the solution then the boxed result ("7 + 5 = 12, 2 + 4 + 1 = 7, \boxed{72}"), then <|im_end|>.
 
 LOW, HIGH = 10, 99  # operands
+# Share of warm-up targets closing with \boxed{} (the rest: "so the answer is N", reward 0). The warm-up model then
+# follows the prompt's boxing instruction only this often at temperature 1: what RL has to learn first.
+BOXED_FRACTION = 0.3
 
 
 def solve(a: int, op: str, b: int) -> int:
@@ -45,13 +48,16 @@ def problem_row(a: int, op: str, b: int) -> dict:
     return {"question": f"What is {a} {op} {b}?", "answer": f"{solution(a, op, b)}\n#### {solve(a, op, b)}"}
 
 
-def response_text(row: dict) -> str:
-    """The warm-up's target response for a row (before the end-of-turn token): its solution, then the boxed result."""
+def response_text(row: dict, boxed: bool = True) -> str:
+    """The warm-up's target response for a row (before the end-of-turn token): its solution, then the result —
+    boxed as the instruction asks, or (boxed=False) in the plain closing "so the answer is 72", which the reward,
+    math-verify on the last \\boxed{}, scores 0."""
     from cisjax.rl.rewards import normalize_reference
 
     work = row["answer"].rsplit("####", 1)[0].strip()
-    boxed = f"\\boxed{{{normalize_reference(row['answer'])}}}"
-    return f"{work}, {boxed}" if work else boxed
+    answer = normalize_reference(row["answer"])
+    end = f"\\boxed{{{answer}}}" if boxed else f"so the answer is {answer}"
+    return f"{work}, {end}" if work else end
 
 
 def _groups() -> list[list[tuple[int, str, int]]]:
@@ -191,14 +197,15 @@ def warmup_config(config_file: str | None = None, overrides: Sequence[str] = (),
     return config_lib.apply_overrides(cfg, overrides)
 
 
-def sft_arrays(formatter, rows: Sequence[dict], length: int | None = None) -> dict:
-    """Prompt + target response of every row as left-aligned [N, T] arrays (TrainBatch layout: position t holds
-    tokens[t] and predicts targets[t]); loss_mask on the positions predicting the response and its <|im_end|>."""
+def sft_arrays(formatter, rows: Sequence[dict], length: int | None = None, boxed: bool = True) -> dict:
+    """Prompt + target response of every row (response_text(row, boxed)) as left-aligned [N, T] arrays (TrainBatch
+    layout: position t holds tokens[t] and predicts targets[t]); loss_mask on the positions predicting the response
+    and its <|im_end|>."""
     im_end = formatter.tokenizer.convert_tokens_to_ids(IM_END)
     seqs, starts = [], []
     for row in rows:
         prompt = formatter.encode(row["question"])
-        response = formatter.tokenizer.encode(response_text(row), add_special_tokens=False)
+        response = formatter.tokenizer.encode(response_text(row, boxed), add_special_tokens=False)
         seqs.append(prompt + response + [im_end])
         starts.append(len(prompt))
     longest = max(len(s) for s in seqs)
@@ -218,6 +225,13 @@ def sft_arrays(formatter, rows: Sequence[dict], length: int | None = None) -> di
         segments[r, : len(seq)] = 1
         mask[r, start - 1 : len(seq) - 1] = True
     return dict(tokens=tokens, targets=targets, positions=positions, segments=segments, mask=mask)
+
+
+def mix_styles(boxed: dict, plain: dict, use_boxed: np.ndarray) -> dict:
+    """Row i from `boxed` where use_boxed[i], else from `plain` (sft_arrays of the same rows, padded alike)."""
+    width = max(boxed["tokens"].shape[1], plain["tokens"].shape[1])
+    pad = lambda a: np.pad(a, [(0, 0), (0, width - a.shape[1])])  # noqa: E731
+    return {k: np.where(use_boxed[:, None], pad(boxed[k]), pad(plain[k])) for k in boxed}
 
 
 def sft_batch(arrays: dict, index: np.ndarray, logprobs_MxBxT=None):
@@ -312,7 +326,7 @@ def evaluate(sampler, params, formatter, rows: Sequence[dict], *, temperature: f
 
 
 def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict], cfg, *, steps: int, batch_size: int,
-           seed: int, eval_size: int, max_new_tokens: int = 48, log=print) -> dict:
+           seed: int, eval_size: int, boxed_fraction: float = 1.0, max_new_tokens: int = 48, log=print) -> dict:
     """Supervised warm-up of the HF model in `model_dir` with cisjax's own GRPO step (A = 1, ratio 1, weight 1: the
     token-mean cross-entropy gradient), then the warmed-up weights saved back into `model_dir` (fp32; config and
     tokenizer kept). Returns the loss curve, timings and the accuracies before and after on `eval_rows`."""
@@ -327,6 +341,9 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
 
     formatter = PromptFormatter(model_dir, instruction=TRAIN_INSTRUCTION)
     arrays = sft_arrays(formatter, train_rows)
+    # the closing style of each example is drawn per use: the model learns both, neither tied to a problem
+    plain = sft_arrays(formatter, train_rows, boxed=False) if boxed_fraction < 1 else None
+    style_rng = np.random.default_rng([seed, 3])
     mesh = sharding.make_mesh({}, jax.devices()[:1])
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
@@ -363,7 +380,12 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
             order, pos = rng.permutation(len(train_rows)), 0
         index = order[pos : pos + batch_size]
         pos += batch_size
-        host = sft_batch(arrays, index)
+        if plain is None:
+            host = sft_batch(arrays, index)
+        else:
+            pick = lambda a: {k: v[index] for k, v in a.items()}  # noqa: E731
+            host = sft_batch(mix_styles(pick(arrays), pick(plain), style_rng.random(len(index)) < boxed_fraction),
+                             np.arange(len(index)))
         placed = step_lib.place_batch(host, mesh, rules)
         prox = logprobs_fn(state.params, placed)  # the current policy: ratio 1, weight 1
         placed = placed._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=prox)
@@ -394,10 +416,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        "--config FILE / --config.x=y set the warm-up's train config.")
     q.add_argument("--out", required=True, help="output directory (DIR/data, DIR/model, DIR/warmup.json)")
     q.add_argument("--seed", type=int, default=0, help="seed of the split, the init, the batch order and the sampling")
-    q.add_argument("--warmup-steps", type=int, default=500, help="supervised steps (0 = keep the random init)")
+    q.add_argument("--warmup-steps", type=int, default=800, help="supervised steps (0 = keep the random init)")
     q.add_argument("--batch-size", type=int, default=64, help="problems per warm-up step")
     q.add_argument("--heldout", type=int, default=512, help="held-out problems (the RL phase's prompts)")
     q.add_argument("--eval-size", type=int, default=256, help="held-out problems sampled to measure accuracy (0 = none)")
+    q.add_argument("--boxed-fraction", type=float, default=BOXED_FRACTION,
+                   help="share of warm-up examples that close with \\boxed{answer} as the instruction asks; the others close "
+                   "with 'so the answer is N', which the reward scores 0 (the instruction-following RL has to learn)")
     q.add_argument("--config", default=None, help="config file (default configs/base.py)")
 
 
@@ -405,16 +430,20 @@ def run(args, overrides: Sequence[str] = ()) -> int:
     if args.demo_command != "prepare":
         raise ValueError(f"unknown demo step {args.demo_command!r}")
     return prepare(args.out, seed=args.seed, warmup_steps=args.warmup_steps, batch_size=args.batch_size,
-                   heldout=args.heldout, eval_size=args.eval_size, config_file=args.config, overrides=overrides)
+                   heldout=args.heldout, eval_size=args.eval_size, boxed_fraction=args.boxed_fraction,
+                   config_file=args.config, overrides=overrides)
 
 
-def prepare(out, *, seed: int = 0, warmup_steps: int = 500, batch_size: int = 64, heldout: int = 512,
-            eval_size: int = 256, config_file: str | None = None, overrides: Sequence[str] = (), log=print) -> int:
+def prepare(out, *, seed: int = 0, warmup_steps: int = 800, batch_size: int = 64, heldout: int = 512,
+            eval_size: int = 256, boxed_fraction: float = BOXED_FRACTION, config_file: str | None = None, overrides: Sequence[str] = (),
+            log=print) -> int:
     """`cisjax demo prepare`: see add_args."""
     from cisjax.data import PromptFormatter, load_problems
 
     if warmup_steps < 0 or batch_size < 1 or eval_size < 0:
         raise ValueError("--warmup-steps and --eval-size must be >= 0, --batch-size >= 1")
+    if not 0.0 < boxed_fraction <= 1.0:
+        raise ValueError(f"--boxed-fraction={boxed_fraction}: must lie in (0, 1] (0 would leave nothing to reward)")
     cfg = warmup_config(config_file, overrides, warmup_steps)  # config errors before anything is written
     t0 = time.monotonic()
     out = Path(out)
@@ -434,16 +463,17 @@ def prepare(out, *, seed: int = 0, warmup_steps: int = 500, batch_size: int = 64
                                           CHARS, "".join(SPECIALS)])
     prompt_len = len(formatter.encode(sample["question"]))
     # the RL phase's max_new_tokens must cover the longest target response and its <|im_end|>
-    response_max = max(len(formatter.tokenizer.encode(response_text(r), add_special_tokens=False)) + 1 for r in held_rows)
+    response_max = max(len(formatter.tokenizer.encode(response_text(r, boxed), add_special_tokens=False)) + 1
+                       for r in held_rows for boxed in (True, False))
     log(f"[demo] model: tiny Qwen2-MoE ({hf_kwargs['num_hidden_layers']} layers, hidden {hf_kwargs['hidden_size']}, "
         f"{hf_kwargs['num_experts']} experts top-{hf_kwargs['num_experts_per_tok']}), vocab {len(tokenizer)} "
         f"(characters), prompts of {prompt_len} tokens, target responses of at most {response_max}, in {model_dir}")
 
     summary = dict(seed=seed, train_problems=len(train_rows), heldout_problems=len(held_rows), vocab=len(tokenizer),
-                   prompt_tokens=prompt_len, response_tokens_max=response_max, model=hf_kwargs)
+                   prompt_tokens=prompt_len, response_tokens_max=response_max, boxed_fraction=boxed_fraction, model=hf_kwargs)
     if warmup_steps:
         summary.update(warmup(model_dir, train_rows, held_rows, cfg, steps=warmup_steps, batch_size=batch_size,
-                              seed=seed, eval_size=eval_size, log=log))
+                              seed=seed, eval_size=eval_size, boxed_fraction=boxed_fraction, log=log))
     summary["total_s"] = time.monotonic() - t0
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     log(f"[demo] prepared {out} in {summary['total_s']:.0f} s (summary: {out / 'warmup.json'})")

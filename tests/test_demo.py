@@ -66,6 +66,29 @@ def test_task_deterministic_and_disjoint(tmp_path):
     assert problems[0].answer == held[0]["answer"].rsplit("#### ", 1)[1]
 
 
+def test_closing_styles_and_their_reward(tok_dir):
+    from cisjax.rl.rewards import verify
+
+    row = demo.problem_row(47, "+", 38)
+    assert demo.response_text(row) == "7 + 8 = 15, 4 + 3 + 1 = 8, \\boxed{85}"
+    assert demo.response_text(row, boxed=False) == "7 + 8 = 15, 4 + 3 + 1 = 8, so the answer is 85"
+    assert verify(demo.response_text(row), "85") == 1.0 and verify(demo.response_text(row, boxed=False), "85") == 0.0
+
+    fmt = PromptFormatter(tok_dir)
+    rows = demo.make_task(0, heldout=8)[0][:4]
+    boxed, plain = demo.sft_arrays(fmt, rows), demo.sft_arrays(fmt, rows, boxed=False)
+    mixed = demo.mix_styles(boxed, plain, np.array([True, False, False, True]))
+    width = max(boxed["tokens"].shape[1], plain["tokens"].shape[1])
+    for i, src in enumerate([boxed, plain, plain, boxed]):
+        n = src["tokens"].shape[1]
+        for k in mixed:
+            assert mixed[k].shape == (4, width)
+            np.testing.assert_array_equal(mixed[k][i, :n], src[k][i])
+            assert not mixed[k][i, n:].any()
+    with pytest.raises(ValueError, match="boxed-fraction"):
+        demo.prepare("unused", boxed_fraction=0.0)
+
+
 def _tiny(tok_dir):
     """A random cisjax model of the demo's config, the warm-up config, a single-device mesh and an SFT batch."""
     cfg = demo.warmup_config()
@@ -118,7 +141,8 @@ def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     assert demo.main(argv) == 0
     summary = json.loads((out / "warmup.json").read_text())
     assert len(summary["loss_curve"]) == 3 and 0 <= summary["after"]["greedy"]["accuracy"] <= 1
-    assert summary["response_tokens_max"] == len(max((demo.response_text(r) for r in demo.make_task(1, 16)[1]), key=len)) + 1
+    longest = max((demo.response_text(r, boxed) for r in demo.make_task(1, 16)[1] for boxed in (True, False)), key=len)
+    assert summary["response_tokens_max"] == len(longest) + 1 and summary["boxed_fraction"] == demo.BOXED_FRACTION
     assert len(load_problems(out / "data", "heldout")) in (16, 17)
     model_dir = out / "model"
     fmt = PromptFormatter(model_dir)

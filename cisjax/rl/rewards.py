@@ -229,12 +229,13 @@ class RewardPool:
                 return self._score(list(texts), list(refs), time.monotonic() + (deadline_s or self.batch_deadline_s))
             except BaseException:
                 for w in list(self._workers):  # an abandoned call (Ctrl-C, a fatal error): drop its in-flight items
-                    if w.item is not None:
+                    if w.item is not None and not self._closed:
                         self._replace(w)
                 raise
 
     def close(self) -> None:
-        """Stop the workers: idle ones exit on request, busy or still starting ones are killed (no state to lose)."""
+        """Stop the workers: idle ones exit on request, busy or still starting ones are killed (no state to lose).
+        A score call in flight on another thread then raises RuntimeError."""
         self._closed = True
         for w in self._workers:
             if w.ready and w.item is None:
@@ -260,15 +261,26 @@ class RewardPool:
         while not all(w.ready for w in self._workers):
             self._handle(self._poll(time.monotonic() + 1.0), results=None, attempts=None, pending=None)
 
+    def _check_open(self) -> None:
+        # close() may run on another thread while a score call is in flight (the trainer's shutdown): the call
+        # then ends here rather than replacing the workers close() just killed
+        if self._closed:
+            raise RuntimeError("RewardPool was closed during the call")
+
     def _replace(self, w: _Worker) -> None:
         w.kill()
+        self._check_open()
         self._workers[self._workers.index(w)] = _Worker(self._ctx, self._fn)
         self.restarts += 1
 
     def _poll(self, until: float) -> list[_Worker]:
         """Workers with something to read (a message, or EOF from a dead one) before `until`."""
         by_conn = {w.conn: w for w in self._workers}
-        ready = multiprocessing.connection.wait(list(by_conn), timeout=max(0.0, until - time.monotonic()))
+        try:
+            ready = multiprocessing.connection.wait(list(by_conn), timeout=max(0.0, until - time.monotonic()))
+        except (OSError, ValueError):  # a connection close() just closed
+            self._check_open()
+            raise
         return [by_conn[c] for c in ready]
 
     def _handle(self, readable, results, attempts, pending) -> None:
@@ -278,6 +290,7 @@ class RewardPool:
             except (EOFError, OSError):
                 msg = None
             if msg is None:  # died: replace it; a death mid-item re-runs the item once
+                self._check_open()  # (or close() killed it)
                 w.proc.join(timeout=1)  # reap it, for the exit code
                 if not w.ready:
                     # a deterministic start-up failure reports "fail"; a bare death (OOM killer, a stray
@@ -320,6 +333,7 @@ class RewardPool:
         attempts = [0] * n
         pending = deque(range(n))
         while True:
+            self._check_open()
             for w in self._workers:  # hand out work
                 if w.ready and w.item is None and pending:
                     w.item, w.item_started = pending.popleft(), time.monotonic()

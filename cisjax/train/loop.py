@@ -84,7 +84,11 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 stream.restore(data_state)
             pool = rewards_lib.RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
             server, client = _rollout_service(cfg, run_dir)
-        total = int(cfg.run.steps) or _steps_in_data(cfg, stream)
+        available = _steps_in_data(cfg, stream)
+        total = int(cfg.run.steps) or available
+        if total > available:  # found now, not when the prompts run out mid-run
+            raise ValueError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
+                             f"{cfg.data.prompts_per_step}, data.epochs={cfg.data.epochs}); raise data.epochs or lower run.steps")
         publisher = Publisher(graphdef=graphdef, hf_config=hf, cfg=cfg, client=client, mesh=mesh, rules=rules,
                               run_dir=str(run_dir))
         if start > 0:  # resumed: the (fresh) server holds the initial weights, version 0; send the state's own
@@ -122,9 +126,11 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                                       progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on") if lead else None
         corr_kw = step_lib._correction_kwargs(cfg)
         last: dict = {}
+        stopped = False
         for s in range(start, total):
-            if stop_event is not None and stop_event.is_set():
+            if _stop_requested(stop_event):
                 log.info("stop requested: leaving after step %d", s)
+                stopped = True
                 break
             t_step = time.monotonic()
             # 1. rollouts + rewards
@@ -142,8 +148,10 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             jax.block_until_ready(prox)
             rescore_s = time.monotonic() - t0
             # dump before the step donates the params (the batch and prox are not donated)
-            if cfg.run.dump_every and s % cfg.run.dump_every == 0 and lead:
-                _dump(run_dir, s, cfg, host, np.asarray(jax.device_get(prox)), versions_rows, corrections, corr_kw)
+            if cfg.run.dump_every and s % cfg.run.dump_every == 0:
+                prox_host = _to_host(prox)  # collective when prox spans processes
+                if lead:
+                    _dump(run_dir, s, cfg, host, prox_host, versions_rows, corrections, corr_kw)
             # 4. the update
             t0 = time.monotonic()
             state, m = train_step(state, batch)
@@ -168,24 +176,33 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                         "tokens_per_s": m["tokens"] / max(step_s, 1e-9)})
             if lead:
                 out.update({"time/generate_s": ro.timings["generate_s"], "time/reward_s": ro.timings["reward_s"]})
+                out.update({f"reward/pool_{k}": float(v) for k, v in pool.metrics().items()})  # cumulative: lost scores show
                 mlog.log(s, out)
             last = out
             # checkpoint: the state after step s and the data position after batch s
             if ckpt.should_save(s + 1) or s + 1 == total:
                 ckpt.save(state, metadata={"data_state": ro.data_state if lead else None, "version": s + 1})
         ckpt.wait()
-        if stop_event is not None and stop_event.is_set() and last:
+        if stopped and last:
             ckpt.save(state, metadata={"data_state": ro.data_state if lead else None, "version": int(state.step)})
             ckpt.wait()
         return last
     finally:
-        for closer in (producer, pool):
-            if closer is not None:
-                closer.close()
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.stop()
+        try:
+            for closer in (producer, pool):
+                if closer is not None:
+                    closer.close()
+            if client is not None:
+                client.close()
+        finally:
+            # a second Ctrl-C may land anywhere in this shutdown: the server (in its own session, out of the
+            # terminal's reach) must still not outlive the trainer
+            if server is not None:
+                try:
+                    server.stop()
+                except BaseException:
+                    server.kill()
+                    raise
         ckpt.close()
         if lead and "mlog" in locals() and mlog is not None:
             mlog.close()
@@ -255,6 +272,9 @@ def _rollout_metrics(ro, step: int) -> dict:
     versions = np.concatenate([np.asarray(r.versions, np.int64) for r in rs if r.versions] or [np.zeros(0, np.int64)])
     stale = step - versions  # the params of step s are version s
     solved = np.asarray([max(r.reward for r in g) for g in ro.groups])
+    from cisjax.rl.rewards import last_boxed
+
+    boxed = [last_boxed(t) is not None for ts in ro.texts for t in ts]  # format compliance, whatever the answer
     return {"reward/mean": rewards.mean(), "reward/accuracy": float((rewards >= 1.0).mean()),
             "reward/solved_groups": float((solved >= 1.0).mean()),
             "reward/all_same_groups": float(np.mean([len({r.reward for r in g}) == 1 for g in ro.groups])),
@@ -262,7 +282,8 @@ def _rollout_metrics(ro, step: int) -> dict:
             "rollout/truncated": float(np.mean([r.finish_reason == "length" for r in rs])),
             "rollout/staleness_mean": float(stale.mean()) if stale.size else 0.0,
             "rollout/staleness_max": float(stale.max()) if stale.size else 0.0,
-            "rollout/samples": float(len(rs)), "rollout/tokens": float(lengths.sum())}
+            "rollout/samples": float(len(rs)), "rollout/tokens": float(lengths.sum()),
+            "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0}
 
 
 def _share(host, versions, metrics):
@@ -281,19 +302,41 @@ def _share(host, versions, metrics):
     if not lead:
         host = TrainBatch(*(np.zeros((m, b, t), dt) for dt in (np.int32, np.int32, np.int32, np.int32, bool, np.float32, np.float32, np.float32)))
         versions = np.zeros((m * b, t), np.int64)
+    # the metric names travel too (newline-joined bytes): no list here to keep in step with _rollout_metrics
     keys = sorted(metrics) if lead else None
+    names = np.frombuffer("\n".join(keys).encode(), np.uint8) if lead else None
     values = np.asarray([metrics[k] for k in keys], np.float64) if lead else None
-    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(keys) if lead else 0, np.int64)))
-    host, versions, values = multihost_utils.broadcast_one_to_all((host, versions, values if lead else np.zeros(n, np.float64)))
+    n_values, n_names = (int(x) for x in multihost_utils.broadcast_one_to_all(
+        np.asarray((len(values), len(names)) if lead else (0, 0), np.int64)))
     if not lead:
-        keys = _METRIC_KEYS[:n]
+        values, names = np.zeros(n_values, np.float64), np.zeros(n_names, np.uint8)
+    host, versions, values, names = multihost_utils.broadcast_one_to_all((host, versions, values, names))
+    keys = bytes(np.asarray(names, np.uint8)).decode().split("\n")
     return TrainBatch(*(np.asarray(x) for x in host)), np.asarray(versions), dict(zip(keys, (float(v) for v in values)))
 
 
-# the keys of _rollout_metrics, sorted (other processes learn the values only)
-_METRIC_KEYS = sorted(["reward/mean", "reward/accuracy", "reward/solved_groups", "reward/all_same_groups", "rollout/response_len",
-                       "rollout/response_len_max", "rollout/truncated", "rollout/staleness_mean", "rollout/staleness_max",
-                       "rollout/samples", "rollout/tokens"])
+def _stop_requested(stop_event) -> bool:
+    """Whether stop_event is set; multi-process: on any process, answered alike on all (collective), so that they
+    leave the loop at the same step even when the signal reaches them at different times."""
+    import jax
+
+    stop = stop_event is not None and stop_event.is_set()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
+    return stop
+
+
+def _to_host(x) -> np.ndarray:
+    """The whole of a global array on this process (every process must call it when x spans processes)."""
+    import jax
+
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr_kw) -> None:
@@ -338,6 +381,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of the run (same data order and versions)")
 
 
+def _init_distributed() -> None:
+    """Multi-host runs opt in with CISJAX_DISTRIBUTED=1 (launchers/tpu_pod.sh sets it): jax.distributed.initialize()
+    before anything touches a device, its arguments auto-detected (TPU VM metadata, SLURM, Open MPI;
+    JAX_COORDINATOR_ADDRESS is read too). Off by default: a single-host run needs no coordinator."""
+    if os.environ.get("CISJAX_DISTRIBUTED", "0") in ("", "0"):
+        return
+    import jax
+
+    jax.distributed.initialize()
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     import threading
 
@@ -345,6 +401,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_lib.load(args.config, overrides or [])
+    _init_distributed()
     stop = threading.Event()
 
     def on_signal(signum, _frame):

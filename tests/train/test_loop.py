@@ -1,7 +1,6 @@
 """`cisjax train` end to end on the demo's path, shortened: a tiny MoE, the real vLLM engine as an embedded
 child server, rewards from math-verify, CIS, publish + canary every step, metrics, dumps, checkpoints, resume."""
 
-import json
 import os
 import threading
 import time
@@ -15,18 +14,15 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 
 from cisjax import config as config_lib  # noqa: E402
 from cisjax.train import loop  # noqa: E402
+from tests.train import looputil  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(looputil.REPO)
 ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from cisjax import demo
-
-    out = tmp_path_factory.mktemp("demo")
-    assert demo.prepare(out, seed=0, warmup_steps=0, heldout=64, eval_size=0, log=lambda *_: None) == 0
-    return out
+    return looputil.prepare(tmp_path_factory.mktemp("demo"))
 
 
 def _cfg(prepared, run_dir, **overrides):
@@ -47,8 +43,7 @@ def vllm_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+_metrics = looputil.metrics
 
 
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
@@ -115,3 +110,12 @@ def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
 def test_bad_config_field_is_named():
     with pytest.raises(Exception, match="rollout.group_sizee|group_sizee"):
         config_lib.load(os.path.join(REPO, "configs", "demo_cpu.py"), ["--config.rollout.group_sizee=3"])
+
+
+def test_more_steps_than_the_data_give_is_named_before_any_step(prepared, tmp_path):
+    run_dir = tmp_path / "run"
+    # about 64 held-out problems, 8 per step, one epoch: 8 steps
+    cfg = _cfg(prepared, run_dir, **{"run.steps": 9, "data.epochs": 1, "rollout.backend": "transformers"})
+    with pytest.raises(ValueError, match=r"run.steps=9, but the data give 8 steps .*data.epochs"):
+        loop.train(cfg)
+    assert _metrics(run_dir) == []

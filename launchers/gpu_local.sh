@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# One GPU machine: the rollout server (`cisjax serve`, vLLM on the local GPU(s)) in the background, then `cisjax train`
+# against it on the trainer's GPUs; the server is stopped when the script exits (end of the run, error, Ctrl-C).
+#
+#   CONFIG=configs/FILE.py bash launchers/gpu_local.sh [--config.x=y ...] [--resume]
+#
+# Arguments go to `cisjax train` (the model is the config's model.path, or --config.model.path=DIR). Environment:
+#   CONFIG       the train config (required)
+#   MODEL        the HF model directory (default: model.path of the config and the arguments)
+#   RUN          the run directory (default: run.dir of the config); exports, metrics, checkpoints, server log
+#   SERVER_GPUS  CUDA_VISIBLE_DEVICES of the server (default 0); TP its tensor-parallel size (default: their count)
+#   TRAIN_GPUS   CUDA_VISIBLE_DEVICES of the trainer (default 0); its mesh spans them (--config.mesh.* to shape it)
+#   GPU_MEM      the server's share of each of its GPUs' memory (default 0.45; vLLM's --gpu-memory-utilization)
+#   TRAIN_MEM    the trainer's share (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.45 when it shares a GPU with the
+#                server, else JAX's own); GPU_MEM + TRAIN_MEM must stay below 1 on a shared GPU
+#   PORT (50051), DTYPE (bfloat16: the engine's), MAX_LEN (vLLM context length; 0 = the model's), STARTUP_S (900),
+#   BACKEND (vllm; transformers = the torch reference engine, for a run without a GPU), BIN (.venv/bin)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {  # the comment above; exit code $1 (2: bad input)
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit "${1:-2}"
+}
+case "${1:-}" in -h | --help) usage 0 ;; esac
+BIN=${BIN:-.venv/bin}
+CONFIG=${CONFIG:-}
+PORT=${PORT:-50051}
+BACKEND=${BACKEND:-vllm}
+DTYPE=${DTYPE:-bfloat16}
+SERVER_GPUS=${SERVER_GPUS:-0}
+TRAIN_GPUS=${TRAIN_GPUS:-0}
+GPU_MEM=${GPU_MEM:-0.45}
+MAX_LEN=${MAX_LEN:-0}
+STARTUP_S=${STARTUP_S:-900}
+[ -n "$CONFIG" ] && [ -f "$CONFIG" ] || { echo "gpu_local.sh: CONFIG=${CONFIG:-(unset)} is not a config file" >&2; usage; }
+[[ "$PORT" =~ ^[0-9]+$ && "$STARTUP_S" =~ ^[0-9]+$ && "$MAX_LEN" =~ ^[0-9]+$ ]] || { echo "gpu_local.sh: PORT, STARTUP_S and MAX_LEN are integers" >&2; usage; }
+case "$BACKEND" in vllm | transformers) ;; *) echo "gpu_local.sh: BACKEND is vllm or transformers" >&2; usage ;; esac
+for a in "$@"; do
+  case "$a" in --config.* | --resume) ;; *) echo "gpu_local.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
+done
+
+# the model and run directory the trainer will use (the config with the arguments applied), unless given
+resolved=$("$BIN/python" - "$CONFIG" "$@" <<'PY'
+import sys
+from cisjax import config
+cfg = config.load(sys.argv[1], config.split_overrides(sys.argv[2:])[1])
+print(cfg.model.path)
+print(cfg.run.dir or "runs/default")
+PY
+)
+MODEL=${MODEL:-$(sed -n 1p <<<"$resolved")}
+RUN=${RUN:-$(sed -n 2p <<<"$resolved")}
+[ -n "$MODEL" ] && [ -d "$MODEL" ] || { echo "gpu_local.sh: no model directory '$MODEL' (set MODEL or --config.model.path)" >&2; usage; }
+mkdir -p "$RUN/exports"
+RUN=$(cd "$RUN" && pwd)
+TP=${TP:-$(tr ',' '\n' <<<"$SERVER_GPUS" | grep -c .)}
+
+vllm_args=()
+if [ "$BACKEND" = vllm ]; then
+  vllm_args=(--gpu-memory-utilization "$GPU_MEM" --tensor-parallel-size "$TP" --max-model-len "$MAX_LEN")
+fi
+shared=0
+for g in ${TRAIN_GPUS//,/ }; do
+  case ",$SERVER_GPUS," in *",$g,"*) shared=1 ;; esac
+done
+if [ "$shared" = 1 ]; then
+  TRAIN_MEM=${TRAIN_MEM:-0.45}
+  awk -v a="$GPU_MEM" -v b="$TRAIN_MEM" 'BEGIN { exit !(a + b < 1) }' \
+    || { echo "gpu_local.sh: GPU_MEM + TRAIN_MEM ($GPU_MEM + $TRAIN_MEM) must be below 1 on a shared GPU" >&2; exit 2; }
+fi
+
+server_pid=
+stop_server() {
+  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
+    echo "gpu_local.sh: stopping the rollout server" >&2
+    kill -TERM "$server_pid" 2>/dev/null || true  # it drains the calls in flight (10 s), then exits
+    for _ in $(seq 1 60); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+  fi
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+# its own session: a Ctrl-C at the terminal goes to the trainer (which finishes its step, publishing to this
+# server, and checkpoints), not to the server; the trap above stops the server once the trainer is done
+echo "gpu_local.sh: starting the rollout server ($BACKEND on GPUs $SERVER_GPUS, log $RUN/rollout_server.log)" >&2
+offset=$(wc -c <"$RUN/rollout_server.log" 2>/dev/null || echo 0)  # the log is appended to: --resume keeps the old one
+CUDA_VISIBLE_DEVICES=$SERVER_GPUS setsid "$BIN/cisjax" serve --backend "$BACKEND" --model "$MODEL" --port "$PORT" \
+  --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} >>"$RUN/rollout_server.log" 2>&1 </dev/null &
+server_pid=$!
+
+# wait until it serves before the trainer takes its GPU memory (vLLM sizes its KV cache from the memory free at
+# start-up)
+for ((waited = 0; ; waited++)); do
+  tail -c +"$((offset + 1))" "$RUN/rollout_server.log" 2>/dev/null | grep -q "listening on" && break
+  if ! kill -0 "$server_pid" 2>/dev/null || [ "$waited" -ge "$((STARTUP_S * 2))" ]; then
+    echo "gpu_local.sh: the rollout server did not come up; its log ends:" >&2
+    tail -n 30 "$RUN/rollout_server.log" >&2
+    exit 1
+  fi
+  sleep 0.5
+done
+echo "gpu_local.sh: rollout server serving on 127.0.0.1:$PORT" >&2
+
+trap ':' INT  # from here Ctrl-C is the trainer's (again to abort); the script goes on to stop the server
+if [ -n "${TRAIN_MEM:-}" ]; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=$TRAIN_MEM
+fi
+CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$BIN/cisjax" train --config "$CONFIG" --config.model.path="$MODEL" --config.run.dir="$RUN" \
+  --config.rollout.server="127.0.0.1:$PORT" --config.publish.dir="$RUN/exports" "$@"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One worker of a TPU VM pod slice: run the same command on every worker (`gcloud compute tpus tpu-vm ssh NAME
+# --worker=all --command=...`, see the README). The workers form one JAX program (jax.distributed, detected from the
+# TPU VM's metadata: CISJAX_DISTRIBUTED=1), the mesh spans every chip of the slice, and worker 0 alone talks to the
+# rollout server, a running `cisjax serve` on a GPU host at ROLLOUT.
+#
+#   CONFIG=configs/FILE.py ROLLOUT=HOST:PORT bash launchers/tpu_pod.sh [--config.x=y ...] [--resume]
+#
+# Arguments go to `cisjax train` (--config.model.path=DIR: the model on every worker's disk). Environment:
+#   CONFIG    the train config (required)
+#   ROLLOUT   HOST:PORT of the rollout server (required); its token in CISJAX_ROLLOUT_TOKEN
+#   RUN       the run directory on each worker (default: run.dir of the config); worker 0 writes the metrics
+#   CKPT_DIR  checkpoints: a directory every worker mounts (NFS, Filestore), each writes its shards there
+#             (default: RUN/checkpoints, enough on a single-host slice only)
+#   PUBLISH   stream (default: weights go over gRPC, no shared filesystem) | disk: exported into PUBLISH_DIR
+#             (worker 0's path) that the server sees as SERVER_DIR (under its --export-root)
+#   BIN       (.venv/bin)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {  # the comment above; exit code $1 (2: bad input)
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit "${1:-2}"
+}
+case "${1:-}" in -h | --help) usage 0 ;; esac
+BIN=${BIN:-.venv/bin}
+CONFIG=${CONFIG:-}
+ROLLOUT=${ROLLOUT:-}
+PUBLISH=${PUBLISH:-stream}
+[ -n "$CONFIG" ] && [ -f "$CONFIG" ] || { echo "tpu_pod.sh: CONFIG=${CONFIG:-(unset)} is not a config file" >&2; usage; }
+[[ "$ROLLOUT" =~ ^[^:[:space:]]+:[0-9]+$ ]] || { echo "tpu_pod.sh: ROLLOUT=${ROLLOUT:-(unset)} is not HOST:PORT" >&2; usage; }
+for a in "$@"; do
+  case "$a" in --config.* | --resume) ;; *) echo "tpu_pod.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
+done
+
+args=(--config.rollout.server="$ROLLOUT" --config.publish.mode="$PUBLISH")
+case "$PUBLISH" in
+  stream) ;;
+  disk)
+    [ -n "${PUBLISH_DIR:-}" ] && [ -n "${SERVER_DIR:-}" ] \
+      || { echo "tpu_pod.sh: PUBLISH=disk needs PUBLISH_DIR and SERVER_DIR" >&2; usage; }
+    args+=(--config.publish.dir="$PUBLISH_DIR" --config.publish.server_dir="$SERVER_DIR") ;;
+  *) echo "tpu_pod.sh: PUBLISH is stream or disk" >&2; usage ;;
+esac
+if [ -n "${RUN:-}" ]; then
+  args+=(--config.run.dir="$RUN")
+fi
+if [ -n "${CKPT_DIR:-}" ]; then
+  args+=(--config.checkpoint.dir="$CKPT_DIR")
+fi
+
+# jax.distributed.initialize() before the first device is touched: the workers find each other through the TPU VM
+# metadata (0 = a single-process run, e.g. one host)
+export CISJAX_DISTRIBUTED=${CISJAX_DISTRIBUTED:-1}
+exec "$BIN/cisjax" train --config "$CONFIG" "${args[@]}" "$@"

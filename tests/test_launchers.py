@@ -1,0 +1,273 @@
+"""launchers/*.sh and the README's shell blocks: valid bash, and every `cisjax` command, flag and --config field they
+use exists; gpu_local.sh and tpu_pod.sh run end to end on CPU (the transformers engine, one process)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cisjax import cli
+from cisjax import config as config_lib
+from cisjax.train.server_proc import free_port
+from tests.train import looputil
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHERS = sorted((REPO / "launchers").glob("*.sh"))
+BASE = config_lib.load_file(REPO / "configs" / "base.py")
+
+_CONFIG_FIELD = re.compile(r"--config\.([A-Za-z_][\w.]*)")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w.-])")
+_CISJAX = re.compile(r"(?:^|[\s/\"'])cisjax[\"']?((?:\s+[a-z][a-z-]*)+)")
+_ARRAY_USE = re.compile(r"\$\{(\w+)\[@\]")
+
+
+def test_there_are_launchers():
+    assert {p.name for p in LAUNCHERS} >= {"cpu_demo.sh", "gpu_local.sh", "tpu_pod.sh"}
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
+def test_launcher_is_valid_bash(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    assert os.access(script, os.X_OK)
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Lines with their continuations joined, here-documents (inline Python) left out."""
+    out, end = [], None
+    for line in text.replace("\\\n", " ").splitlines():
+        if end is not None:
+            end = None if line.strip() == end else end
+            continue
+        out.append(line)
+        if m := re.search(r"<<-?\s*['\"]?(\w+)", line):
+            end = m.group(1)
+    return out
+
+
+def _config_fields(text: str) -> set[str]:
+    return {m.group(1).rstrip(".") for m in _CONFIG_FIELD.finditer(text)} - {"x"}  # --config.x=y: the placeholder
+
+
+def _command_options(words: list[str]) -> tuple[list[str], set[str]]:
+    """The cisjax subcommand path named by the leading `words` (e.g. ["demo", "prepare"]) and its option strings."""
+    parser = cli.build_parser(words)
+    path = []
+    for word in words:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            break
+        parser = subs[0].choices[word]
+        path.append(word)
+    return path, {o for a in parser._actions for o in a.option_strings}
+
+
+def _check_commands(lines: list[str], where: str) -> int:
+    """Every `cisjax CMD ...` in `lines` (comments skipped) names a command, and each --flag on its line, or in a bash
+    array the line expands, is an option of that command. Returns how many commands were checked."""
+    arrays: dict[str, str] = {}
+    for line in lines:
+        m = re.match(r"\s*(\w+)\+?=\((.*)\)", line)
+        if m:
+            arrays[m.group(1)] = arrays.get(m.group(1), "") + " " + m.group(2)
+    checked = 0
+    for line in lines:
+        code = line.split(" #", 1)[0]
+        if line.lstrip().startswith("#") or not (m := _CISJAX.search(code)):
+            continue
+        words = m.group(1).split()
+        path, options = _command_options(words)
+        assert path and path[0] in (*cli.COMMANDS, "bench"), f"{where}: no cisjax command {words[0]!r}: {line.strip()}"
+        rest = code[m.end(1):]
+        rest += " ".join(arrays.get(name, "") for name in _ARRAY_USE.findall(rest))
+        flags = set(_FLAG.findall(rest))
+        unknown = sorted(f for f in flags if f not in options and not f.startswith("--config."))
+        assert not unknown, f"{where}: `cisjax {' '.join(path)}` has no {unknown}: {line.strip()}"
+        checked += 1
+    return checked
+
+
+def _assert_fields_exist(fields: set[str], where: str) -> None:
+    for field in sorted(fields):
+        node = BASE
+        parts = field.split(".")
+        for i, part in enumerate(parts):
+            if ".".join(parts[:i]) in config_lib.OPEN_FIELDS:
+                break
+            assert hasattr(node, "keys") and part in node, f"{where}: --config.{field} is not a field of configs/base.py"
+            node = node[part]
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
+def test_launcher_flags_and_config_fields_exist(script):
+    text = script.read_text()
+    _assert_fields_exist(_config_fields(text), script.name)
+    assert _check_commands(_logical_lines(text), script.name) >= 1  # it runs cisjax
+
+
+def _readme_shell_blocks() -> str:
+    return "\n".join(re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S))
+
+
+def _check_launcher_calls(lines: list[str], where: str) -> int:
+    """Every `launchers/X.sh ARGS` in `lines`: the script exists, the VAR=value settings before it are variables it
+    reads, and its arguments are what it passes on to `cisjax train`. Returns how many calls were checked."""
+    checked = 0
+    for line in lines:
+        m = re.search(r"launchers/([\w.]+\.sh)", line)
+        if line.lstrip().startswith("#") or not m:
+            continue
+        script = REPO / "launchers" / m.group(1)
+        assert script.is_file(), f"{where}: no {script.name}: {line.strip()}"
+        text = script.read_text()
+        command = line[: m.start()].rsplit("&&", 1)[-1]  # the settings of this command, not of one before it
+        for name in re.findall(r"(?:^|[\s\"])([A-Z][A-Z0-9_]*)=", command):
+            assert re.search(rf"\b{name}\b", text), f"{where}: {script.name} does not read {name}: {line.strip()}"
+        args = [a for a in _FLAG.findall(line[m.end():]) + re.findall(r"--config\.[\w.]+", line[m.end():])]
+        bad = [a for a in args if not (a.startswith("--config.") or a in ("--resume", "--help"))]
+        assert not bad, f"{where}: {script.name} does not take {bad}: {line.strip()}"
+        checked += 1
+    return checked
+
+
+def test_readme_shell_commands_exist():
+    text = _readme_shell_blocks()
+    _assert_fields_exist(_config_fields(text), "README.md")
+    lines = _logical_lines(text)
+    assert _check_commands(lines, "README.md") >= 3
+    assert _check_launcher_calls(lines, "README.md") >= 3
+
+
+def test_the_checks_catch_a_made_up_flag():
+    with pytest.raises(AssertionError, match="--gpu-memory-fraction"):
+        _check_commands(['"$BIN/cisjax" serve --backend vllm --gpu-memory-fraction 0.5'], "x")
+    with pytest.raises(AssertionError, match="--gpu-memory-utilization"):
+        _check_commands(['opts=(--gpu-memory-utilization 0.5)', '"$BIN/cisjax" train --config c.py "${opts[@]}"'], "x")
+    with pytest.raises(AssertionError, match="no cisjax command"):
+        _check_commands(["cisjax trian --config c.py"], "x")
+    with pytest.raises(AssertionError, match="rollout.sever"):
+        _assert_fields_exist(_config_fields("--config.rollout.sever=h:1"), "x")
+    _assert_fields_exist(_config_fields("--config.sharding.rules.embed=none --config.x=y"), "x")
+    assert _check_commands(['"$BIN/cisjax" demo prepare --out "$RUN/init"'], "x") == 1
+    with pytest.raises(AssertionError, match="does not read GPU_MEMORY"):
+        _check_launcher_calls(["GPU_MEMORY=0.5 CONFIG=c.py bash launchers/gpu_local.sh"], "x")
+    with pytest.raises(AssertionError, match="does not take"):
+        _check_launcher_calls(["CONFIG=c.py bash launchers/gpu_local.sh --steps 3"], "x")
+
+
+@pytest.mark.parametrize("script", ["gpu_local.sh", "tpu_pod.sh"])
+def test_launcher_usage_on_bad_input(script):
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "ROLLOUT", "MODEL")}
+    r = subprocess.run(["bash", str(REPO / "launchers" / script)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "CONFIG" in r.stderr and "Environment:" in r.stdout, r
+    r = subprocess.run(["bash", str(REPO / "launchers" / script), "--help"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "CONFIG=configs/FILE.py" in r.stdout
+    env.update(CONFIG="configs/demo_cpu.py", ROLLOUT="127.0.0.1:1")
+    r = subprocess.run(["bash", str(REPO / "launchers" / script), "--resume", "--steps=3"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "'--steps=3' is not an argument of cisjax train" in r.stderr, r
+
+
+def test_distributed_is_opt_in(monkeypatch):
+    """`cisjax train` calls jax.distributed.initialize() only under CISJAX_DISTRIBUTED=1 (tpu_pod.sh sets it)."""
+    import jax
+
+    from cisjax.train import loop
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.delenv("CISJAX_DISTRIBUTED", raising=False)
+    loop._init_distributed()
+    monkeypatch.setenv("CISJAX_DISTRIBUTED", "0")
+    loop._init_distributed()
+    assert calls == []
+    monkeypatch.setenv("CISJAX_DISTRIBUTED", "1")
+    loop._init_distributed()
+    assert calls == [((), {})]  # arguments auto-detected (TPU VM metadata, SLURM, Open MPI)
+    assert 'CISJAX_DISTRIBUTED=${CISJAX_DISTRIBUTED:-1}' in (REPO / "launchers" / "tpu_pod.sh").read_text()
+
+
+# ----------------------------------------------------------------------------- end to end on CPU
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return looputil.prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _small(prepared, steps=2):
+    kw = {"model.path": prepared / "model", "data.source": prepared / "data" / "heldout.jsonl", "run.steps": steps,
+          "run.progress": "off", "run.tensorboard": "false", "run.dump_every": 0, "data.prompts_per_step": 4,
+          "rollout.group_size": 2, "rollout.max_new_tokens": 8, "publish.dtype": "float32", "reward.workers": 1,
+          "publish.canary.num_sequences": 2, "publish.canary.response_len": 8}
+    return [f"--config.{k}={v}" for k, v in kw.items()]
+
+
+@pytest.mark.slow
+def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, env, tmp_path):
+    """The launcher's server comes up, the trainer runs against it; Ctrl-C at the terminal (SIGINT to the foreground
+    group: the script and the trainer) ends the trainer after its step with a checkpoint, then the script stops the
+    server."""
+    run_dir, log_path, steps = tmp_path / "run", tmp_path / "launcher.log", 8
+    env = dict(env, CONFIG="configs/demo_cpu.py", BACKEND="transformers", DTYPE="float32", RUN=str(run_dir),
+               PORT=str(free_port()), STARTUP_S="300")
+    proc = looputil.start(["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared, steps), "--config.checkpoint.every=0"],
+                          log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=400, tree=tree, what="the first step",
+                          log_path=log_path)
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            tree.poll()
+            time.sleep(0.2)
+        if proc.poll() is None:
+            pytest.fail(f"gpu_local.sh still running after Ctrl-C; its log ends:\n{looputil.tail(log_path)}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, looputil.tail(log_path)
+    done = len(looputil.metrics(run_dir))
+    assert 1 <= done < steps and (run_dir / "checkpoints" / str(done)).is_dir(), (done, looputil.tail(log_path))
+    servers = tree.matching("serve --backend transformers")
+    assert len(servers) == 1, tree.cmdlines
+    left = set(servers) & set(tree.alive())
+    for server in left:  # (after a failure, not left behind either)
+        server.kill()
+    assert not left, "the server outlived the launcher"
+    assert "stopped" in (run_dir / "rollout_server.log").read_text()
+
+
+@pytest.mark.slow
+def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp_path):
+    """A pod slice of one host, without jax.distributed: the command line the workers run, against a server started
+    apart (weights streamed: no shared directory)."""
+    run_dir, port = tmp_path / "run", free_port()
+    server = subprocess.Popen([sys.executable, "-m", "cisjax.rollout.server", "--backend", "transformers", "--model",
+                               str(prepared / "model"), "--port", str(port), "--dtype", "float32"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        env = dict(env, CONFIG="configs/demo_cpu.py", ROLLOUT=f"127.0.0.1:{port}", RUN=str(run_dir), CISJAX_DISTRIBUTED="0")
+        r = subprocess.run(["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared)], env=env,
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(30)
+    rows = looputil.metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and rows[-1]["publish/version"] == 2
+    assert not (run_dir / "exports").exists()  # streamed

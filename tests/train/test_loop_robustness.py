@@ -1,0 +1,203 @@
+"""`cisjax train` as a user runs it, interrupted: Ctrl-C (checkpoint, no orphan server, --resume), a second Ctrl-C,
+reward workers killed mid-run; the transformers engine as the embedded server (vLLM is covered by test_loop.py)."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from cisjax.rl.rewards import RewardPool
+from tests.train import looputil
+
+STEPS = 6  # the run stops early (Ctrl-C) and a resumed run finishes them (a step: about a second here)
+EXIT_S = 60.0  # from Ctrl-C to exit: the step in flight, the checkpoint, the server's drain
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return looputil.prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _overrides(prepared, run_dir, **extra):
+    kw = {"model.path": prepared / "model", "data.source": prepared / "data" / "heldout.jsonl", "run.dir": run_dir,
+          "run.steps": STEPS, "run.progress": "off", "run.tensorboard": "false", "run.dump_every": 0,
+          "data.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8, "rollout.backend": "transformers",
+          "rollout.dtype": "float32", "publish.dtype": "float32", "rollout.max_staleness": 1, "rollout.seed": 3,
+          "publish.canary.num_sequences": 2, "publish.canary.response_len": 8, "reward.workers": 1,
+          "checkpoint.every": 0}  # no periodic checkpoint: the one found after Ctrl-C is the one Ctrl-C wrote
+    kw.update(extra)
+    return [f"--config.{k}={v}" for k, v in kw.items()]
+
+
+def _train(prepared, run_dir, *extra, **overrides):
+    return [*looputil.cisjax_command(), "train", "--config", str(looputil.DEMO_CONFIG), *_overrides(prepared, run_dir, **overrides), *extra]
+
+
+def _exit_code(proc, timeout_s, log_path, tree):
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        tree.poll()  # the processes it starts until the end (replaced workers, a restarted server)
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"the trainer did not exit within {timeout_s:.0f} s; its log ends:\n{looputil.tail(log_path)}")
+        time.sleep(0.2)
+    return proc.returncode
+
+
+def _assert_no_orphans(tree, log_path):
+    """Every process the trainer started (the rollout server, reward workers, multiprocessing's tracker) is gone."""
+    deadline = time.monotonic() + 10.0
+    while (left := tree.alive()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in left:  # (after a failure, not left behind either)
+        p.kill()
+    assert not left, f"still running after the trainer exited: {[(p.pid, tree.cmdlines[p.pid]) for p in left]}\n{looputil.tail(log_path)}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path):
+    run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    t_start = time.monotonic()
+    proc = looputil.start(_train(prepared, run_dir), log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
+                          log_path=log_path)
+        t_first = time.monotonic() - t_start
+        servers = tree.matching("cisjax.rollout.server")
+        assert len(servers) == 1, tree.cmdlines
+        # what a terminal's Ctrl-C does: SIGINT to the foreground process group (the trainer and its reward
+        # workers; the server runs in its own session and is stopped by the trainer)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        code = _exit_code(proc, EXIT_S, log_path, tree)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = log_path.read_text(errors="replace")
+    assert code == 0, looputil.tail(log_path)
+    assert "finishing the current step" in log
+    _assert_no_orphans(tree, log_path)
+    rows = looputil.metrics(run_dir)
+    done = len(rows)
+    assert [r["step"] for r in rows] == list(range(done)) and done < STEPS, "the run should have stopped early"
+    t_exit = time.monotonic() - t0
+
+    # the checkpoint holds the state after the last finished step (state.step = steps done)
+    from cisjax.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [done], ckpt.all_steps()
+    assert ckpt.metadata(done)["version"] == done
+    ckpt.close()
+
+    # --resume: from there to STEPS, step numbers and weight versions continuous
+    t0 = time.monotonic()
+    proc = looputil.start(_train(prepared, run_dir, "--resume"), log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: tree.matching("cisjax.rollout.server"), timeout_s=120, tree=tree,
+                          what="the resumed run's server", log_path=log_path)
+        code = _exit_code(proc, 300, log_path, tree)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, looputil.tail(log_path)
+    print(f"first step after {t_first:.0f} s, Ctrl-C after {done} steps, exit {t_exit:.1f} s later; resumed run {time.monotonic() - t0:.0f} s")
+    _assert_no_orphans(tree, log_path)
+    rows = looputil.metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["publish/version"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_aborts(prepared, env, tmp_path):
+    run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    proc = looputil.start(_train(prepared, run_dir), log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
+                          log_path=log_path)
+        assert tree.matching("cisjax.rollout.server"), tree.cmdlines
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = _exit_code(proc, EXIT_S, log_path, tree)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # KeyboardInterrupt: Python ends by SIGINT (-2), or 1 if a handler turned it into an error
+    assert code in (-signal.SIGINT, 1, 130), (code, looputil.tail(log_path))
+    assert "KeyboardInterrupt" in log_path.read_text(errors="replace")
+    _assert_no_orphans(tree, log_path)
+
+
+@pytest.mark.slow
+def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, tmp_path):
+    """SIGKILL every math-verify worker after the first step: the pool replaces them, re-runs what they held, and
+    every step of the run is scored (reference_reward: 1.0 for each sample unless a score was lost)."""
+    run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    steps, workers = 6, 2
+    argv = [sys.executable, "-m", "tests.train.looputil", "train", "--config", str(looputil.DEMO_CONFIG),
+            *_overrides(prepared, run_dir, **{"run.steps": steps, "reward.workers": workers, "checkpoint.every": 0})]
+    proc = looputil.start(argv, log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
+                          log_path=log_path)
+        killed = tree.direct("spawn_main")  # the pool's spawned workers (the resource tracker is not spawn_main)
+        assert len(killed) == workers, tree.cmdlines
+        for p in killed:
+            p.kill()
+        code = _exit_code(proc, 300, log_path, tree)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, looputil.tail(log_path)
+    rows = looputil.metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["reward_mean"] == 1.0 for r in rows), [r["reward_mean"] for r in rows]
+    last = rows[-1]
+    assert last["reward/pool_restarts"] >= workers and last["reward/pool_crashed"] == 0 and last["reward/pool_timed_out"] == 0, last
+    replacements = set(tree.matching("spawn_main")) - set(killed)
+    assert replacements, tree.cmdlines  # new workers were started (and are gone with the trainer)
+    _assert_no_orphans(tree, log_path)
+
+
+def test_pool_closed_during_a_call_starts_no_workers():
+    """The trainer's shutdown closes the pool while the rollout thread may be scoring: that call ends, and the
+    workers close() killed are not replaced."""
+    import threading
+
+    import psutil
+
+    def workers():
+        return {c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE}
+
+    before = workers()  # other tests' pools in this process
+    pool = RewardPool(workers=2, timeout_s=30.0, fn="tests.rl.test_rewards:scripted")
+    result = {}
+
+    def call():
+        try:
+            result["scores"] = pool.score(["slow:5:\\boxed{1}"] * 4, ["1"] * 4)
+        except RuntimeError as err:
+            result["error"] = str(err)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(1.0)
+    pool.close()
+    t.join(10)
+    assert not t.is_alive() and "closed" in result.get("error", ""), result
+    time.sleep(0.5)
+    assert not workers() - before
