@@ -584,6 +584,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)")
     p.add_argument("--export-root", default=None, help="UpdateWeights may only load directories under this one (unset: directory updates disabled)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (as on SIGTERM) when the process that started this one exits, even SIGKILLed: what "
+                   "`cisjax train` asks of its embedded server, which runs in its own session")
     p.add_argument("--max-model-len", type=int, default=0, help="vllm: context length (default: the model's max_position_embeddings)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the engine shards the model over (default 1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)")
@@ -615,6 +618,17 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.exit_with_parent:
+        parent = os.getppid()
+
+        def watch_parent():
+            # an exiting process's children are re-parented at once (before it is reaped): a new ppid means it is gone
+            while not stop.wait(1.0):
+                if os.getppid() != parent:
+                    log.warning("parent process %d exited: stopping", parent)
+                    stop.set()
+
+        threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     print(f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}", flush=True)
     stop.wait()
     health.set(protos.load().health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -31,7 +31,8 @@ class EmbeddedServer:
         self.port = port or free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "cisjax.rollout.server", "--backend", backend, "--model", str(model_dir),
-                    "--port", str(self.port), "--dtype", dtype, "--export-root", str(export_root), "--grace", str(grace_s), *extra_args]
+                    "--port", str(self.port), "--dtype", dtype, "--export-root", str(export_root), "--grace", str(grace_s),
+                    "--exit-with-parent", *extra_args]  # a SIGKILLed trainer leaves no server behind
         # the server must not pick up a token meant for a remote server: it binds localhost only
         self.env = dict(os.environ, CISJAX_ROLLOUT_TOKEN="", **(env or {}))
         self.log_path = Path(log_path)

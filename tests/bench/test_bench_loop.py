@@ -16,10 +16,12 @@ def test_summary_against_hand_values():
     t = bench_loop.phase_times(rows)
     assert t == {"step_s": 4.0, "rollout_s": 3.0, "train_s": 1.0, "wait_s": 1.0, "staleness_mean": 1.0, "steps": 3}
     sync = dict(t, step_s=4.0)
-    res = bench_loop.summarize(sync, dict(t, step_s=3.3))
-    assert res["overlap_bound_s"] == 3.0 and res["async_over_bound"] == pytest.approx(1.1) and res["meets_target"]
+    res = bench_loop.summarize(sync, dict(t, step_s=3.3, train_s=3.2))  # async phases: max(3.0, 3.2) = 3.2
+    assert res["bound_sync_s"] == 3.0 and res["bound_async_s"] == 3.2
+    assert res["async_over_bound"] == pytest.approx(1.1) and res["meets_target"]  # the larger of 3.3/3.0 and 3.3/3.2
     assert res["async_over_sync"] == pytest.approx(3.3 / 4.0)
     assert not bench_loop.summarize(sync, dict(t, step_s=3.9))["meets_target"]  # 1.3 > 1.2
+    assert not bench_loop.summarize(dict(t, rollout_s=4.0), dict(t, step_s=3.9))["meets_target"]  # 3.9 / 3.0 (async's own)
 
 
 def test_bench_loop_tiny(tmp_path):
@@ -41,5 +43,6 @@ def test_bench_loop_tiny(tmp_path):
         assert m["steps"] == 2 and m["step_s"] > 0 and m["rollout_s"] > 0 and m["train_s"] > 0, m
         assert len(looputil.metrics(tmp_path / "runs" / mode)) == 3
     assert r["sync"]["staleness_mean"] == 0.0  # synchronous: every token from the step's own weights
-    assert r["overlap_bound_s"] == max(r["sync"]["rollout_s"], r["sync"]["train_s"])
+    assert r["bound_sync_s"] == max(r["sync"]["rollout_s"], r["sync"]["train_s"])
+    assert r["bound_async_s"] == max(r["async"]["rollout_s"], r["async"]["train_s"])
     assert isinstance(r["meets_target"], bool) and r["target"] == 1.2

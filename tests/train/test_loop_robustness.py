@@ -142,6 +142,33 @@ def test_second_ctrl_c_aborts(prepared, env, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigkilled_trainer_leaves_no_server(prepared, env, tmp_path):
+    """No handler runs on SIGKILL (the OOM killer, `kill -9`): the embedded server, in its own session, notices that
+    its parent is gone (--exit-with-parent) and stops; the reward workers see their pipes close."""
+    run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    proc = looputil.start(_train(prepared, run_dir), log_path, env)
+    tree = looputil.Tree(proc.pid)
+    try:
+        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
+                          log_path=log_path)
+        servers = tree.matching("cisjax.rollout.server")
+        assert len(servers) == 1 and "--exit-with-parent" in tree.cmdlines[servers[0].pid], tree.cmdlines
+        proc.kill()  # the trainer alone, not its process group
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30.0  # 1 s to notice, then the server's drain (--grace 10 s) and engine close
+    while servers[0].is_running() and servers[0].status() != "zombie" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in tree.alive()]
+    for p in left:
+        p.kill()
+    assert not left, f"alive after the trainer was SIGKILLed: {[tree.cmdlines[p.pid] for p in left]}"
+    assert "parent process" in (run_dir / "rollout_server.log").read_text(errors="replace")
+
+
+@pytest.mark.slow
 def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, tmp_path):
     """SIGKILL every math-verify worker after the first step: the pool replaces them, re-runs what they held, and
     every step of the run is scored (reference_reward: 1.0 for each sample unless a score was lost)."""
