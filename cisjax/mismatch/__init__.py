@@ -1,0 +1,1 @@
+"""Mismatch observatory: statistics of the training-inference mismatch (paper Appendix A)."""
