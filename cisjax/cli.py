@@ -15,6 +15,7 @@ COMMANDS = {
     "score": ("cisjax.score", "training-side (XLA) logprobs of response tokens: jsonl in, jsonl out"),
     "serve": ("cisjax.rollout.server", "rollout gRPC server (token ids in/out) over an inference engine backend"),
     "generate": ("cisjax.rollout.client", "sample rollouts from a rollout server: prompts jsonl in, one line per sample out"),
+    "mismatch": ("cisjax.mismatch.command", "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)"),
     "export": ("cisjax.export", "export a train checkpoint's weights as a versioned HF directory for the rollout server"),
     "info": ("cisjax.info", "describe a Hugging Face model directory as cisjax loads it"),
     "config": ("cisjax.info", "print a config file with --config.x=y overrides applied"),

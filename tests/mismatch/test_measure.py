@@ -1,0 +1,175 @@
+"""`cisjax mismatch measure` end to end: the demo's tiny MoE sampled by the real vLLM engine, rescored by XLA and the transformers engine."""
+
+import argparse
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+if os.environ.get("CISJAX_SKIP_VLLM") == "1":
+    pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
+import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
+
+from cisjax.mismatch import command, measure, records  # noqa: E402
+from cisjax.train import metrics as metrics_lib  # noqa: E402
+from tests.train import looputil  # noqa: E402
+
+ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
+N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The tiny MoE, and a vLLM and a transformers server on it (fp32: the engines agree to ~1e-5), once per module."""
+    from cisjax.rollout.client import RolloutClient
+    from cisjax.train.server_proc import EmbeddedServer
+
+    mp = pytest.MonkeyPatch()
+    for k, v in ENV.items():
+        mp.setenv(k, v)
+    root = tmp_path_factory.mktemp("measure")
+    prepared = looputil.prepare(root / "demo")
+    (root / "exports").mkdir()
+    started = []
+    try:
+        for backend in ("vllm", "transformers"):
+            s = EmbeddedServer(backend=backend, model_dir=str(prepared / "model"), export_root=str(root / "exports"), dtype="float32",
+                               log_path=root / f"{backend}.log", startup_s=300)
+            started.append(s)
+        for s in started:
+            with RolloutClient(s.target) as c:
+                s.wait_ready(c)
+        yield {"model": prepared / "model", "data": prepared / "data" / "heldout.jsonl", "vllm": started[0].target,
+               "transformers": started[1].target, "root": root}
+    finally:
+        for s in started:
+            s.stop()
+        mp.undo()
+
+
+def _args(servers, out, **kw):
+    p = argparse.ArgumentParser()
+    command.add_args(p)
+    argv = ["measure", "--out", str(out), "--model", str(servers["model"]), "--prompts", str(servers.get("prompts", servers["data"])),
+            "--kind", "gsm8k", "--num-prompts", str(N_PROMPTS), "--n", str(N), "--max-new-tokens", str(NEW), "--seed", "3",
+            "--server", servers["vllm"], "--transformers-server", servers["transformers"], "--no-progress"]
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        argv += [flag] if v is True else [flag, str(v)]
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def measured(servers):
+    out = servers["root"] / "out"
+    args = _args(servers, out, pairs="xla-vllm,xla-transformers", dtype="float32", topk=TOPK, probe_positions=PROBES, routing=True)
+    assert command.run(args, []) == 0
+    return out
+
+
+def test_pairs_load_with_consistent_tokens(measured, servers):
+    hf = json.loads((servers["model"] / "config.json").read_text())
+    ms = [records.load(d) for d in records.find([measured])]
+    assert [m.meta["pair"] for m in ms] == ["xla-transformers", "xla-vllm"]
+    a, b = ms
+    for k in ("seq_id", "position", "token_id", "logp"):
+        np.testing.assert_array_equal(a.tokens[k], b.tokens[k])  # the same sampled tokens and XLA scores in both pairs
+    for m in ms:
+        t, meta = m.tokens, m.meta
+        assert meta["prompts"] == N_PROMPTS and meta["sequences"] == N_PROMPTS * N and meta["n"] == N
+        assert meta["vocab_size"] == hf["vocab_size"] and meta["xla_dtype"] == "float32"
+        lengths = np.bincount(t["seq_id"], minlength=N_PROMPTS * N)
+        assert m.n_tokens == lengths.sum() == meta["tokens"] and lengths.max() <= NEW
+        for s in range(N_PROMPTS * N):  # positions count 0.. within each response
+            np.testing.assert_array_equal(t["position"][t["seq_id"] == s], np.arange(lengths[s]))
+        assert np.all(np.isfinite(t["logp"])) and np.all(np.isfinite(t["logq"]))
+        assert np.all((t["token_id"] >= 0) & (t["token_id"] < hf["vocab_size"]))
+        log_k = t["logp"] - t["logq"]
+        assert np.max(np.abs(log_k)) < 1e-3, np.max(np.abs(log_k))  # fp32 everywhere: the engines agree
+        assert meta["control_rescore_max_abs_diff"] == 0.0
+        assert abs(meta["mean_k"] - 1) < 1e-3
+        assert meta["xla_float32_rescore_tokens_per_s"] > 0
+        # top-K at the probed positions: the sampled-token logprob among each side's top-K where it is in it
+        k = m.topk
+        assert k["ids_p"].shape == k["ids_q"].shape == k["logp_p"].shape == (PROBES, TOPK)
+        assert len(np.unique(k["token_index"])) == PROBES
+        assert np.mean(k["ids_p"][:, 0] == k["ids_q"][:, 0]) == 1.0
+        np.testing.assert_allclose(k["logp_p"], k["logp_q"], atol=1e-3)
+        hits = 0
+        for j, t in enumerate(k["token_index"]):  # the probes see the prefix of the token itself: its logprob is there
+            where = np.flatnonzero(k["ids_p"][j] == t_id[t]) if (t_id := m.tokens["token_id"]) is not None else []
+            if len(where):
+                hits += 1
+                assert abs(k["logp_p"][j, where[0]] - m.tokens["logp"][t]) < 1e-4
+        assert hits >= 1  # the untrained model is near uniform over its 100 ids: some sampled tokens are outside the top 20
+        r = m.routing
+        moe_layers = hf["num_hidden_layers"]
+        assert r["experts_p"].shape == r["experts_q"].shape == (moe_layers, PROBES, hf["num_experts_per_tok"])
+        np.testing.assert_array_equal(r["token_index"], k["token_index"])
+        assert meta["routing_agreement"] > 0.95
+
+
+def test_dump_reader(tmp_path, servers):
+    run_dir = tmp_path / "run"
+    rng = np.random.default_rng(0)
+    for step in (2, 4, 6, 8, 10, 12):
+        shape = (3, 10)
+        infer = -rng.exponential(1.0, shape)
+        metrics_lib.write_dump(run_dir, step, infer_logprobs=infer, prox_logprobs=infer + rng.normal(0, 0.01, shape),
+                               mask=rng.random(shape) < 0.7, weights=np.ones(shape), acted=np.zeros(shape, bool),
+                               token_versions=np.full(shape, step - 1), current_version=step, sample_tokens=8, seed=0)
+    args = _args(servers, tmp_path / "out", dump=run_dir)
+    args.model = args.prompts = None
+    assert command.run(args, []) == 0
+    m = records.load(tmp_path / "out" / "train-dump")
+    assert m.meta["pair"] == "train-dump" and m.meta["side_p"] == "xla (proximal)" and m.meta["side_q"] == "vllm (sampling)"
+    assert m.n_tokens == 6 * 8 and m.meta["staleness_mean"] == 1.0
+    np.testing.assert_array_equal(np.bincount(m.tokens["phase"]), [16, 16, 16])  # steps 2,4 | 6,8 | 10,12
+    assert m.meta["phase_steps"] == {"early": [2, 4], "middle": [6, 8], "late": [10, 12]}
+    z = np.load(run_dir / "dumps" / "step_0000002.npz")
+    np.testing.assert_array_equal(m.tokens["logq"][:8], z["logp_infer"])
+    np.testing.assert_array_equal(m.tokens["logp"][:8], np.minimum(z["logp_prox"], 0))
+    assert m.tokens["seq_id"].max() < 6 * 3
+
+
+def test_bad_inputs_are_named(servers, tmp_path):
+    with pytest.raises(ValueError, match="unknown engine pair.*xla-sglang"):
+        command.run(_args(servers, tmp_path / "a", pairs="xla-vllm,xla-sglang"), [])
+    with pytest.raises(FileNotFoundError, match="--prompts .*no such file"):
+        command.run(_args(servers, tmp_path / "b", prompts=tmp_path / "missing.jsonl"), [])
+    with pytest.raises(FileNotFoundError, match="--model .*not a Hugging Face model directory"):
+        command.run(_args(servers, tmp_path / "c", model=tmp_path / "no_model"), [])
+    with pytest.raises(FileNotFoundError, match="no dumps"):
+        args = _args(servers, tmp_path / "d", dump=tmp_path)
+        args.model = args.prompts = None
+        command.run(args, [])
+    # a --model whose vocabulary differs from the server's model: named before anything is sampled
+    other = tmp_path / "other_model"
+    shutil.copytree(servers["model"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] += 64
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size .* not the same model"):
+        command.run(_args(servers, tmp_path / "e", model=other), [])
+    assert not (tmp_path / "e" / "xla-vllm").exists()
+
+
+def test_child_servers_and_the_other_pairs(servers, tmp_path, monkeypatch):
+    """No --server: measure starts (and stops) its own vLLM and transformers servers, bf16 as the paper's engines."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    args = _args(servers, tmp_path / "out", pairs="vllm-transformers,xla_bf16-xla_fp32", routing=True, num_prompts=2)
+    args.server = args.transformers_server = None
+    assert command.run(args, []) == 0
+    vt, bf = (records.load(tmp_path / "out" / p) for p in ("vllm-transformers", "xla_bf16-xla_fp32"))
+    assert vt.meta["side_p"] == "transformers/bfloat16 (Score)" and vt.meta["side_q"] == "vllm/bfloat16 (sampling)"
+    assert bf.meta["side_p"] == "xla/bfloat16" and bf.meta["side_q"] == "xla/float32"
+    assert vt.meta["control_rescore_max_abs_diff"] is None and bf.meta["control_rescore_max_abs_diff"] == 0.0
+    for m in (vt, bf):
+        log_k = m.tokens["logp"] - m.tokens["logq"]
+        assert 0 < np.max(np.abs(log_k)) < 0.1  # bf16 on one side: a small, nonzero mismatch
+        assert m.routing["experts_p"].shape[:2] == (2, m.n_tokens)  # no probes: routing at every token
+    np.testing.assert_array_equal(vt.tokens["token_id"], bf.tokens["token_id"])
+    assert (tmp_path / "out" / "servers" / "vllm.log").is_file()
