@@ -173,3 +173,25 @@ def test_child_servers_and_the_other_pairs(servers, tmp_path, monkeypatch):
         assert m.routing["experts_p"].shape[:2] == (2, m.n_tokens)  # no probes: routing at every token
     np.testing.assert_array_equal(vt.tokens["token_id"], bf.tokens["token_id"])
     assert (tmp_path / "out" / "servers" / "vllm.log").is_file()
+
+
+def test_report_of_a_real_measurement_has_every_table_and_plot(measured, tmp_path):
+    """The issue's end-to-end path: measure (real vLLM, top-K, routing) then report, every table and figure."""
+    from cisjax import cli
+    from tests.mismatch.test_report import HEADINGS
+
+    out = tmp_path / "report"
+    assert cli.main(["mismatch", "report", str(measured), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    for h in HEADINGS:
+        if h != "### ε by training phase":  # phases exist in training dumps only
+            assert h in md, h
+    assert "Omitted for" not in md  # top-K and routing were measured: no table left out
+    assert "identity k = p + (1−p)e^ε: max error" in md
+    for name in ("ccdf_delta.png", "ccdf_eps.png", "eps_vs_uncertainty.png", "mad_vs_uncertainty.png",
+                 "plane_xla-vllm.png", "plane_xla-transformers.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md, name
+    doc = json.loads((out / "summary.json").read_text())
+    assert set(doc["measurements"]) == {"xla-vllm", "xla-transformers"}
+    assert (out / "raw" / "xla-vllm.npz").is_file()
