@@ -117,7 +117,8 @@ def problems_from_rows(rows: Sequence[Mapping], *, kind: str = "gsm8k", split: s
 # ----------------------------------------------------------------------------- sources
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a .jsonl file, blank lines skipped; ValueError naming the line that is not JSON."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -175,7 +176,7 @@ def load_problems(source: str | os.PathLike, split: str = "train", *, kind: str 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data source {source} is not a file, a directory, or hf:<dataset>")
     if path.endswith(".jsonl"):
-        rows = _read_jsonl(path)
+        rows = read_jsonl(path)
     elif path.endswith(".parquet"):
         rows = _read_parquet(path)
     else:

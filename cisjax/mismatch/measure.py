@@ -83,15 +83,7 @@ def read_prompts(path, model_dir, *, kind: str, num: int, seed: int) -> list[lis
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {path}: no such file")
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err})") from None
+    rows = data.read_jsonl(str(path))
     if not rows:
         raise ValueError(f"{path}: no prompts")
     if num > 0 and num < len(rows):
