@@ -266,14 +266,14 @@ def _host_batch(ro, cfg, rows_multiple):
 
 
 def _rollout_metrics(ro, step: int) -> dict:
+    from cisjax.rl.rewards import last_boxed
+
     rs = [r for g in ro.groups for r in g]
     rewards = np.asarray([r.reward for r in rs], np.float64)
     lengths = np.asarray([len(r.response_ids) for r in rs], np.float64)
     versions = np.concatenate([np.asarray(r.versions, np.int64) for r in rs if r.versions] or [np.zeros(0, np.int64)])
     stale = step - versions  # the params of step s are version s
     solved = np.asarray([max(r.reward for r in g) for g in ro.groups])
-    from cisjax.rl.rewards import last_boxed
-
     boxed = [last_boxed(t) is not None for ts in ro.texts for t in ts]  # format compliance, whatever the answer
     return {"reward/mean": rewards.mean(), "reward/accuracy": float((rewards >= 1.0).mean()),
             "reward/solved_groups": float((solved >= 1.0).mean()),
