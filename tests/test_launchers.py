@@ -224,12 +224,9 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
     run_dir, log_path, steps = tmp_path / "run", tmp_path / "launcher.log", 8
     env = dict(env, CONFIG="configs/demo_cpu.py", BACKEND="transformers", DTYPE="float32", RUN=str(run_dir),
                PORT=str(free_port()), STARTUP_S="300")
-    proc = looputil.start(["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared, steps), "--config.checkpoint.every=0"],
-                          log_path, env)
-    tree = looputil.Tree(proc.pid)
+    argv = ["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared, steps), "--config.checkpoint.every=0"]
+    proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env, timeout_s=400)
     try:
-        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=400, tree=tree, what="the first step",
-                          log_path=log_path)
         os.killpg(proc.pid, signal.SIGINT)
         deadline = time.monotonic() + 90
         while proc.poll() is None and time.monotonic() < deadline:

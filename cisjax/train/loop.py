@@ -149,7 +149,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             rescore_s = time.monotonic() - t0
             # dump before the step donates the params (the batch and prox are not donated)
             if cfg.run.dump_every and s % cfg.run.dump_every == 0:
-                prox_host = _to_host(prox)  # collective when prox spans processes
+                prox_host = hf_io.to_host(prox)  # collective when prox spans processes
                 if lead:
                     _dump(run_dir, s, cfg, host, prox_host, versions_rows, corrections, corr_kw)
             # 4. the update
@@ -326,17 +326,6 @@ def _stop_requested(stop_event) -> bool:
 
         stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
     return stop
-
-
-def _to_host(x) -> np.ndarray:
-    """The whole of a global array on this process (every process must call it when x spans processes)."""
-    import jax
-
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr_kw) -> None:

@@ -233,12 +233,7 @@ class Publisher:
 
     def trainer_logprobs(self, params) -> list[list[float]]:
         """The trainer's logprobs of each canary sequence's response tokens under `params` (collective)."""
-        out = self._logprobs_fn(params, self._batch)
-        if not out.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            out = multihost_utils.process_allgather(out, tiled=True)
-        lp = np.asarray(out)[0]
+        lp = hf_io.to_host(self._logprobs_fn(params, self._batch))[0]
         return [lp[i, len(p) - 1 : len(p) + len(r) - 1].tolist() for i, (p, r) in enumerate(self.sequences)]
 
     def canary_due(self) -> bool:

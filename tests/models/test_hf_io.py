@@ -265,8 +265,8 @@ def test_iter_tensors_is_lazy_and_equals_the_files(src, monkeypatch):
     model, _, hf = hf_io.load(src)
     want = tensors(src)
     fetched = []
-    to_host = hf_io._to_host
-    monkeypatch.setattr(hf_io, "_to_host", lambda x: fetched.append(x.shape) or to_host(x))
+    to_host = hf_io.to_host
+    monkeypatch.setattr(hf_io, "to_host", lambda x: fetched.append(x.shape) or to_host(x))
 
     specs = hf_io.tensor_specs(model, hf, "bfloat16")
     assert sorted(s.name for s in specs) == sorted(want) and fetched == []

@@ -135,6 +135,22 @@ def wait_for(proc: subprocess.Popen, condition, *, timeout_s: float, tree: Tree 
         time.sleep(0.2)
 
 
+def start_until_first_step(argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300) -> tuple[subprocess.Popen, Tree]:
+    """start(argv) and wait until the run's metrics.jsonl has a step: (the process, its Tree); the process group is
+    killed when the wait fails."""
+    import signal
+
+    proc = start(argv, log_path, env)
+    tree = Tree(proc.pid)
+    try:
+        wait_for(proc, lambda: metrics(run_dir), timeout_s=timeout_s, tree=tree, what="the first step", log_path=log_path)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, tree
+
+
 def tail(path, lines: int = 40) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])

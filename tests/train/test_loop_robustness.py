@@ -66,11 +66,8 @@ def _assert_no_orphans(tree, log_path):
 def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     t_start = time.monotonic()
-    proc = looputil.start(_train(prepared, run_dir), log_path, env)
-    tree = looputil.Tree(proc.pid)
+    proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
-        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
-                          log_path=log_path)
         t_first = time.monotonic() - t_start
         servers = tree.matching("cisjax.rollout.server")
         assert len(servers) == 1, tree.cmdlines
@@ -122,11 +119,8 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
 @pytest.mark.slow
 def test_second_ctrl_c_aborts(prepared, env, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    proc = looputil.start(_train(prepared, run_dir), log_path, env)
-    tree = looputil.Tree(proc.pid)
+    proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
-        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
-                          log_path=log_path)
         assert tree.matching("cisjax.rollout.server"), tree.cmdlines
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.3)
@@ -146,11 +140,8 @@ def test_sigkilled_trainer_leaves_no_server(prepared, env, tmp_path):
     """No handler runs on SIGKILL (the OOM killer, `kill -9`): the embedded server, in its own session, notices that
     its parent is gone (--exit-with-parent) and stops; the reward workers see their pipes close."""
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    proc = looputil.start(_train(prepared, run_dir), log_path, env)
-    tree = looputil.Tree(proc.pid)
+    proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
-        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
-                          log_path=log_path)
         servers = tree.matching("cisjax.rollout.server")
         assert len(servers) == 1 and "--exit-with-parent" in tree.cmdlines[servers[0].pid], tree.cmdlines
         proc.kill()  # the trainer alone, not its process group
@@ -176,11 +167,8 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
     steps, workers = 6, 2
     argv = [sys.executable, "-m", "tests.train.looputil", "train", "--config", str(looputil.DEMO_CONFIG),
             *_overrides(prepared, run_dir, **{"run.steps": steps, "reward.workers": workers, "checkpoint.every": 0})]
-    proc = looputil.start(argv, log_path, env)
-    tree = looputil.Tree(proc.pid)
+    proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env)
     try:
-        looputil.wait_for(proc, lambda: looputil.metrics(run_dir), timeout_s=300, tree=tree, what="the first step",
-                          log_path=log_path)
         killed = tree.direct("spawn_main")  # the pool's spawned workers (the resource tracker is not spawn_main)
         assert len(killed) == workers, tree.cmdlines
         for p in killed:
