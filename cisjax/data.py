@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cisjax.rl.rewards import last_boxed, normalize_reference
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Problem",
@@ -80,8 +84,9 @@ def _minerva(row, i, split):
 
 
 def _olympiadbench(row, i, split):
-    # final_answer is a list of strings like "$\frac{1}{2 n+2}$": drop the math delimiters
-    answers = [a.strip().strip("$").strip() for a in row["final_answer"]]
+    # final_answer is a list of strings like "$\frac{1}{2 n+2}$": drop the math delimiters. A multiple answer is
+    # one string "$90^{\circ}$,$60^{\circ}$": its parts joined by ", " (a set, as math-verify reads it)
+    answers = [re.sub(r"(?<!\\)\$", "", re.sub(r"\$\s*,\s*\$", ", ", a.strip().rstrip(".").strip())).strip() for a in row["final_answer"]]
     question = row["question"] if not row.get("context") else f"{row['context']}\n{row['question']}"
     return Problem(f"olympiadbench/{row.get('id', i)}", question, ", ".join(answers))
 
@@ -189,17 +194,19 @@ def load_problems(source: str | os.PathLike, split: str = "train", *, kind: str 
 
 class PromptFormatter:
     """Question -> prompt token ids: the question and the instruction as the one user message, through the
-    tokenizer's chat template with the generation prompt (no system message of ours: a template that has
-    a default one, as Qwen2.5's, adds it). `enable_thinking=False` is Qwen3's non-thinking mode, as in the
-    paper; templates without the switch ignore it."""
+    tokenizer's chat template with the generation prompt (no system message of ours unless `system` is given,
+    as Qwen2.5-Math's evaluation prompt does: a template that has a default one, as Qwen2.5's, adds it).
+    `enable_thinking=False` is Qwen3's non-thinking mode, as in the paper; templates without the switch ignore it."""
 
-    def __init__(self, tokenizer_dir: str | os.PathLike, instruction: str = TRAIN_INSTRUCTION, *, chat_template: bool = True, enable_thinking: bool = False):
+    def __init__(self, tokenizer_dir: str | os.PathLike, instruction: str = TRAIN_INSTRUCTION, *, chat_template: bool = True,
+                 enable_thinking: bool = False, system: str = ""):
         from transformers import AutoTokenizer  # heavy import: only where prompts are built
 
         self.tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir))
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt")
         self.instruction = instruction
+        self.system = system
         self.chat_template = chat_template
         self.enable_thinking = enable_thinking
         self.stop_token_ids = self._stop_ids()
@@ -226,10 +233,9 @@ class PromptFormatter:
         """The full prompt text the model sees."""
         message = self.message(question)
         if not self.chat_template:
-            return message
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking
-        )
+            return f"{self.system}\n\n{message}" if self.system else message
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": message}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking)
 
     def encode(self, question: str) -> list[int]:
         """Prompt token ids. The template's text already holds its special tokens: add none."""
@@ -241,6 +247,20 @@ class PromptFormatter:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Response ids -> text (end-of-turn tokens dropped by default)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def drop_long_prompts(problems: Sequence[Problem], formatter: PromptFormatter, max_tokens: int) -> list[Problem]:
+    """The problems whose formatted prompt has at most `max_tokens` tokens (0 = all of them), in order; how many
+    were dropped goes to the log. Bounding prompts bounds every batch row (prompt + rollout.max_new_tokens)."""
+    if max_tokens <= 0:
+        return list(problems)
+    kept = [p for p in problems if len(formatter.encode(p.question)) <= max_tokens]
+    if not kept:
+        raise ValueError(f"data.max_prompt_tokens={max_tokens}: every one of the {len(problems)} prompts is longer")
+    if len(kept) < len(problems):
+        log.warning("data.max_prompt_tokens=%d: dropped %d of %d problems with longer prompts", max_tokens,
+                    len(problems) - len(kept), len(problems))
+    return kept
 
 
 # ----------------------------------------------------------------------------- the stream

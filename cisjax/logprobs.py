@@ -143,6 +143,17 @@ def _chunked_bwd(c, top_k, compute_dtype, res, cts):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+def token_logprobs_backward(hidden_NxD, unembed_DxV, targets_N, lse_N, entropy_N, g_logprobs_N, *, temperature=1.0,
+                            chunk_size: int = 1024, compute_dtype=None):
+    """token_logprobs' backward pass on its own, from the per-token logsumexp and entropy its forward saved:
+    (d hidden [N, D], d unembed [D, V]) for the cotangent `g_logprobs_N` of the logprobs (none on the entropy).
+    It is the step's backward over the head, recompute included; `cisjax plan` compiles it alone to cost it."""
+    h_NxD, t_N, temperature, compute_dtype, _ = _prepare(hidden_NxD, unembed_DxV, targets_N, temperature, 0, compute_dtype)
+    res = (h_NxD, unembed_DxV, t_N, temperature, lse_N.reshape(-1), entropy_N.reshape(-1), None)
+    dh, dw = _chunked_bwd(chunk_size, 0, compute_dtype, res, (g_logprobs_N.reshape(-1), jnp.zeros_like(entropy_N.reshape(-1))))[:2]
+    return dh.reshape(hidden_NxD.shape), dw
+
+
 def _prepare(hidden, unembed_DxV, targets, temperature, top_k: int, compute_dtype):
     d, v = unembed_DxV.shape
     if hidden.shape[-1] != d:

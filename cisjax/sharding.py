@@ -130,6 +130,16 @@ def use_mesh(mesh: Mesh, rules: Rules | None = None):
         yield mesh
 
 
+def current_platform() -> str:
+    """The platform of the program being traced: that of the active mesh's devices (use_mesh), else JAX's default
+    backend. Hardware-dependent choices follow it, not the host: a CPU host compiling for a TPU mesh (cisjax plan)
+    must trace the TPU program."""
+    ctx = _CTX.value
+    if ctx is not None:
+        return ctx[0].devices.flat[0].platform
+    return jax.default_backend()
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint by logical names; identity when no mesh is active."""
     ctx = _CTX.value

@@ -11,10 +11,11 @@ def get_config() -> ml_collections.ConfigDict:
     # --- the model -------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # Hugging Face model directory (config.json + safetensors)
+    c.model.hf_config = ""  # the architecture's config.json for commands that need no weights (cisjax plan); "" = <model.path>/config.json
     c.model.dtype = "bfloat16"  # compute dtype of activations/matmuls: bfloat16 | float32 | float16
     c.model.param_dtype = "float32"  # storage dtype of the parameters (fp32 master weights)
     c.model.router_dtype = "float32"  # router logits + softmax; fp32 as the HF reference
-    c.model.moe_impl = "auto"  # MoE dispatch: auto (tiled on CPU, ragged on GPU/TPU) | tiled | ragged | dense
+    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's platform: tiled on CPU, ragged on GPU/TPU) | tiled | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
 
     # --- the device mesh (axes data, fsdp, tensor, expert; one size may be -1 = the rest) ----
@@ -128,6 +129,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ""  # tokenizer directory; "" = model.path
     c.data.instruction = "Please put your final answer within \\boxed{}."  # appended to each problem (paper, Appendix C)
     c.data.chat_template = True  # format prompts with the tokenizer's chat template
+    # Bounding prompts bounds every batch row (max_prompt_tokens + rollout.max_new_tokens): what cisjax plan compiles for.
+    c.data.max_prompt_tokens = 512  # problems whose formatted prompt is longer are dropped at load (logged); 0 = no limit
     c.data.prompts_per_step = 256  # prompts per optimizer step (the recipe: 7,473 x 3 epochs / 87 steps)
     c.data.epochs = 3  # passes over the data, each in a new seeded order
 
@@ -148,6 +151,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.timeout_s = 3600.0  # deadline of one rollout call
     c.rollout.retry_s = 900.0  # how long the client retries an unavailable server (restarts included)
     c.rollout.startup_s = 900.0  # how long to wait for the server to serve
+
+    # --- evaluation in the loop (cisjax.evaluation.in_loop; the same code as `cisjax eval`) -----------------------
+    # Greedy pass@1 of the weights just published, on the run's rollout server (the version the trainer published),
+    # logged as eval/<set>/accuracy (metrics.jsonl, TensorBoard) with the files of `cisjax eval` in <run dir>/eval/vNNNNNN.
+    # The trainer waits for it (the rollout producer keeps generating meanwhile): the stall is the eval's own time.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.sets = ""  # comma-separated: gsm8k, math500, svamp, minerva, olympiadbench; "" = no evaluation in the loop
+    c.eval.data = ""  # where their test splits are, as `cisjax eval --data`: a directory, hf (hub defaults), and/or SET=FILE entries
+    c.eval.every = 0  # evaluate after every N-th step's publish; 0 = only the final evaluation (eval.final)
+    c.eval.final = True  # also evaluate the final weights, after the last step
+    c.eval.limit = 0  # the first N problems of each set (0 = all)
+    c.eval.max_new_tokens = 3000  # new tokens per response at most (less where the model's context length ends first)
+    c.eval.prompt = "train"  # train (the run's prompt: data.instruction, data.chat_template) | paper-eval | qwen25-math-cot
+    c.eval.grade_workers = 1  # math-verify processes grading the answers (besides the reward pool's)
+    c.eval.grade_timeout_s = 10.0  # hard per-answer math-verify timeout; an answer past it is graded wrong
 
     # --- rewards (cisjax.rl.rewards) ---------------------------------------------------------------
     c.reward = ml_collections.ConfigDict()

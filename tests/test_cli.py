@@ -34,6 +34,11 @@ def test_console_script_installed():
     assert res.returncode == 0 and "score" in res.stdout
 
 
+def test_python_dash_m_cisjax():
+    res = subprocess.run([sys.executable, "-m", "cisjax", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "plan" in res.stdout, res.stderr
+
+
 def test_config_command_prints_overrides(capsys):
     assert cli.main(["config", "--config.mesh.tensor=4"]) == 0
     assert "tensor: 4" in capsys.readouterr().out

@@ -59,6 +59,15 @@ def test_olympiadbench_strips_math_delimiters():
     assert load_problems(FIXTURES / "eval" / "olympiadbench.jsonl", kind="olympiadbench")[1].answer == "\\frac{1}{2 n+2}"
 
 
+def test_olympiadbench_multiple_answers_in_one_string(tmp_path):
+    # the shapes of OlympiadBench's final_answer for several answers (ids 2498, 1803, 2021 of the Qwen2.5-Math file)
+    rows = [{"question": "q", "final_answer": [a]} for a in ("$90^{\\circ}$,$60^{\\circ}$", "$a=2$, $a=-6-4 \\sqrt{2}$",
+                                                            "$(-\\infty, 0) \\cup\\{1\\}$.", "$\\$5$")]
+    path = _write(tmp_path / "o.jsonl", [json.dumps(r) for r in rows])
+    answers = [p.answer for p in load_problems(path, kind="olympiadbench")]
+    assert answers == ["90^{\\circ}, 60^{\\circ}", "a=2, a=-6-4 \\sqrt{2}", "(-\\infty, 0) \\cup\\{1\\}", "\\$5"]
+
+
 def _write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path
@@ -162,6 +171,15 @@ def test_qwen3_chat_template_thinking_off(qwen3):
     assert qwen3.decode(qwen3.tokenizer.encode("\\boxed{2}<|im_end|>", add_special_tokens=False)) == "\\boxed{2}"
 
 
+def test_system_message(qwen25):
+    fmt = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", instruction="", system="Reason, then box.")
+    # the given system message replaces the template's default one; the user message is the bare question
+    assert fmt.text(QUESTION) == ("<|im_start|>system\nReason, then box.<|im_end|>\n"
+                                  f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    plain = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", chat_template=False, system="Reason, then box.")
+    assert plain.text(QUESTION) == f"Reason, then box.\n\n{MESSAGE}"
+
+
 def test_plain_prompt_and_bad_question(qwen25):
     plain = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", chat_template=False)
     assert plain.text(QUESTION) == MESSAGE
@@ -229,3 +247,17 @@ def test_stream_restore_rejects_another_data_set_or_seed():
         stream.restore({"epoch": 0})
     with pytest.raises(ValueError, match="batch_size 30 > 20"):
         PromptStream(PROBLEMS, batch_size=30, seed=0, epochs=1)
+
+
+def test_drop_long_prompts():
+    from cisjax.data import Problem, PromptFormatter, drop_long_prompts
+
+    fmt = PromptFormatter(TOKENIZERS / "qwen2.5-instruct")
+    problems = [Problem(id=str(i), question="What is 2 + 2?" + " And more." * (40 * i), answer="4") for i in range(3)]
+    lengths = [len(fmt.encode(p.question)) for p in problems]
+    assert lengths[0] < lengths[1] < lengths[2]
+    assert drop_long_prompts(problems, fmt, 0) == problems
+    assert drop_long_prompts(problems, fmt, lengths[1]) == problems[:2]
+    assert drop_long_prompts(problems, fmt, lengths[0]) == problems[:1]
+    with pytest.raises(ValueError, match="every one of the 3 prompts is longer"):
+        drop_long_prompts(problems, fmt, lengths[0] - 1)

@@ -11,15 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-# What cisjax/rollout/vllm_backend.py applies when unset: an in-process engine (no engine-core
-# subprocess), 1 GiB of CPU KV cache, no torch.compile. The benches give the server and any
-# in-process engine the same values.
-VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCH_COMPILE_DISABLE": "1"}
+from cisjax.rollout import engine_env as engine_env_lib
 
 
 def engine_env(kv_cache_gib: float | None = None) -> dict:
-    """The vLLM environment both sides of a bench run with: this process's values, else the backend's defaults."""
-    env = {k: os.environ.get(k, v) for k, v in VLLM_ENV_DEFAULTS.items()}
+    """The vLLM environment both sides of a bench run with: this process's values, else the backend's defaults
+    (cisjax.rollout.engine_env)."""
+    env = {k: os.environ.get(k, v) for k, v in engine_env_lib.defaults().items()}
     if kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     return env

@@ -111,7 +111,7 @@ def bench(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
         _save_model(args, model_dir)
-        model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, moe_impl=args.moe_impl, **step_lib.model_runtime(cfg))
+        model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))  # model.moe_impl set above
         res["jax_moe_impl"] = moe_lib.default_impl() if mcfg.moe_impl == "auto" else mcfg.moe_impl
         host = _host_batch(args, mcfg.vocab_size)
         graphdef, params = nnx.split(model, nnx.Param)

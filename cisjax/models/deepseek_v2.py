@@ -13,7 +13,7 @@ from cisjax import sharding
 from cisjax.models import hf_config, qwen2_moe
 from cisjax.models.layers import MLP, RMSNorm, apply_rope, attention, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
-from cisjax.models.transformer import CausalLM
+from cisjax.models.transformer import CausalLM, decoder_layers
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -94,6 +94,9 @@ class Config(hf_config.DecoderConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def attention_dims(self) -> tuple[int, int, int]:
+        return self.num_attention_heads, self.qk_head_dim, self.v_head_dim
 
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for scaled rope (HF yarn_apply_mscale)."""
@@ -180,21 +183,19 @@ class MoeBlock(nnx.Module):
             method=cfg.topk_method, n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
             router_dtype=cfg.router_dtype, impl=cfg.moe_impl, tile=cfg.moe_tile,
         )
-        if cfg.n_shared_experts:
+        self.has_shared = bool(cfg.n_shared_experts)
+        if self.has_shared:
             self.shared = MLP(d, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, param_dtype=pd, dtype=dt)
 
     def __call__(self, x_BxLxD):
         y_BxLxD, ids_BxLxK = self.moe(x_BxLxD)
-        if hasattr(self, "shared"):
+        if self.has_shared:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
         return y_BxLxD, ids_BxLxK
 
 
 def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:
-    layers = [
-        qwen2_moe.DecoderLayer(cfg, i, rngs=rngs, moe_block=MoeBlock, attention=MLAttention) for i in range(cfg.num_hidden_layers)
-    ]
-    return CausalLM(cfg, layers, rngs=rngs)
+    return CausalLM(cfg, decoder_layers(cfg, rngs, attention=MLAttention, moe_block=MoeBlock), rngs=rngs)
 
 
 # HF tensor name -> our parameter path -> kind (see qwen2_moe.WEIGHTS); rows for parameters a model

@@ -50,6 +50,10 @@ class DecoderConfig(RuntimeOptions):
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
 
+    def attention_dims(self) -> tuple[int, int, int]:
+        """(query heads, q.k width per head, value width per head): the shape of the attention core (FLOP counts)."""
+        return self.num_attention_heads, self.head_dim, self.head_dim
+
 
 # Rows common to every family: HF tensor name -> our parameter path -> layout kind.
 LM_WEIGHTS = (

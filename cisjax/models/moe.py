@@ -222,9 +222,11 @@ def _tiled_swiglu_bwd(tiles, res, dy_NxD):
 _tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 
-def default_impl() -> str:
-    """ragged_dot is the grouped-matmul path on GPU/TPU; on CPU it lowers to E-fold masked dense work."""
-    return "tiled" if jax.default_backend() == "cpu" else "ragged"
+def default_impl(platform: str | None = None) -> str:
+    """The dispatch for `platform` (default: the platform of the program being traced, see
+    sharding.current_platform, so a CPU host compiling for a TPU mesh gets the TPU path). ragged_dot is the
+    grouped-matmul path on GPU/TPU; on CPU it lowers to E-fold masked dense work."""
+    return "tiled" if (platform or sharding.current_platform()) == "cpu" else "ragged"
 
 
 # ----------------------------------------------------------------------------- dispatch

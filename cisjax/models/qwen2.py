@@ -7,7 +7,7 @@ import dataclasses
 import flax.nnx as nnx
 
 from cisjax.models import hf_config, qwen2_moe
-from cisjax.models.transformer import CausalLM
+from cisjax.models.transformer import CausalLM, decoder_layers
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
@@ -41,8 +41,8 @@ class Config(hf_config.DecoderConfig):
 
 
 def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:
-    """Every layer is Qwen2-MoE's decoder layer with its dense SwiGLU MLP (forward gives expert_ids None)."""
-    return CausalLM(cfg, [qwen2_moe.DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)], rngs=rngs)
+    """Qwen2-MoE's attention and a dense SwiGLU MLP in every layer (forward gives expert_ids None)."""
+    return CausalLM(cfg, decoder_layers(cfg, rngs, attention=qwen2_moe.Attention), rngs=rngs)
 
 
 # Qwen2-MoE's attention and dense-MLP rows (rows without a parameter here are dropped by hf_io).

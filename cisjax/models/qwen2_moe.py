@@ -11,7 +11,7 @@ from cisjax import sharding
 from cisjax.models import hf_config
 from cisjax.models.layers import MLP, RMSNorm, apply_rope, attention, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
-from cisjax.models.transformer import CausalLM
+from cisjax.models.transformer import CausalLM, decoder_layers
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 
@@ -55,7 +55,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs, qk_norm: bool = False):
         d, n, kv, h, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.param_dtype
-        self.cfg = cfg
+        self.cfg, self.qk_norm = cfg, qk_norm
         self.wq_DxQ = param(rngs, (d, n * h), ("embed", "heads"), pd)
         self.wk_DxK = param(rngs, (d, kv * h), ("embed", "kv_heads"), pd)
         self.wv_DxK = param(rngs, (d, kv * h), ("embed", "kv_heads"), pd)
@@ -77,7 +77,7 @@ class Attention(nnx.Module):
         q_BxLxNxH = dense(x_BxLxD, self.wq_DxQ, dt, bias("bq_Q")).reshape(b, l, -1, h)
         k_BxLxKxH = dense(x_BxLxD, self.wk_DxK, dt, bias("bk_K")).reshape(b, l, -1, h)
         v_BxLxKxH = dense(x_BxLxD, self.wv_DxK, dt, bias("bv_K")).reshape(b, l, -1, h)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
         inv_freq, rope_scale = rope_frequencies(dict(cfg.rope), h, cfg.max_position_embeddings)
         cos, sin = rope_cos_sin(positions_BxL, inv_freq, rope_scale, dt)
@@ -106,30 +106,8 @@ class SparseMoeBlock(nnx.Module):
         return y_BxLxD + gate_BxLx1 * self.shared(x_BxLxD), ids_BxLxK
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Config, i: int, *, rngs: nnx.Rngs, qk_norm: bool = False, moe_block=SparseMoeBlock, attention=None):
-        pd = cfg.param_dtype
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-        # `attention`: another family's attention class, built as attention(cfg, rngs=rngs)
-        self.attn = attention(cfg, rngs=rngs) if attention else Attention(cfg, rngs=rngs, qk_norm=qk_norm)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-        self.is_moe = cfg.is_moe_layer(i)
-        if self.is_moe:
-            self.mlp = moe_block(cfg, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd, dtype=cfg.dtype)
-
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask_BxLxL)
-        if self.is_moe:
-            y_BxLxD, ids = self.mlp(self.mlp_norm(x_BxLxD))
-        else:
-            y_BxLxD, ids = self.mlp(self.mlp_norm(x_BxLxD)), None
-        return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
-
-
 def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:
-    return CausalLM(cfg, [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)], rngs=rngs)
+    return CausalLM(cfg, decoder_layers(cfg, rngs, attention=Attention, moe_block=SparseMoeBlock), rngs=rngs)
 
 
 # HF tensor name -> our parameter path; kinds: "id" (same layout), "T" (HF [out, in] -> [in, out]),

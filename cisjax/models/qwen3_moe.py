@@ -10,7 +10,7 @@ import jax
 from cisjax.models import hf_config, qwen2_moe
 from cisjax.models.layers import param
 from cisjax.models.moe import MoE
-from cisjax.models.transformer import CausalLM
+from cisjax.models.transformer import CausalLM, decoder_layers
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -82,11 +82,7 @@ class SparseMoeBlock(nnx.Module):
 
 
 def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:
-    layers = [
-        qwen2_moe.DecoderLayer(cfg, i, rngs=rngs, moe_block=SparseMoeBlock, attention=Attention)
-        for i in range(cfg.num_hidden_layers)
-    ]
-    return CausalLM(cfg, layers, rngs=rngs)
+    return CausalLM(cfg, decoder_layers(cfg, rngs, attention=Attention, moe_block=SparseMoeBlock), rngs=rngs)
 
 
 # Same names as Qwen2-MoE minus the shared expert, plus the optional o_proj bias (see qwen2_moe.WEIGHTS).

@@ -1,4 +1,4 @@
-"""The decoder-only shell shared by every family: embedding, decoder layers, final norm, unembedding."""
+"""The decoder-only shell shared by every family: embedding, the pre-norm decoder block, final norm, unembedding."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import sharding
-from cisjax.models.layers import RMSNorm, attention_mask, param
+from cisjax.models.layers import MLP, RMSNorm, attention_mask, param
 
 
 class ModelOutput(NamedTuple):
@@ -17,6 +17,51 @@ class ModelOutput(NamedTuple):
     # Routing capture: selected expert ids per MoE layer, [X, B, L, k] (X = number of MoE layers,
     # in layer order; see CausalLM.moe_layers), or None for dense models.
     expert_ids_XxBxLxK: jax.Array | None
+
+
+class DecoderLayer(nnx.Module):
+    """The pre-norm residual block of every family: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
+
+    `attn(x_BxLxD, positions_BxL, mask_BxLxL) -> y_BxLxD` is the family's attention; `mlp` is the family's MoE block,
+    `mlp(x_BxLxD) -> (y_BxLxD, expert_ids_BxLxK)`, on a MoE layer, and a dense SwiGLU MLP otherwise.
+    """
+
+    def __init__(self, cfg, attn: nnx.Module, mlp: nnx.Module, *, is_moe: bool):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
+        self.attn = attn
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
+        self.mlp = mlp
+        self.is_moe = is_moe
+
+    def attention_block(self, x_BxLxD, positions_BxL, mask_BxLxL):
+        """The attention half's residual branch: attn(attn_norm(x))."""
+        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask_BxLxL)
+
+    def mlp_block(self, x_BxLxD):
+        """The MLP half's residual branch, (mlp(mlp_norm(x)), expert ids or None on a dense layer)."""
+        if self.is_moe:
+            return self.mlp(self.mlp_norm(x_BxLxD))
+        return self.mlp(self.mlp_norm(x_BxLxD)), None
+
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+        x_BxLxD = x_BxLxD + self.attention_block(x_BxLxD, positions_BxL, mask_BxLxL)
+        y_BxLxD, ids = self.mlp_block(x_BxLxD)
+        return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
+
+
+def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:
+    """cfg.num_hidden_layers blocks: `attention(cfg, rngs=rngs)` in each, `moe_block(cfg, rngs=rngs)` where
+    cfg.is_moe_layer(i), a SwiGLU MLP of cfg.intermediate_size elsewhere."""
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        attn = attention(cfg, rngs=rngs)
+        is_moe = cfg.is_moe_layer(i)
+        if is_moe:
+            mlp = moe_block(cfg, rngs=rngs)
+        else:
+            mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+        layers.append(DecoderLayer(cfg, attn, mlp, is_moe=is_moe))
+    return layers
 
 
 class CausalLM(nnx.Module):

@@ -214,8 +214,11 @@ class RewardPool:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
-    def score(self, texts: Sequence[str], refs: Sequence[str], *, deadline_s: float | None = None) -> list[float]:
-        """One score per (text, reference) pair, in order; `deadline_s` overrides `batch_deadline_s`."""
+    def score(self, texts: Sequence[str], refs: Sequence[str], *, deadline_s: float | None = None,
+              outcomes: list | None = None) -> list[float]:
+        """One score per (text, reference) pair, in order; `deadline_s` overrides `batch_deadline_s`. A list passed
+        as `outcomes` is filled with how each item ended: "ok" (scored by fn), "timeout" (past `timeout_s` or the
+        deadline), "error" (fn raised) or "crashed" (killed its worker twice); all but "ok" score 0.0."""
         if len(texts) != len(refs):
             raise ValueError(f"score: {len(texts)} texts but {len(refs)} references")
         for name, seq in (("texts", texts), ("refs", refs)):
@@ -226,7 +229,11 @@ class RewardPool:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             try:
-                return self._score(list(texts), list(refs), time.monotonic() + (deadline_s or self.batch_deadline_s))
+                status = ["ok"] * len(texts)
+                scores = self._score(list(texts), list(refs), time.monotonic() + (deadline_s or self.batch_deadline_s), status)
+                if outcomes is not None:
+                    outcomes[:] = status
+                return scores
             except BaseException:
                 for w in list(self._workers):  # an abandoned call (Ctrl-C, a fatal error): drop its in-flight items
                     if w.item is not None and not self._closed:
@@ -259,7 +266,7 @@ class RewardPool:
 
     def _wait_ready(self) -> None:
         while not all(w.ready for w in self._workers):
-            self._handle(self._poll(time.monotonic() + 1.0), results=None, attempts=None, pending=None)
+            self._handle(self._poll(time.monotonic() + 1.0), results=None, attempts=None, pending=None, status=None)
 
     def _check_open(self) -> None:
         # close() may run on another thread while a score call is in flight (the trainer's shutdown): the call
@@ -283,7 +290,7 @@ class RewardPool:
             raise
         return [by_conn[c] for c in ready]
 
-    def _handle(self, readable, results, attempts, pending) -> None:
+    def _handle(self, readable, results, attempts, pending, status) -> None:
         for w in readable:
             try:
                 msg = w.conn.recv()
@@ -306,6 +313,7 @@ class RewardPool:
                     else:
                         self.crashed += 1
                         results[i] = 0.0
+                        status[i] = "crashed"
                 log.warning("reward worker %d died (exit code %s); replacing it", w.proc.pid, w.proc.exitcode)
                 self._replace(w)
             elif msg[0] == "ready":
@@ -321,13 +329,15 @@ class RewardPool:
                     value = 0.0
                 if w.item == i:
                     results[i] = value
+                    if kind == "err":
+                        status[i] = "error"
                 w.item = None
         now = time.monotonic()
         for w in list(self._workers):
             if not w.ready and now - w.started_at > self.start_timeout_s:
                 raise RuntimeError(f"reward worker (fn {self._fn!r}) not ready after {self.start_timeout_s:.0f} s")
 
-    def _score(self, texts, refs, deadline) -> list[float]:
+    def _score(self, texts, refs, deadline, status) -> list[float]:
         n = len(texts)
         results: list[float | None] = [None] * n
         attempts = [0] * n
@@ -345,18 +355,21 @@ class RewardPool:
             if not busy and not pending:
                 return [0.0 if r is None else r for r in results]
             until = min([deadline] + [w.item_started + self.timeout_s for w in busy])
-            self._handle(self._poll(until), results, attempts, pending)
+            self._handle(self._poll(until), results, attempts, pending, status)
             now = time.monotonic()
             for w in [w for w in self._workers if w.item is not None and now - w.item_started >= self.timeout_s]:
                 log.warning("reward item %d timed out after %.1f s; replacing its worker", w.item, self.timeout_s)
                 results[w.item] = 0.0
+                status[w.item] = "timeout"
                 self.timed_out += 1
                 self._replace(w)
             if now >= deadline:
                 unfinished = [w for w in self._workers if w.item is not None]
                 self.timed_out += len(pending) + len(unfinished)
                 log.warning("reward batch deadline: %d items unscored, scored 0", len(pending) + len(unfinished))
+                for i in [w.item for w in unfinished] + list(pending):
+                    results[i] = 0.0
+                    status[i] = "timeout"
                 for w in unfinished:
-                    results[w.item] = 0.0
                     self._replace(w)
                 pending.clear()

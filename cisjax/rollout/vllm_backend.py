@@ -11,9 +11,9 @@ derived as in the transformers backend (`sample_seed`), so a prompt resent alone
 as in its original batch; the two backends draw different random numbers, though, so the same
 seed gives different samples on each.
 
-Environment the engine needs (set before the server starts; defaults applied here when unset):
-VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process), VLLM_CPU_KVCACHE_SPACE (GiB of
-KV cache on CPU; unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1 on CPU.
+Environment the engine needs (set before the server starts; cisjax.rollout.engine_env's defaults applied here when
+unset): VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process), VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU;
+unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1, and VLLM_TARGET_DEVICE=cpu with vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax.rollout import engine_env
 from cisjax.rollout import server as server_lib
 from cisjax.rollout.server import Params, RequestError, SampleResult
 
 log = logging.getLogger("cisjax.serve.vllm")
 
-for _k, _v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
-    os.environ.setdefault(_k, _v)
+engine_env.apply()
 
 import vllm  # noqa: E402  (after the environment defaults above)
 from vllm import SamplingParams  # noqa: E402

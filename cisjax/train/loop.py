@@ -25,7 +25,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages;
       3. proximal rescoring: p of every token under the current params (the step's own forward);
       4. the jitted step: correction weights from p and q, the clipped loss, AdamW;
-      5. publish version s + 1 (export or stream, reload, canary), then metrics, dump, checkpoint.
+      5. publish version s + 1 (export or stream, reload, canary);
+      6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
+         server; then metrics, dump, checkpoint.
     """
     import jax
 
@@ -64,11 +66,11 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     state_sh = state_lib.shardings(state)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh)
     rescore = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules, state_sh.params)
-    rows_multiple = _batch_rows_multiple(mesh, rules)
+    rows_multiple = step_lib.batch_rows_multiple(mesh, rules)
 
     # --- data, rewards, rollout service (process 0 talks to the server) ----------------------
     stream, formatter, pool, server, client, producer = None, None, None, None, None, None
-    publisher = None
+    publisher = evaluator = None
     try:
         if lead:
             from cisjax import data as data_lib
@@ -79,10 +81,15 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 problems = problems[: cfg.data.limit]
             formatter = data_lib.PromptFormatter(cfg.data.tokenizer or cfg.model.path, instruction=cfg.data.instruction,
                                                  chat_template=cfg.data.chat_template)
+            problems = data_lib.drop_long_prompts(problems, formatter, cfg.data.max_prompt_tokens)
             stream = data_lib.PromptStream(problems, batch_size=cfg.data.prompts_per_step, seed=cfg.seed, epochs=cfg.data.epochs)
             if data_state:
                 stream.restore(data_state)
             pool = rewards_lib.RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+            if cfg.eval.sets:  # its sets load (and fail) before the server starts
+                from cisjax.evaluation.in_loop import LoopEval
+
+                evaluator = LoopEval(cfg, run_dir, cfg.data.tokenizer or cfg.model.path)
             server, client = _rollout_service(cfg, run_dir)
         available = _steps_in_data(cfg, stream)
         total = int(cfg.run.steps) or available
@@ -164,6 +171,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             if lead:
                 producer.published(s + 1)
             step_s = time.monotonic() - t_step
+            # 6. evaluation of the weights just published (version s + 1), greedy, on the same server
+            evaluated = evaluator.run(client, s + 1) if evaluator is not None and evaluator.due(s, total) else {}
             out = {f"train/{k}": v for k, v in m.items()}
             out.update(roll_metrics)
             out.update(report.metrics())
@@ -177,6 +186,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             if lead:
                 out.update({"time/generate_s": ro.timings["generate_s"], "time/reward_s": ro.timings["reward_s"]})
                 out.update({f"reward/pool_{k}": float(v) for k, v in pool.metrics().items()})  # cumulative: lost scores show
+                out.update(evaluated)
                 mlog.log(s, out)
             last = out
             # checkpoint: the state after step s and the data position after batch s
@@ -189,7 +199,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         return last
     finally:
         try:
-            for closer in (producer, pool):
+            for closer in (producer, pool, evaluator):
                 if closer is not None:
                     closer.close()
             if client is not None:
@@ -225,18 +235,6 @@ def _drop_exports_from(root, version: int) -> None:
     pointer = Path(root) / export_lib.LATEST
     if pointer.is_file() and pointer.read_text().strip() >= export_lib.version_name(version):
         pointer.unlink()  # re-pointed by the next export
-
-
-def _batch_rows_multiple(mesh, rules) -> int:
-    """Rows of a batch must split evenly over the mesh axes the logical "batch" axis maps to."""
-    from cisjax.train import step as step_lib
-
-    spec = step_lib.batch_sharding(mesh, rules).spec
-    axes = spec[1] if len(spec) > 1 else None
-    if axes is None:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _steps_in_data(cfg, stream) -> int:
@@ -343,23 +341,13 @@ def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr
 
 def _rollout_service(cfg, run_dir: Path):
     """(embedded server or None, connected client): the configured address, or a child server on this machine."""
-    from cisjax.rollout.client import RolloutClient
-    from cisjax.train.server_proc import EmbeddedServer
+    from cisjax.train import server_proc
 
     r = cfg.rollout
-    token = r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None
-    if r.server:
-        client = RolloutClient(r.server, token=token, timeout_s=r.timeout_s, retry_s=r.retry_s)
-        client.wait_ready(r.startup_s)
-        return None, client
-    export_root = Path(cfg.publish.dir or run_dir / "exports")
-    export_root.mkdir(parents=True, exist_ok=True)
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(r.kv_cache_gib)} if r.kv_cache_gib else {}
-    server = EmbeddedServer(backend=r.backend, model_dir=cfg.model.path, export_root=str(export_root), dtype=r.dtype,
-                            log_path=run_dir / "rollout_server.log", env=env, startup_s=r.startup_s)
-    client = RolloutClient(server.target, timeout_s=r.timeout_s, retry_s=r.retry_s)
-    server.wait_ready(client)
-    return server, client
+    return server_proc.connect(r.server, model_dir=cfg.model.path, export_root=Path(cfg.publish.dir or run_dir / "exports"),
+                               log_path=run_dir / "rollout_server.log", backend=r.backend, dtype=r.dtype, kv_cache_gib=r.kv_cache_gib,
+                               token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None, timeout_s=r.timeout_s,
+                               retry_s=r.retry_s, startup_s=r.startup_s)
 
 
 # ----------------------------------------------------------------------------- the command

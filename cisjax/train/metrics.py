@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-SHOWN = ("reward_mean", "accuracy", "response_len", "grad_norm", "corr/acted_frac", "staleness_mean", "time/step_s")
+SHOWN = ("reward_mean", "accuracy", "response_len", "grad_norm", "corr/acted_frac", "staleness_mean", "time/step_s", "eval/average")
 
 
 def _clean(v):

@@ -129,6 +129,28 @@ def _frozen(rules) -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rules.items()))
 
 
+def canary_shape(cfg, mesh, rules) -> tuple[int, int]:
+    """(rows, length) of the canary's [1, rows, length] batch: publish.canary's sequences, padded to the mesh's
+    batch and length shards."""
+    from cisjax.train import step as step_lib
+
+    c = cfg.publish.canary
+    spec = step_lib.batch_sharding(mesh, rules).spec
+    spec = tuple(spec) + (None,) * (3 - len(spec))
+    rows = -(-int(c.num_sequences) // _shards(spec[1], mesh)) * _shards(spec[1], mesh)
+    length = int(c.prompt_len) + int(c.response_len)
+    return rows, -(-length // _shards(spec[2], mesh)) * _shards(spec[2], mesh)
+
+
+def canary_logprobs_fn(graphdef, cfg, mesh, rules):
+    """The trainer side of the canary, jitted: (params, TrainBatch [1, rows, length]) -> logprobs at temperature 1
+    on the params rounded to publish.dtype."""
+    from cisjax.train import step as step_lib
+
+    return _canary_logprobs_fn(graphdef, mesh, _frozen(rules), step_lib.resolve_precision(cfg), int(cfg.logprobs.chunk_size),
+                               cfg.publish.dtype or None)
+
+
 @functools.lru_cache(maxsize=8)
 def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size: int, dtype: str | None):
     """Jitted (params, TrainBatch) -> logprobs [1, B, T]: the step's forward (train.step.make_logprobs_fn) at temperature
@@ -211,13 +233,8 @@ class Publisher:
             vocab = int(self.hf_config["vocab_size"])
             self.sequences = canary_lib.canary_sequences(vocab, num=int(c.num_sequences), prompt_len=int(c.prompt_len),
                                                          response_len=int(c.response_len), seed=int(cfg.seed))
-            precision = step_lib.resolve_precision(cfg)
-            self._logprobs_fn = _canary_logprobs_fn(graphdef, mesh, _frozen(self.rules), precision, int(cfg.logprobs.chunk_size), self.dtype)
-            spec = step_lib.batch_sharding(mesh, self.rules).spec
-            spec = tuple(spec) + (None,) * (3 - len(spec))
-            rows = -(-len(self.sequences) // _shards(spec[1], mesh)) * _shards(spec[1], mesh)
-            length = int(c.prompt_len) + int(c.response_len)
-            length = -(-length // _shards(spec[2], mesh)) * _shards(spec[2], mesh)
+            self._logprobs_fn = canary_logprobs_fn(graphdef, cfg, mesh, self.rules)
+            rows, length = canary_shape(cfg, mesh, self.rules)
             tokens, positions, segments, targets = (np.zeros((1, rows, length), np.int32) for _ in range(4))
             for i, (p, r) in enumerate(self.sequences):
                 seq = p + r

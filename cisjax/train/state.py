@@ -52,14 +52,33 @@ def place(state: TrainState, tx: optax.GradientTransformation, mesh) -> TrainSta
     """Every leaf on the mesh: params as they are (placed by the loader), the optimizer state
     (re)initialised with its moments sharded like their params, counters and scalars replicated."""
     check_placed(state.params, mesh, what="params leaf")
-    replicated = NamedSharding(mesh, P())
-    param_sh = jax.tree.map(lambda x: x.sharding, state.params)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, state.params), param_sh, transform_non_params=lambda _: replicated
-    )
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(state.params)
+    opt_state = jax.jit(tx.init, out_shardings=_opt_shardings(tx, state.params, mesh))(state.params)
     counters = {k: _replicated(v, mesh) for k, v in state._asdict().items() if k not in ("params", "opt_state")}
     return TrainState(params=state.params, opt_state=opt_state, **counters)
+
+
+def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
+    """The state `create(..., mesh=mesh)` would build, as jax.ShapeDtypeStructs carrying their shardings, from
+    abstract params (ShapeDtypeStructs with shardings): for compiling the step ahead of time without allocating
+    anything (cisjax plan)."""
+    replicated = NamedSharding(mesh, P())
+    opt_sh = _opt_shardings(tx, params, mesh)
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_sh)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    return TrainState(step=scalar, params=params, opt_state=opt_state,
+                      rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated), policy_version=scalar,
+                      data_position=scalar, skipped_steps=scalar)
+
+
+def _opt_shardings(tx, params, mesh):
+    """Shardings of tx's state over `params` (arrays or ShapeDtypeStructs with shardings): moments like their
+    params, everything else (counts) replicated."""
+    replicated = NamedSharding(mesh, P())
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_sh, transform_non_params=lambda _: replicated
+    )
 
 
 def _replicated(x, mesh):

@@ -85,14 +85,16 @@ def resolve_precision(cfg) -> str:
 
 
 def model_runtime(cfg) -> dict:
-    """Runtime dtypes to build or load the model with (hf_io.load(..., **model_runtime(cfg))).
+    """Runtime options to build or load the model with (hf_io.load(..., **model_runtime(cfg))): dtypes and the MoE
+    dispatch (model.moe_impl, model.moe_tile).
 
     bf16: compute in model.dtype (bfloat16 by default); fp32: float32; fp16: float16. Parameters (master weights)
     and optimizer state stay in model.param_dtype (float32 by default) in every mode; the router in model.router_dtype.
     """
     precision = resolve_precision(cfg)
     dtype = {"bf16": cfg.model.dtype, "fp32": "float32", "fp16": "float16"}[precision]
-    return dict(dtype=dtype, param_dtype=cfg.model.param_dtype, router_dtype=cfg.model.router_dtype)
+    return dict(dtype=dtype, param_dtype=cfg.model.param_dtype, router_dtype=cfg.model.router_dtype,
+                moe_impl=cfg.model.moe_impl, moe_tile=int(cfg.model.moe_tile) or None)
 
 
 def _check_compute_dtype(model, precision: str) -> None:
@@ -112,6 +114,16 @@ def batch_sharding(mesh, rules) -> NamedSharding:
     B must be divisible by the product of the mesh axes "batch" maps to (data x fsdp x expert by default).
     """
     return sharding.named_sharding(BATCH_AXES, rules, mesh)
+
+
+def batch_rows_multiple(mesh, rules) -> int:
+    """Rows of a batch must split evenly over the mesh axes the logical "batch" axis maps to: their product."""
+    spec = batch_sharding(mesh, rules).spec
+    axes = spec[1] if len(spec) > 1 else None
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def place_batch(batch: TrainBatch, mesh, rules) -> TrainBatch:

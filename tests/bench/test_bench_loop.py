@@ -8,6 +8,8 @@ import pytest
 from cisjax.bench import loop as bench_loop
 from tests.train import looputil
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
+
 
 def test_summary_against_hand_values():
     rows = [{"time/step_s": s, "time/generate_s": g, "time/reward_s": 0.5, "time/rescore_s": 0.25, "time/train_s": 0.5,

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout servers on the real engine
+
 SKIP_VLLM = os.environ.get("CISJAX_SKIP_VLLM") == "1"
 # hidden / expert widths multiples of 32 (vLLM's CPU MoE kernel pads others); head_dim 32
 TINY_MODEL = ["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--experts", "4", "--top-k", "2",

@@ -16,6 +16,8 @@ from cisjax.mismatch import command, measure, records  # noqa: E402
 from cisjax.train import metrics as metrics_lib  # noqa: E402
 from tests.train import looputil  # noqa: E402
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
+
 ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
 

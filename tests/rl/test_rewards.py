@@ -200,3 +200,10 @@ def test_pool_default_verify_and_close():
 def test_pool_names_an_fn_it_cannot_import():
     with pytest.raises(RuntimeError, match="no_such_module"):
         RewardPool(workers=1, fn="no_such_module:fn")
+
+
+def test_pool_reports_how_each_item_ended(pool):
+    outcomes = []
+    scores = pool.score(["hang", "raise", "die", "\\boxed{1}", "\\boxed{2}"], ["1", "1", "1", "1", "1"], outcomes=outcomes)
+    assert scores == [0.0, 0.0, 0.0, 1.0, 0.0]
+    assert outcomes == ["timeout", "error", "crashed", "ok", "ok"]

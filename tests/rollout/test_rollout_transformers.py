@@ -15,6 +15,8 @@ from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams, a
 from tests.helpers import save_tiny_hf
 from tests.rollout import serverutil, xla
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): server subprocesses
+
 VOCAB = 97
 TOKEN = "s3cret-test-token"
 TINY = dict(

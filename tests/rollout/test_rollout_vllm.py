@@ -17,6 +17,8 @@ from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  #
 from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
+
 VOCAB = 97
 # hidden / moe sizes multiples of 32 (vLLM's CPU MoE kernel pads others); head_dim 32
 TINY = dict(

@@ -17,6 +17,8 @@ from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import PROMPTS, TINY, _Server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
+
 CALLS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [93, 2], [38, 4, 6, 2, 6], [43, 3, 8, 3]]
 
 

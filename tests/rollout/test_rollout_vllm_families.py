@@ -37,6 +37,8 @@ from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import ENV, TINY as QWEN2_MOE, _items, _perturbed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 97
 # Both sides compute in fp32 with different kernels: the measured disagreement is ~1e-6 (prefill and

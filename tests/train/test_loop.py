@@ -1,6 +1,7 @@
 """`cisjax train` end to end on the demo's path, shortened: a tiny MoE, the real vLLM engine as an embedded
 child server, rewards from math-verify, CIS, publish + canary every step, metrics, dumps, checkpoints, resume."""
 
+import json
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 from cisjax import config as config_lib  # noqa: E402
 from cisjax.train import loop  # noqa: E402
 from tests.train import looputil  # noqa: E402
+
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax train on the real vLLM engine
 
 REPO = str(looputil.REPO)
 ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
@@ -46,9 +49,33 @@ def vllm_env(monkeypatch):
 _metrics = looputil.metrics
 
 
+def _eval_cfg(prepared):
+    """The in-loop eval (cisjax.evaluation.in_loop): greedy, 4 held-out problems as a GSM8K-format set, every 2 steps."""
+    return {"eval.sets": "gsm8k", "eval.data": f"gsm8k={prepared / 'data' / 'heldout.jsonl'}", "eval.every": 2, "eval.limit": 4,
+            "eval.max_new_tokens": 12}
+
+
+def _check_evals(run_dir, rows, steps):
+    """The eval lines: at `steps`, each of the version just published, its samples all of that version."""
+    evals = {r["step"]: r for r in rows if "eval/gsm8k/accuracy" in r}
+    assert sorted(evals) == steps
+    for s, r in evals.items():
+        assert r["eval/version"] == s + 1 == r["publish/version"]
+        assert r["eval/gsm8k/count"] == 4 and r["time/eval_s"] > 0 and r["eval/average"] == r["eval/gsm8k/accuracy"]
+        out = run_dir / "eval" / f"v{s + 1:06d}"
+        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == 4 and {x["version"] for x in samples} == {s + 1}
+        assert r["eval/gsm8k/accuracy"] == sum(x["correct"] for x in samples) / 4
+        assert r["eval/gsm8k/answered"] == sum(x["rule"] != "none" for x in samples) / 4
+        assert json.loads((out / "results.json").read_text())["sampling"]["greedy"] and (out / "report.md").is_file()
+    # TensorBoard has the eval scalars too
+    events = b"".join(f.read_bytes() for f in (run_dir / "tb").rglob("*tfevents*"))
+    assert b"eval/gsm8k/accuracy" in events
+
+
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
     run_dir = tmp_path / "run"
-    last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3}))
+    last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **_eval_cfg(prepared)}))
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -69,12 +96,15 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     assert np.all(dump["logp_infer"] <= 0) and np.all(dump["logp_prox"] <= 0)
     assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir())
     assert (run_dir / "exports" / "LATEST").read_text().strip() == "v000003"
+    # in-loop eval: after step 1 (eval.every=2) and the final weights after step 2
+    _check_evals(run_dir, rows, [1, 2])
 
     # resume: continue to step 4 from the last checkpoint (the state after step 3), same data order and versions
-    loop.train(_cfg(prepared, run_dir, **{"run.steps": 4}), resume=True)
+    loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, **_eval_cfg(prepared)}), resume=True)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["publish/version"] == 4
+    _check_evals(run_dir, rows, [1, 2, 3])
 
 
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):

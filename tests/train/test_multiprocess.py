@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.train import steputil as U
+
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two jax.distributed processes
 
 REPO = Path(__file__).resolve().parents[2]
 MESH = "data2_fsdp2_tensor2"

@@ -19,6 +19,8 @@ from cisjax.train.publish import CanaryError, Publisher
 from tests.helpers import save_tiny_hf
 from tests.rollout import serverutil
 
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout servers on both engines
+
 # The vLLM CPU test model of tests/rollout/test_rollout_vllm.py (hidden and MoE sizes multiples of 32).
 TINY = dict(
     architectures=["Qwen2MoeForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

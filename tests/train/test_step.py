@@ -279,3 +279,36 @@ def test_optimizer_clips_then_adamw():
     wd = step_lib.make_optimizer(U.make_cfg(lr=0.1, weight_decay=0.5, grad_clip=0.0).train)
     zero = jax.tree.map(jnp.zeros_like, params)
     np.testing.assert_allclose(wd.update(zero, wd.init(params), params)[0]["w"], -0.1 * 0.5 * params["w"], rtol=1e-6)
+
+
+def test_abstract_state_is_what_create_places():
+    """state.abstract (ahead-of-time compilation, cisjax plan) describes the state create(..., mesh) builds: the same
+    tree, shapes, dtypes and shardings, without allocating it."""
+    from cisjax import sharding
+    from cisjax.models import hf_io
+
+    cfg = U.make_cfg()
+    mesh = sharding.make_mesh(U.MESHES["fsdp2_tensor2_expert2"])
+    graphdef, tx, rules, state = U.build(cfg, mesh)
+    mcfg = hf_io.model_config(U.TINY_HF, **step_lib.model_runtime(cfg))
+    _, params = hf_io.abstract_model(U.TINY_HF, mcfg)
+    shardings = sharding.param_shardings(params, mesh, rules)
+    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params, shardings,
+                          is_leaf=lambda v: isinstance(v, nnx.Variable))
+    abstract = state_lib.abstract(params, tx, mesh)
+    real, fake = jax.tree.leaves_with_path(state), jax.tree.leaves_with_path(abstract)
+    assert [p for p, _ in real] == [p for p, _ in fake]
+    for (path, x), (_, a) in zip(real, fake):
+        assert (x.shape, x.dtype) == (a.shape, a.dtype), jax.tree_util.keystr(path)
+        assert x.sharding.is_equivalent_to(a.sharding, x.ndim), jax.tree_util.keystr(path)
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(abstract)} == {8}
+
+
+def test_model_runtime_carries_the_moe_dispatch():
+    cfg = U.make_cfg()
+    cfg.model.moe_impl, cfg.model.moe_tile = "dense", 16
+    runtime = step_lib.model_runtime(cfg)
+    assert (runtime["moe_impl"], runtime["moe_tile"]) == ("dense", 16)
+    from cisjax.models import hf_io
+
+    assert hf_io.model_config(U.TINY_HF, **runtime).moe_impl == "dense"

@@ -1,0 +1,77 @@
+"""Analytic FLOP counts of a step, per layer kind, from the model's parameter shapes (the work the math needs)."""
+
+from __future__ import annotations
+
+import math
+
+import flax.nnx as nnx
+import jax
+
+KINDS = ("attention", "mlp", "moe", "head")
+
+# Forward matmuls cost 1 unit; the backward 2 (the input and the weight gradients). The head's chunked logprob
+# recomputes its logits in the backward (cisjax.logprobs), one unit more.
+TRAIN_FACTORS = {"attention": 3, "mlp": 3, "moe": 3, "head": 4}
+
+
+def matmul_params(module) -> int:
+    """Elements of the module's weight matrices (parameters of rank >= 2; norms and biases are elementwise)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(module, nnx.Param)) if len(x.shape) >= 2)
+
+
+def layer_counts(model) -> dict[str, int]:
+    """How many of each layer kind the model holds (every layer has attention; its MLP is dense or MoE)."""
+    moe = sum(1 for layer in model.layers if layer.is_moe)
+    return {"attention": len(model.layers), "mlp": len(model.layers) - moe, "moe": moe, "head": 1}
+
+
+def forward_flops(model, rows: int, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs of one [rows, seq_len] micro-batch over the whole mesh, per layer kind.
+
+    A matmul with a [I, O] weight costs 2 I O per token. Attention: its projections (MLA's low-rank ones included)
+    plus the causal core, which needs half of the [T, T] scores: rows * T^2 * heads * (qk width + v width). MoE:
+    the router, the shared experts (and their gate) on every token, and k of the E routed experts' weights per token.
+    Head: the unembedding, 2 D V per token. Embedding lookups are gathers (0 FLOPs). Padding tokens count: the
+    program computes them.
+    """
+    n = rows * seq_len
+    heads, qk, v = model.cfg.attention_dims()
+    out = dict.fromkeys(KINDS, 0.0)
+    for layer in model.layers:
+        out["attention"] += 2 * n * matmul_params(layer.attn) + rows * seq_len**2 * heads * (qk + v)
+        if layer.is_moe:
+            moe = layer.mlp.moe
+            experts = sum(math.prod(w.shape) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
+            num_experts = moe.wg_ExDxF.shape[0]
+            out["moe"] += 2 * n * (matmul_params(layer.mlp) - experts + experts * moe.k / num_experts)
+        else:
+            out["mlp"] += 2 * n * matmul_params(layer.mlp)
+    out["head"] = 2.0 * n * model.cfg.hidden_size * model.cfg.vocab_size
+    return out
+
+
+def train_flops(forward: dict[str, float], micro_batches: int) -> dict[str, float]:
+    """The optimizer step: forward and backward of every micro-batch (TRAIN_FACTORS)."""
+    return {k: micro_batches * TRAIN_FACTORS[k] * f for k, f in forward.items()}
+
+
+def rescore_flops(forward: dict[str, float], micro_batches: int) -> dict[str, float]:
+    """The proximal rescoring: the forward of every micro-batch."""
+    return {k: micro_batches * f for k, f in forward.items()}
+
+
+def active_params(model) -> int:
+    """Parameters per token as model cards count them: all but the routed experts a token is not sent to
+    (embedding and unembedding included)."""
+    total = total_params(model)
+    idle = 0
+    for layer in model.layers:
+        if layer.is_moe:
+            moe = layer.mlp.moe
+            experts = sum(math.prod(w.shape) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
+            idle += experts * (1 - moe.k / moe.wg_ExDxF.shape[0])
+    return int(round(total - idle))
+
+
+def total_params(model) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,221 @@
+"""Compile targets by the names users type (TPU slices, NVIDIA GPU sets): chips, HBM, peak FLOP/s, deviceless devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip (a TPU chip, one GPU)."""
+
+    name: str  # v5p | h100 | ...
+    platform: str  # tpu | cuda
+    hbm_bytes: float  # HBM per chip, as the vendor documents it
+    usable_bytes: float  # what one program may use: the TPU compiler's "available HBM"; a GPU's HBM x the JAX client's memory fraction
+    peak_flops: float  # dense bf16 FLOP/s per chip
+    hbm_bandwidth: float  # bytes/s per chip
+    cores_per_chip: int = 1  # TensorCores counted in a TPU slice's name (v4/v5p name cores, v5e/v6e chips)
+    torus_dims: int = 0  # 3 (v4, v5p) or 2 (v5e, v6e); 0 for GPUs
+    source: str = ""
+
+
+# TPU figures: peak bf16, HBM and bandwidth from Google's system-architecture pages (cloud.google.com/tpu/docs/v4,
+# /v5e, /v5p, /v6e). usable_bytes: the "available HBM" that libtpu 0.0.42.1's compiler names in its out-of-memory
+# error when compiling for that chip here (tests/plan/test_hardware.py probes it again).
+TPU_CHIPS = {
+    "v4": Chip("v4", "tpu", 32 * GIB, 30.75 * GIB, 275e12, 1200e9, cores_per_chip=2, torus_dims=3,
+               source="cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, 1200 GB/s"),
+    "v5e": Chip("v5e", "tpu", 16 * GIB, 15.75 * GIB, 197e12, 819e9, cores_per_chip=1, torus_dims=2,
+                source="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2, 819 GB/s"),
+    "v5p": Chip("v5p", "tpu", 95 * GIB, 95.74 * GIB, 459e12, 2765e9, cores_per_chip=2, torus_dims=3,
+                source="cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s"),
+    "v6e": Chip("v6e", "tpu", 32 * GIB, 31.25 * GIB, 918e12, 1638e9, cores_per_chip=1, torus_dims=2,
+                source="cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, 1638 GB/s"),
+}
+TPU_ALIASES = {"v5litepod": "v5e"}
+
+# GPU memory a JAX process may use by default: the client preallocates 75% (XLA_PYTHON_CLIENT_MEM_FRACTION).
+GPU_MEM_FRACTION = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What XLA's GPU compiler needs to know of a device it cannot see (a GpuTargetConfigProto), from the vendor's
+    data sheet and the CUDA programming guide's per-compute-capability limits."""
+
+    description: str  # the device name CUDA reports
+    sm_count: int
+    compute_capability: tuple[int, int]
+    clock_ghz: float  # boost clock
+    fp32_cores_per_sm: int
+    l2_bytes: int
+    shared_per_sm: int  # bytes of shared memory per SM
+    shared_per_block_optin: int  # bytes a block may opt in to
+
+
+def _gpu(name, spec: GpuSpec, hbm_bytes, peak, bandwidth, source) -> tuple[Chip, GpuSpec]:
+    return Chip(name, "cuda", hbm_bytes, hbm_bytes * GPU_MEM_FRACTION, peak, bandwidth, source=source), spec
+
+
+# Dense (no sparsity) bf16 peaks; NVIDIA quotes twice these "with sparsity".
+GPU_CHIPS = {
+    "h100": _gpu("h100", GpuSpec("NVIDIA H100 80GB HBM3", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
+                 80e9, 989.4e12, 3.35e12, "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s"),
+    "h200": _gpu("h200", GpuSpec("NVIDIA H200", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
+                 141e9, 989.4e12, 4.8e12, "NVIDIA H200 SXM data sheet: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s"),
+    "a100": _gpu("a100", GpuSpec("NVIDIA A100-SXM4-80GB", 108, (8, 0), 1.41, 64, 40 * 2**20, 164 * 1024, 163 * 1024),
+                 80e9, 312e12, 2.039e12, "NVIDIA A100 80GB SXM data sheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e, 2039 GB/s"),
+}
+
+# Slice shapes Google offers, by chip count (the v5p/v5e/v6e pages' topology tables).
+SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8", 512: "8x8x8",
+             1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A set of chips to compile for: `name` as typed, the chip, how many, and the slice (or GPU) topology."""
+
+    name: str
+    chip: Chip
+    chips: int
+    topology: str  # TPU: "2x2x2"; GPU: "<slices>x<hosts>x<gpus per host>"
+
+    @property
+    def platform(self) -> str:
+        return self.chip.platform
+
+    def describe(self) -> dict:
+        c = self.chip
+        return dict(name=self.name, platform=c.platform, chip=c.name, chips=self.chips, topology=self.topology,
+                    hbm_gib_per_chip=c.hbm_bytes / GIB, usable_gib_per_chip=c.usable_bytes / GIB,
+                    peak_tflops_per_chip=c.peak_flops / 1e12, hbm_gb_per_s=c.hbm_bandwidth / 1e9, source=c.source)
+
+    def devices(self) -> list:
+        """The target's devices, compile-only (no hardware needed): JAX's deviceless topology API."""
+        from jax.experimental import topologies
+
+        if self.platform == "tpu":
+            bounds = (2, 2, 1) if self.chip.torus_dims == 3 or self.chips >= 4 else (1, 1, 1)
+            if self.chip.torus_dims == 2 and self.chips >= 8:
+                bounds = (2, 4, 1)  # v5e / v6e hosts hold 8 chips
+            topo = topologies.get_topology_desc(
+                platform="tpu", topology_name=f"{self.chip.name}:{self.topology}",
+                # v4 counts each chip's two TensorCores as one JAX device only in megacore mode (as on a v4 VM)
+                chip_config_name="megacore" if self.chip.name == "v4" else "default",
+                chips_per_host_bounds=bounds, num_slices=1)
+        else:
+            enable_cuda_plugin()
+            topo = topologies.get_topology_desc(platform="cuda", topology=self.topology,
+                                                target_config=gpu_target_config(GPU_CHIPS[self.chip.name][1], self.chip))
+        devices = list(topo.devices)
+        if len(devices) != self.chips:
+            raise RuntimeError(f"{self.name}: the compiler's topology has {len(devices)} devices, expected {self.chips}")
+        return devices
+
+
+NAMES_HELP = ("TPU: v4-N, v5p-N (N = TensorCores, 2 per chip), v5e-N, v6e-N (N = chips), or GEN:AxBxC "
+              "(e.g. v5p:2x2x2); GPU: h100xN, h200xN, a100xN (N GPUs, 8 per host)")
+
+
+def target(name: str) -> Target:
+    """Parse a target name: v5p-16, v5p:2x2x2, v6e-64, v5litepod-16, h100x8, ..."""
+    text = name.strip().lower()
+    if m := re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", text):
+        chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
+        cores = int(m[2])
+        if cores % chip.cores_per_chip:
+            raise ValueError(f"{name}: {chip.name} slices are named by TensorCores ({chip.cores_per_chip} per chip)")
+        chips = cores // chip.cores_per_chip
+        shapes = SHAPES_3D if chip.torus_dims == 3 else SHAPES_2D
+        if chips not in shapes:
+            raise ValueError(f"{name}: no {chip.name} slice of {chips} chips; sizes: "
+                             f"{', '.join(f'{chip.name}-{n * chip.cores_per_chip}' for n in shapes)} (or give the shape, {chip.name}:AxBxC)")
+        return Target(name, chip, chips, shapes[chips])
+    if m := re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e):(\d+(?:x\d+)+)", text):
+        chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
+        dims = [int(d) for d in m[2].split("x")]
+        if len(dims) != chip.torus_dims or min(dims) < 1:
+            raise ValueError(f"{name}: a {chip.name} topology has {chip.torus_dims} positive dimensions")
+        return Target(name, chip, math.prod(dims), m[2])
+    if m := re.fullmatch(r"(h100|h200|a100)x(\d+)", text):
+        chip = GPU_CHIPS[m[1]][0]
+        n = int(m[2])
+        if n < 1 or (n > 8 and n % 8):
+            raise ValueError(f"{name}: 1-8 GPUs on one host, or a multiple of 8 over hosts of 8")
+        return Target(name, chip, n, f"1x1x{n}" if n <= 8 else f"1x{n // 8}x8")
+    raise ValueError(f"unknown target {name!r}; {NAMES_HELP}")
+
+
+# ----------------------------------------------------------------------------- GPU: XLA's target description
+
+
+def gpu_target_config(spec: GpuSpec, chip: Chip) -> str:
+    """A GpuTargetConfigProto (text format) for a device the compiler cannot query. The limits not listed in GpuSpec
+    are the same for every CUDA compute capability since 7.0 (1024 threads per block, 2048 per SM, 64K registers)."""
+    major, minor = spec.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {spec.shared_per_sm}
+  shared_memory_per_block_optin: {spec.shared_per_block_optin}
+  threads_per_core_limit: 2048
+  core_count: {spec.sm_count}
+  fpus_per_core: {spec.fp32_cores_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.hbm_bandwidth)}
+  l2_cache_size: {spec.l2_bytes}
+  clock_rate_ghz: {spec.clock_ghz}
+  device_memory_size: {int(chip.hbm_bytes)}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
+device_description_str: "{spec.description}"
+"""
+
+
+CUDA_PLUGIN_ENV = "CISJAX_CUDA_PLUGIN_DIR"
+
+
+def cuda_plugin_dir() -> Path | None:
+    """Where the CUDA PJRT plugin lies when it is not installed in the environment itself: $CISJAX_CUDA_PLUGIN_DIR,
+    else <environment>/cuda-plugin (where `make setup` puts it, off the import path: installed normally, it would
+    print its CUDA probe on every JAX start of every process)."""
+    path = os.environ.get(CUDA_PLUGIN_ENV) or os.path.join(sys.prefix, "cuda-plugin")
+    return Path(path) if Path(path, "jax_plugins").is_dir() else None
+
+
+def enable_cuda_plugin() -> None:
+    """Make the CUDA plugin discoverable by JAX, which looks for plugins when it starts its backends."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None or importlib.util.find_spec("jax_cuda13_plugin") is not None:
+        return
+    path = cuda_plugin_dir()
+    if path is None:
+        raise RuntimeError("GPU targets need the CUDA PJRT plugin, which compiles without a GPU: "
+                           "pip install --no-deps --target .venv/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
+                           f"(`make setup` does), or set ${CUDA_PLUGIN_ENV}")
+    from jax._src import xla_bridge
+
+    if xla_bridge._backends:  # plugins are discovered once, when the first backend starts
+        if "cuda" not in xla_bridge._backend_factories:
+            raise RuntimeError("GPU targets: JAX started its backends before the CUDA plugin was on the path; "
+                               "run `cisjax plan` for a GPU target in a fresh process")
+        return
+    if str(path) not in sys.path:
+        sys.path.append(str(path))

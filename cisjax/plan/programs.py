@@ -1,0 +1,247 @@
+"""The programs of a training step, built on abstract inputs for a target's devices and compiled: memory, cost, time."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from cisjax import logprobs as logprobs_lib
+from cisjax import sharding
+from cisjax.models import hf_io
+from cisjax.models.layers import attention_mask
+from cisjax.records import TrainBatch
+from cisjax.train import publish as publish_lib
+from cisjax.train import state as state_lib
+from cisjax.train import step as step_lib
+
+BATCH_DTYPES = TrainBatch(jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_, jnp.float32, jnp.float32, jnp.float32)
+_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\).*?exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_ACT_NAMES = {1: ("batch",), 2: ("batch", "act_embed"), 3: ("batch", "length", "act_embed")}
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One compiled program: what it needs per chip and what the compiler's cost model says it does."""
+
+    name: str
+    seconds: float  # lower + compile, wall
+    memory: dict | None = None  # bytes per chip: arguments, outputs, aliased, temporaries, code, total
+    flops: float = 0.0  # per chip, XLA's count (a loop body counts once, whatever its trip count)
+    bytes: float = 0.0  # per chip, bytes accessed
+    has_loops: bool = False  # the program holds a while loop: its cost figures undercount
+    oom_temporaries: float | None = None  # when the compiler refused: the bytes of temporaries it said it needed
+    error: str | None = None
+    parts: list = dataclasses.field(default_factory=list)  # programs run one after the other, summed into this one
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def total(self) -> float | None:
+        """Bytes per chip; None when the compiler refused (then oom_temporaries alone already exceeded the HBM)."""
+        return self.memory["total"] if self.memory else None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Options of the cost-only (per layer kind) programs. The TPU SPMD partitioner turns an all-gathered matmul into a
+# "windowed einsum" loop, whose body cost_analysis counts once: without it the same work is counted whole.
+COST_OPTIONS = {"tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}}
+
+
+def compile_program(name: str, jitted, *args, compiler_options: dict | None = None) -> Compiled:
+    """Lower and compile `jitted` on abstract `args`; an out-of-memory refusal is a result (oom_temporaries), not a
+    crash."""
+    t0 = time.monotonic()
+    try:
+        compiled = jitted.lower(*args).compile(compiler_options=compiler_options or None)
+    except Exception as err:  # XlaRuntimeError / JaxRuntimeError: the compiler's refusal
+        text = str(err)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        m = _OOM.search(text)
+        needed = float(m[1]) * _UNITS[m[2]] if m else None
+        return Compiled(name, time.monotonic() - t0, oom_temporaries=needed, error=text.split("\n")[0][:400])
+    seconds = time.monotonic() - t0
+    cost = cost_of(compiled)
+    return Compiled(name, seconds, memory=memory_of(compiled), flops=cost["flops"], bytes=cost["bytes"],
+                    has_loops=" while(" in compiled.as_text())
+
+
+def memory_of(compiled) -> dict:
+    """Per-chip bytes from the compiler's buffer assignment; total = arguments + outputs - aliased (donated) +
+    temporaries + generated code."""
+    m = compiled.memory_analysis()
+    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+               temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes)
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["code"]
+    return out
+
+
+def cost_of(compiled) -> dict:
+    """XLA's cost model of the per-chip program: flops and bytes accessed. XLA:GPU compiled without a GPU has no
+    cost analysis of its own; XLA's HloCostAnalysis then runs on the optimized GPU module through the CPU client."""
+    ca = compiled.cost_analysis()
+    if ca is None:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        ca = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), compiled.runtime_executable().hlo_modules()[0])
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0]
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
+
+
+def _abstract(x, sharding_):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
+
+
+class StepPrograms:
+    """The loop's programs for one config, model and mesh, on abstract inputs (nothing is allocated):
+    train_step / rescore at a [M, rows, seq_len] batch, canary, and the loop-free per-layer-kind programs."""
+
+    def __init__(self, cfg, hf: dict, mesh, rules):
+        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.mcfg = hf_io.model_config(hf, **step_lib.model_runtime(cfg))
+        self.graphdef, abstract = hf_io.abstract_model(hf, self.mcfg)
+        shardings = sharding.param_shardings(abstract, mesh, rules)
+        is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+        self.params = jax.tree.map(lambda v, s: v.replace(_abstract(v, s)), abstract, shardings, is_leaf=is_var)
+        self.model = nnx.merge(self.graphdef, self.params)  # abstract: ShapeDtypeStructs, for shapes and sub-modules
+        self.tx = step_lib.make_optimizer(cfg.train)
+        self.state = state_lib.abstract(self.params, self.tx, mesh)
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        self.rows_multiple = step_lib.batch_rows_multiple(mesh, rules)
+
+    def batch(self, micro_batches: int, rows: int, seq_len: int) -> TrainBatch:
+        sh = step_lib.batch_sharding(self.mesh, self.rules)
+        return TrainBatch(*(jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for dt in BATCH_DTYPES))
+
+    # ------------------------------------------------------------------ the loop's programs
+
+    def train_step(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
+        run = step_lib.make_train_step(self.graphdef, self.tx, self.cfg, self.mesh, self.rules, self.state_shardings)
+        return compile_program("train_step", run.jitted, self.state, self.batch(micro_batches, rows, seq_len))
+
+    def rescore(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
+        fn = step_lib.make_logprobs_fn(self.graphdef, self.cfg, self.mesh, self.rules, self.state_shardings.params)
+        return compile_program("rescore", fn, self.params, self.batch(micro_batches, rows, seq_len))
+
+    def canary(self) -> Compiled:
+        rows, length = publish_lib.canary_shape(self.cfg, self.mesh, self.rules)
+        fn = publish_lib.canary_logprobs_fn(self.graphdef, self.cfg, self.mesh, self.rules)
+        return compile_program("canary", fn, self.params, self.batch(1, rows, length))
+
+    # ------------------------------------------------------------------ one layer kind at a time, no loops
+
+    def _activation(self, shape, names, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named_sharding(names, self.rules, self.mesh, shape))
+
+    def _split(self, module):
+        gdef, params = nnx.split(module, nnx.Param)
+        return gdef, params
+
+    def _part(self, name: str, fn, params, x, *aux, backward: bool) -> Compiled:
+        """fn(params, x, *aux) -> y; forward only, or forward + backward (the vjp for params and x, as inside the step)."""
+        mesh, rules = self.mesh, self.rules
+
+        def forward(p, x, *aux):
+            with sharding.use_mesh(mesh, rules):
+                return fn(p, x, *aux)
+
+        options = COST_OPTIONS.get(mesh.devices.flat[0].platform)
+        if not backward:
+            return compile_program(f"{name}_fwd", jax.jit(forward), params, x, *aux, compiler_options=options)
+
+        def forward_backward(p, x, ct, *aux):
+            # the output is returned too: in the step it feeds the next layer, and unused here XLA would drop the
+            # matmul that makes it
+            y, vjp = jax.vjp(lambda p, x: forward(p, x, *aux), p, x)
+            return y, vjp(ct)
+
+        y = jax.eval_shape(forward, params, x, *aux)
+        ct = self._activation(y.shape, _ACT_NAMES[len(y.shape)], y.dtype)  # the cotangent, laid out as the output
+        return compile_program(f"{name}_fwd_bwd", jax.jit(forward_backward), params, x, ct, *aux, compiler_options=options)
+
+    def layer_parts(self, rows: int, seq_len: int, *, backward: bool) -> dict[str, Compiled]:
+        """One program per layer kind present (attention, mlp, moe) on a [rows, seq_len] micro-batch: the residual
+        branch of the first layer of that kind, as the step runs it (shardings, dtypes, MoE dispatch)."""
+        dt = self.mcfg.dtype
+        x = self._activation((rows, seq_len, self.mcfg.hidden_size), ("batch", "length", "act_embed"), dt)
+        ids = self._activation((rows, seq_len), ("batch", "length"), jnp.int32)
+        out = {}
+        first = {}
+        for i, layer in enumerate(self.model.layers):
+            first.setdefault("attention", i)
+            first.setdefault("moe" if layer.is_moe else "mlp", i)
+        for kind, i in first.items():
+            gdef, params = self._split(self.model.layers[i])
+            if kind == "attention":
+                def fn(p, x, positions, segments, gdef=gdef):
+                    return nnx.merge(gdef, p).attention_block(x, positions, attention_mask(segments))
+                out[kind] = self._part(kind, fn, params, x, ids, ids, backward=backward)
+            else:
+                def fn(p, x, gdef=gdef):
+                    return nnx.merge(gdef, p).mlp_block(x)[0]
+                out[kind] = self._part(kind, fn, params, x, backward=backward)
+        return out
+
+    def head_chunks(self, rows: int, seq_len: int) -> tuple[int, int]:
+        """(chunks, tokens per chunk) of the chunked logprob over a [rows, seq_len] micro-batch."""
+        return logprobs_lib._layout(rows * seq_len, int(self.cfg.logprobs.chunk_size))
+
+    def head_part(self, rows: int, seq_len: int, *, backward: bool) -> Compiled:
+        """The final norm and the logprob of ONE chunk, forward (the step loops over head_chunks of them); with
+        `backward`, the chunk's backward alone (recompute of its logits, d hidden, d unembed), which the step runs in
+        a second loop after the forward one."""
+        _, c = self.head_chunks(rows, seq_len)
+        cfg, mcfg, mesh, rules = self.cfg, self.mcfg, self.mesh, self.rules
+        temperature = float(cfg.logprobs.temperature)
+        h = self._activation((c, mcfg.hidden_size), ("batch", "act_embed"), mcfg.dtype)
+        t = self._activation((c,), ("batch",), jnp.int32)
+        per_token = self._activation((c,), ("batch",), jnp.float32)
+        norm_gdef, norm_params = self._split(self.model.norm)
+        tied = mcfg.tie_word_embeddings
+        unembed = self.params["embed_VxD" if tied else "lm_head_DxV"]
+        options = COST_OPTIONS.get(mesh.devices.flat[0].platform)
+
+        def weight(w):
+            return w[...].T if tied else w[...]
+
+        if not backward:
+            def forward(norm_p, w, h, t):
+                with sharding.use_mesh(mesh, rules):
+                    stats = logprobs_lib.token_logprobs(nnx.merge(norm_gdef, norm_p)(h), weight(w), t, temperature=temperature,
+                                                        chunk_size=c, compute_dtype=mcfg.dtype)
+                return stats.logprobs_N, stats.entropy_N
+
+            return compile_program("head_fwd", jax.jit(forward), norm_params, unembed, h, t, compiler_options=options)
+
+        def backward_(w, h, t, lse, entropy, g):
+            with sharding.use_mesh(mesh, rules):
+                return logprobs_lib.token_logprobs_backward(h, weight(w), t, lse, entropy, g, temperature=temperature,
+                                                            chunk_size=c, compute_dtype=mcfg.dtype)
+
+        return compile_program("head_bwd", jax.jit(backward_), unembed, h, t, per_token, per_token, per_token,
+                               compiler_options=options)
+
+    def optimizer_part(self) -> Compiled:
+        """The AdamW update of every parameter from fp32 gradients (the step's tail, once per step)."""
+        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), self.params)
+        tx = self.tx
+
+        def update(params, opt_state, grads):
+            import optax
+
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return compile_program("optimizer", jax.jit(update, donate_argnums=(0, 1)), self.params, self.state.opt_state, grads)

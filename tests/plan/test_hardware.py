@@ -1,0 +1,72 @@
+"""Compile targets: names as users type them, the deviceless devices, and the usable HBM against the TPU compiler."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cisjax.plan import hardware
+
+
+@pytest.mark.parametrize("name, chip, chips, topology", [
+    ("v5p-16", "v5p", 8, "2x2x2"),
+    ("v5p-8", "v5p", 4, "2x2x1"),
+    ("v5p-64", "v5p", 32, "2x4x4"),
+    ("v4-32", "v4", 16, "2x2x4"),
+    ("v5e-16", "v5e", 16, "4x4"),
+    ("v5litepod-16", "v5e", 16, "4x4"),
+    ("v6e-64", "v6e", 64, "8x8"),
+    ("v5p:2x2x2", "v5p", 8, "2x2x2"),
+    ("v6e:4x8", "v6e", 32, "4x8"),
+    ("h100x8", "h100", 8, "1x1x8"),
+    ("H100x16", "h100", 16, "1x2x8"),
+    ("a100x1", "a100", 1, "1x1x1"),
+])
+def test_target_names(name, chip, chips, topology):
+    t = hardware.target(name)
+    assert (t.chip.name, t.chips, t.topology) == (chip, chips, topology)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v5p-7", "TensorCores"),  # odd core count: v5p chips have two
+    ("v5p-12", "no v5p slice of 6 chips"),
+    ("v5e-3", "no v5e slice of 3 chips"),
+    ("v5p:2x2", "3 positive dimensions"),
+    ("h100x12", "multiple of 8"),
+    ("tpu-8", "unknown target"),
+])
+def test_bad_target_names(name, message):
+    with pytest.raises(ValueError, match=message):
+        hardware.target(name)
+
+
+@pytest.mark.parametrize("name, kind", [("v5p-16", "TPU v5"), ("v4-32", "TPU v4"), ("v5e-16", "TPU v5 lite"), ("v6e-8", "TPU v6 lite")])
+def test_tpu_devices_compile_only(name, kind):
+    t = hardware.target(name)
+    devices = t.devices()
+    assert len(devices) == t.chips  # v4 in megacore mode: one device per chip, as on a v4 VM
+    assert devices[0].device_kind == kind and devices[0].platform == "tpu"
+
+
+@pytest.mark.parametrize("chip", sorted(hardware.TPU_CHIPS))
+def test_usable_hbm_is_what_the_compiler_allows(chip):
+    """The table's usable HBM is the figure the TPU compiler names when a program is too big for the chip."""
+    devices = hardware.target(f"{chip}-{4 * hardware.TPU_CHIPS[chip].cores_per_chip}").devices()
+    mesh = Mesh(np.asarray(devices), ("x",))
+    big = jax.ShapeDtypeStruct((len(devices) * 2**20, 2**16), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as err:
+        jax.jit(lambda x: x * 2).lower(big).compile()
+    available = float(re.search(r"exceeds available HBM \(([\d.]+)G\)", str(err.value))[1])
+    assert available == pytest.approx(hardware.TPU_CHIPS[chip].usable_bytes / 2**30, abs=0.006)
+
+
+def test_gpu_target_config_fields():
+    chip, spec = hardware.GPU_CHIPS["h100"]
+    text = hardware.gpu_target_config(spec, chip)
+    assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert f"device_memory_size: {int(80e9)}" in text and 'platform_name: "CUDA"' in text
+    assert chip.usable_bytes == pytest.approx(80e9 * hardware.GPU_MEM_FRACTION)

@@ -1,0 +1,169 @@
+"""`cisjax plan` end to end: 2-layer cuts of the paper's models compiled for TPU v5p-16 and 8 H100s, on this CPU host."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cisjax import cli
+from cisjax import config as config_lib
+from cisjax import sharding
+from cisjax.models import moe
+from cisjax.plan import command, hardware
+from cisjax.plan.programs import Compiled
+
+pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): XLA:TPU and XLA:GPU compiles of model cuts
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = {  # config -> (MoE layers, dense-MLP layers) in a 2-layer cut
+    "qwen15_moe_a27b": (2, 0), "deepseek_v2_lite": (1, 1), "qwen3_30b_a3b": (2, 0), "qwen15_14b_dense": (0, 2)}
+
+
+def paper_plan(name, target="v5p-16", **kw):
+    cfg = config_lib.load(ROOT / "configs" / f"{name}.py")
+    return command.plan(cfg, target_name=target, num_layers=2, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_model_cut_on_v5p16(name):
+    report = paper_plan(name, rows=8, seq_len=256)
+    chips = report["target"]["chips"]
+    assert (report["target"]["chip"], chips, report["mesh"]["fsdp"]) == ("v5p", 8, 8)
+    assert report["shape"] == dict(micro_batches=16, rows=8, seq_len=256, rows_multiple=8, samples_per_step=1024,
+                                   tokens_per_micro_batch=2048, head_chunks=2, head_chunk_tokens=1024)
+    assert set(report["programs"]) == {"train_step", "rescore", "canary"}
+    for name_, p in report["programs"].items():
+        assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == p["usable_bytes"] - p["total_bytes"], name_
+        assert p["roofline_s"] > 0 and p["seconds"] > 0
+    state_bytes = 12 * report["model"]["total_params"] / chips  # fp32 params + two fp32 Adam moments, sharded
+    train = report["programs"]["train_step"]["memory"]
+    assert train["arguments"] >= 0.99 * state_bytes and train["aliased"] >= 0.99 * state_bytes  # the state is donated
+    assert report["model"]["moe_impl_resolved"] == "ragged"  # the TPU path, not the CPU host's
+
+    moe_layers, mlp_layers = PAPER[name]
+    kinds = report["flops"]["train_step"]["kinds"]
+    assert tuple(kinds[k]["count"] if k in kinds else 0 for k in ("moe", "mlp", "attention")) == (moe_layers, mlp_layers, 2)
+    assert kinds["head"]["times_per_step"] == 16 * 2  # micro-batches x logprob chunks
+    rescore = report["flops"]["rescore"]["kinds"]
+    for table in (kinds, rescore):
+        # attention: XLA computes the whole T x T score matrix where the analytic count takes the causal half
+        assert 0.9 < table["attention"]["ratio"] < 1.6
+        assert 0.97 < table["head"]["ratio"] < 1.03  # the recompute of the logits is counted once, by both
+        if mlp_layers:
+            assert 0.97 < table["mlp"]["ratio"] < 1.05
+    if moe_layers:
+        assert 0.97 < rescore["moe"]["ratio"] < 1.1  # ragged_dot's forward is TPU's grouped kernel
+        assert kinds["moe"]["ratio"] > 0.97
+    for program in ("train_step", "rescore"):
+        assert 0 < report["roofline"][f"{program}_mfu_estimate"] < 1
+    assert not report.get("warnings")  # the one-layer programs are loop-free
+
+
+def test_fit_flips_when_rows_grow():
+    small = paper_plan("qwen15_moe_a27b", target="v5e-16", rows=16, programs=["train_step"], layer_costs=False)
+    big = paper_plan("qwen15_moe_a27b", target="v5e-16", rows=256, programs=["train_step"], layer_costs=False)
+    assert small["shape"]["seq_len"] == 1536  # 512 prompt + 1024 new tokens - 1, rounded up to 128
+    assert small["programs"]["train_step"]["fits"] and not big["programs"]["train_step"]["fits"]
+    usable = hardware.TPU_CHIPS["v5e"].usable_bytes
+    assert small["programs"]["train_step"]["total_bytes"] <= usable
+    refused = big["programs"]["train_step"]  # the TPU compiler refuses a program that does not fit, naming its needs
+    assert refused["error"] and refused["oom_temporaries"] > usable and refused["total_bytes"] is None
+
+
+def test_gpu_target_in_a_fresh_process(tmp_path):
+    """8 H100s through XLA's CUDA plugin, with no GPU: memory from the compiler, FLOPs from its cost model."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "cisjax", "plan", "--config", str(ROOT / "configs" / "qwen15_moe_a27b.py"),
+                           "--topology", "h100x8", "--num-layers", "2", "--rows", "8", "--seq-len", "256",
+                           "--programs", "train_step", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["target"]["platform"] == "cuda" and report["target"]["chips"] == 8
+    train = report["programs"]["train_step"]
+    assert train["fits"] and train["memory"]["temporaries"] > 0
+    kinds = report["flops"]["train_step"]["kinds"]
+    assert 0.97 < kinds["head"]["ratio"] < 1.03 and 0.9 < kinds["attention"]["ratio"] < 1.6
+    assert kinds["moe"]["xla_flops_per_chip"] > 0
+    assert "train_step" in proc.stdout and "MFU estimate" in proc.stdout
+
+
+def test_tpu_mesh_traces_the_tpu_moe_dispatch():
+    """A CPU host compiling for TPU must trace the TPU MoE path (ragged_dot), not the CPU one (tiled loops)."""
+    n, d, f, e, k = 64, 32, 16, 4, 2
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in [((n, d), jnp.bfloat16), ((e, d, f), jnp.bfloat16), ((e, d, f), jnp.bfloat16),
+                                                     ((e, f, d), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.float32)]]
+
+    def lowered_text(devices):
+        mesh = sharding.make_mesh({"fsdp": len(devices)}, devices)
+        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())) for a in args]
+
+        def fn(*xs):
+            with sharding.use_mesh(mesh):
+                assert moe.default_impl() == ("tiled" if devices[0].platform == "cpu" else "ragged")
+                return moe.moe_ffn(*xs)
+
+        return jax.jit(fn).lower(*placed).as_text()
+
+    assert "ragged_dot" in lowered_text(hardware.target("v5p-16").devices())
+    assert "ragged_dot" not in lowered_text(jax.devices())  # the 8 fake CPU devices: the tiled dispatch
+
+
+def fake_compile(a, b, usable=None):
+    """A train step whose per-chip total is a + b * rows bytes, and the probes made. With `usable`, the compiler
+    refuses what does not fit, naming only its temporaries (the total minus a)."""
+    probes = []
+
+    def compile_at(rows):
+        probes.append(rows)
+        total = a + b * rows
+        if usable is not None and total > usable:
+            return Compiled("train_step", 1.0, oom_temporaries=total - a, error="RESOURCE_EXHAUSTED")
+        return Compiled("train_step", 1.0, memory={"total": total})
+
+    return compile_at, probes
+
+
+@pytest.mark.parametrize("a, b, usable, start, best", [
+    (10.0, 1.0, 100.0, 16, 88),  # grows from 16: 32, 64 fit, 128 does not; the line through them meets 90
+    (10.0, 1.0, 100.0, 256, 88),  # shrinks from 256
+    (10.0, 1.0, 17.9, 8, 0),  # not even 8 rows fit
+    (10.0, 1.0, 18.0, 8, 8),
+])
+@pytest.mark.parametrize("refuses", [False, True], ids=["measured", "refused"])
+def test_search_rows_finds_the_boundary(a, b, usable, start, best, refuses):
+    compile_at, probes = fake_compile(a, b, usable if refuses else None)
+    result = command.search_rows(compile_at, start=start, step=8, usable=usable, max_rows=4096, log=lambda m: None)
+    assert result["best_rows"] == best
+    if best:
+        assert a + b * best <= usable < a + b * (best + 8)
+    assert len(probes) <= 6 and len(set(probes)) == len(probes)
+
+
+def test_search_rows_stops_at_the_cap():
+    compile_at, _ = fake_compile(1.0, 0.0)
+    result = command.search_rows(compile_at, start=8, step=8, usable=10.0, max_rows=64, log=lambda m: None)
+    assert result["best_rows"] == 64 and result["capped"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--topology", "v5p-12"], "no v5p slice of 6 chips"),
+    (["--topology", "v5p-16", "--mesh", "fsdp=3"], "needs 3 devices"),
+    (["--topology", "v5p-16", "--num-layers", "99"], "has 24 layers"),
+    (["--topology", "v5p-16", "--rows", "12"], "multiple of the mesh's batch shards"),
+    (["--topology", "v5p-16", "--programs", "train,foo"], "unknown"),
+])
+def test_bad_input_is_named(argv, message, capsys):
+    code = cli.main(["plan", "--config", str(ROOT / "configs" / "qwen15_moe_a27b.py"), "--no-layer-costs", *argv])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_no_architecture_is_named(capsys):
+    assert cli.main(["plan", "--topology", "v5p-16"]) == 2  # configs/base.py: no model.path, no model.hf_config
+    assert "no architecture" in capsys.readouterr().err
