@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import sys
+
+from cisjax import console, errors
 
 # command -> (module, one-line help). Modules define add_args(parser) and run(args, overrides)
 # (or add_<command>_args / run_<command> when one module serves two commands); benches run(args) or run(args, overrides).
@@ -46,7 +49,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cisjax",
         description="JAX/Flax RL training with calibrated importance sampling for MoE LLMs. "
-        "Config overrides: --config.path.to.field=value (see configs/base.py).",
+        "Config overrides: --config.path.to.field=value (see configs/base.py). --verbose (anywhere): the libraries' "
+        "INFO logging (orbax, absl, vLLM, jax) and cisjax's DEBUG lines, which are off by default.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
@@ -71,14 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     from cisjax.config import split_overrides
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:  # any position: libraries' INFO logging back on, in this process and its children
+        argv = [a for a in argv if a != "--verbose"]
+        os.environ[console.ENV] = "1"
+    console.setup()
     rest, overrides = split_overrides(argv)
     args = build_parser(rest).parse_args(rest)
     run = args._run
     del args._run  # not an argument: keep the namespace JSON-serialisable for the commands that record it
     try:
         code = run(args, overrides)
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        # user errors: one clear line, no traceback
+    except errors.UserError as err:
+        # declared user errors: one clear line, no traceback (anything else is a bug: its traceback shows)
         print(f"cisjax {args.command}: error: {err}", file=sys.stderr)
         return 2
     return int(code or 0)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import ml_collections
 
+from cisjax import errors
+
 PREFIX = "--config."
 # Config dicts whose keys are free (any logical axis name); everywhere else an unknown key is a typo.
 OPEN_FIELDS = ("sharding.rules",)
@@ -19,7 +21,7 @@ def load_file(path: str | Path) -> ml_collections.ConfigDict:
     """Run a config file and return its `get_config()`."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        raise errors.MissingInput(f"config file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"cisjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))  # experiment files import configs/base.py as `base`
@@ -28,7 +30,7 @@ def load_file(path: str | Path) -> ml_collections.ConfigDict:
     finally:
         sys.path.remove(str(path.parent))
     if not hasattr(module, "get_config"):
-        raise ValueError(f"{path}: a config file must define get_config()")
+        raise errors.UserError(f"{path}: a config file must define get_config()")
     cfg = module.get_config()
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise TypeError(f"{path}: get_config() must return an ml_collections.ConfigDict")
@@ -61,25 +63,25 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
     for item in overrides:
         item = item[len(PREFIX) :] if item.startswith(PREFIX) else item
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like --config.path.to.field=value")
+            raise errors.UserError(f"override {item!r} must look like --config.path.to.field=value")
         key, text = item.split("=", 1)
         *parents, leaf = key.split(".")
         node = cfg
         for name in parents:
             if name not in node:
-                raise KeyError(f"unknown config field {key!r} (no {name!r})")
+                raise errors.UserError(f"unknown config field {key!r} (no {name!r})")
             node = node[name]
         if not isinstance(node, ml_collections.ConfigDict):
-            raise KeyError(f"unknown config field {key!r}")
+            raise errors.UserError(f"unknown config field {key!r}")
         if leaf not in node:
             if ".".join(parents) not in OPEN_FIELDS:
-                raise KeyError(f"unknown config field {key!r}")
+                raise errors.UserError(f"unknown config field {key!r}")
             node[leaf] = _parse_value(text, None)
             continue
         try:
             node[leaf] = _parse_value(text, node[leaf])
         except (TypeError, ValueError) as err:
-            raise ValueError(f"bad value for {key!r}: {err}") from None
+            raise errors.UserError(f"bad value for {key!r}: {err}") from None
     return cfg
 
 
@@ -102,4 +104,4 @@ def default_config_path() -> Path:
     here = Path(__file__).resolve().parent.parent / "configs" / "base.py"
     if here.is_file():
         return here
-    raise FileNotFoundError("no --config given and configs/base.py not found next to the package")
+    raise errors.MissingInput("no --config given and configs/base.py not found next to the package")

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cisjax import errors
 from cisjax.rl.rewards import last_boxed, normalize_reference
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ KINDS: dict[str, Callable[[Mapping, int, str], Problem]] = {
 def problems_from_rows(rows: Sequence[Mapping], *, kind: str = "gsm8k", split: str = "train", where: str = "rows") -> list[Problem]:
     """Rows (dicts in one of the KINDS layouts) -> Problems; `where` names the source in errors."""
     if kind not in KINDS:
-        raise ValueError(f"unknown data kind {kind!r}; known: {sorted(KINDS)}")
+        raise errors.UserError(f"unknown data kind {kind!r}; known: {sorted(KINDS)}")
     to_problem = KINDS[kind]
     problems = []
     for i, row in enumerate(rows):
@@ -113,9 +114,9 @@ def problems_from_rows(rows: Sequence[Mapping], *, kind: str = "gsm8k", split: s
             problems.append(to_problem(row, i, split))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            raise ValueError(f"{where}: row {i + 1} is not a {kind} row: {detail}") from e
+            raise errors.UserError(f"{where}: row {i + 1} is not a {kind} row: {detail}") from e
     if not problems:
-        raise ValueError(f"{where}: no rows")
+        raise errors.UserError(f"{where}: no rows")
     return problems
 
 
@@ -132,7 +133,7 @@ def read_jsonl(path: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+                raise errors.UserError(f"{path}:{n}: not JSON: {e}") from e
     return rows
 
 
@@ -147,7 +148,7 @@ def _read_parquet(path: str) -> list[dict]:
 def _read_hub(spec: str, split: str) -> list[dict]:
     name, _, config = spec.partition(":")
     if not name:
-        raise ValueError(f"hub source 'hf:{spec}' names no dataset; expected hf:<dataset>[:<config>]")
+        raise errors.UserError(f"hub source 'hf:{spec}' names no dataset; expected hf:<dataset>[:<config>]")
     try:
         import datasets  # optional: only hub sources need it
     except ImportError as e:
@@ -167,7 +168,7 @@ def load_problems(source: str | os.PathLike, split: str = "train", *, kind: str 
     `datasets`), e.g. `hf:openai/gsm8k:main`. `kind` names the row layout (see KINDS).
     """
     if kind not in KINDS:
-        raise ValueError(f"unknown data kind {kind!r}; known: {sorted(KINDS)}")
+        raise errors.UserError(f"unknown data kind {kind!r}; known: {sorted(KINDS)}")
     source = os.fspath(source)
     if source.startswith("hf:"):
         return problems_from_rows(_read_hub(source[3:], split), kind=kind, split=split, where=source)
@@ -176,16 +177,16 @@ def load_problems(source: str | os.PathLike, split: str = "train", *, kind: str 
         candidates = [os.path.join(path, f"{split}{ext}") for ext in (".jsonl", ".parquet")]
         found = [c for c in candidates if os.path.isfile(c)]
         if not found:
-            raise FileNotFoundError(f"data directory {path} has no {split}.jsonl or {split}.parquet")
+            raise errors.MissingInput(f"data directory {path} has no {split}.jsonl or {split}.parquet")
         path = found[0]
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data source {source} is not a file, a directory, or hf:<dataset>")
+        raise errors.MissingInput(f"data source {source} is not a file, a directory, or hf:<dataset>")
     if path.endswith(".jsonl"):
         rows = read_jsonl(path)
     elif path.endswith(".parquet"):
         rows = _read_parquet(path)
     else:
-        raise ValueError(f"data file {path}: expected a .jsonl or .parquet file")
+        raise errors.UserError(f"data file {path}: expected a .jsonl or .parquet file")
     return problems_from_rows(rows, kind=kind, split=split, where=path)
 
 
@@ -204,7 +205,7 @@ class PromptFormatter:
 
         self.tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir))
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt")
+            raise errors.UserError(f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt")
         self.instruction = instruction
         self.system = system
         self.chat_template = chat_template
@@ -220,13 +221,13 @@ class PromptFormatter:
                 ids.add(self.tokenizer.convert_tokens_to_ids(token))
         ids.discard(None)
         if not ids:
-            raise ValueError("tokenizer has no eos token and no <|im_end|>/<|endoftext|>: cannot stop generation")
+            raise errors.UserError("tokenizer has no eos token and no <|im_end|>/<|endoftext|>: cannot stop generation")
         return tuple(sorted(ids))
 
     def message(self, question: str) -> str:
         """The user message: question, a line break, the instruction."""
         if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question must be a non-empty string, got {question!r}")
+            raise errors.UserError(f"question must be a non-empty string, got {question!r}")
         return f"{question}\n{self.instruction}" if self.instruction else question
 
     def text(self, question: str) -> str:
@@ -256,7 +257,7 @@ def drop_long_prompts(problems: Sequence[Problem], formatter: PromptFormatter, m
         return list(problems)
     kept = [p for p in problems if len(formatter.encode(p.question)) <= max_tokens]
     if not kept:
-        raise ValueError(f"data.max_prompt_tokens={max_tokens}: every one of the {len(problems)} prompts is longer")
+        raise errors.UserError(f"data.max_prompt_tokens={max_tokens}: every one of the {len(problems)} prompts is longer")
     if len(kept) < len(problems):
         log.warning("data.max_prompt_tokens=%d: dropped %d of %d problems with longer prompts", max_tokens,
                     len(problems) - len(kept), len(problems))
@@ -293,9 +294,9 @@ class PromptStream:
         if not problems:
             raise ValueError("PromptStream needs at least one problem")
         if batch_size < 1 or epochs < 1:
-            raise ValueError(f"batch_size and epochs must be >= 1, got batch_size={batch_size}, epochs={epochs}")
+            raise errors.UserError(f"batch_size and epochs must be >= 1, got batch_size={batch_size}, epochs={epochs}")
         if drop_last and batch_size > len(problems):
-            raise ValueError(f"batch_size {batch_size} > {len(problems)} problems: every batch would be dropped")
+            raise errors.UserError(f"batch_size {batch_size} > {len(problems)} problems: every batch would be dropped")
         self.problems = list(problems)
         self.batch_size, self.seed, self.epochs, self.drop_last = batch_size, int(seed), epochs, drop_last
         self.fingerprint = _fingerprint(self.problems)
@@ -349,12 +350,12 @@ class PromptStream:
         if missing:
             raise ValueError(f"prompt stream state lacks {sorted(missing)}: {dict(state)}")
         if state["size"] != len(self.problems) or state["fingerprint"] != self.fingerprint:
-            raise ValueError(
+            raise errors.UserError(
                 f"prompt stream state is for another data set ({state['size']} problems, fingerprint {state['fingerprint']}); "
                 f"this one has {len(self.problems)} problems, fingerprint {self.fingerprint}"
             )
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"prompt stream state has seed {state['seed']}, this stream seed {self.seed}: the order would differ")
+            raise errors.UserError(f"prompt stream state has seed {state['seed']}, this stream seed {self.seed}: the order would differ")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self.problems):
             raise ValueError(f"prompt stream state has epoch {epoch}, position {position}: out of range for {len(self.problems)} problems")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import errors
 from cisjax.data import TRAIN_INSTRUCTION
 
 # ----------------------------------------------------------------------------- the synthetic task
@@ -77,7 +78,7 @@ def make_task(seed: int = 0, heldout: int = 512) -> tuple[list[dict], list[dict]
     groups = _groups()
     total = sum(len(g) for g in groups)
     if not 0 < heldout < total:
-        raise ValueError(f"heldout={heldout}: must lie in 1..{total - 1}")
+        raise errors.UserError(f"heldout={heldout}: must lie in 1..{total - 1}")
     order = np.random.default_rng(seed).permutation(len(groups))
     held, train = [], []
     for k in order:
@@ -348,7 +349,7 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
     tx = step_lib.make_optimizer(cfg.train)
-    graphdef, state = state_lib.create(model, tx, seed=seed, mesh=mesh)
+    graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     shardings = state_lib.shardings(state)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, shardings)
@@ -441,9 +442,9 @@ def prepare(out, *, seed: int = 0, warmup_steps: int = 800, batch_size: int = 64
     from cisjax.data import PromptFormatter, load_problems
 
     if warmup_steps < 0 or batch_size < 1 or eval_size < 0:
-        raise ValueError("--warmup-steps and --eval-size must be >= 0, --batch-size >= 1")
+        raise errors.UserError("--warmup-steps and --eval-size must be >= 0, --batch-size >= 1")
     if not 0.0 < boxed_fraction <= 1.0:
-        raise ValueError(f"--boxed-fraction={boxed_fraction}: must lie in (0, 1] (0 would leave nothing to reward)")
+        raise errors.UserError(f"--boxed-fraction={boxed_fraction}: must lie in (0, 1] (0 would leave nothing to reward)")
     cfg = warmup_config(config_file, overrides, warmup_steps)  # config errors before anything is written
     t0 = time.monotonic()
     out = Path(out)

@@ -11,12 +11,14 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import cisjax
+from cisjax import errors
 from cisjax.models.hf_config import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -234,13 +236,13 @@ def export(
     _agree(error, "commit")
     if writer:
         _prune(root, keep, protect={name})
-    log.info("exported version %d to %s", version, final)
+    log.debug("exported version %d to %s", version, final)
     return final
 
 
 def _check_int(value, what: str, minimum: int) -> int:
     if isinstance(value, bool) or int(value) != value or value < minimum:
-        raise ValueError(f"{what}={value!r}: want an integer >= {minimum}")
+        raise errors.UserError(f"{what}={value!r}: want an integer >= {minimum}")
     return int(value)
 
 
@@ -409,10 +411,10 @@ def _prune(root: Path, keep: int, protect: set[str]) -> None:
 
 
 def restore_params(checkpoint_dir: str | os.PathLike, abstract_params, *, step: int | None = None) -> tuple[Any, dict]:
-    """(params, {"step", "policy_version"}) of a cisjax.train.checkpoint step (default: the latest
+    """(params, {"step", "policy_version", "data_position", "checkpoint"}) of a cisjax.train.checkpoint step (default: the latest
     committed one), on one device, each leaf in its saved dtype.
 
-    Only `params` and the two counters are read (orbax partial restore of the step's `state`
+    Only `params` and the counters are read (orbax partial restore of the step's `state`
     item): the optimizer state, twice the params' size for Adam, is neither needed nor
     allocated, and its structure (which depends on the run's train config) does not matter.
     `abstract_params` (the nnx.State of hf_io.abstract_model) gives the tree and the shapes;
@@ -459,13 +461,14 @@ def restore_params(checkpoint_dir: str | os.PathLike, abstract_params, *, step: 
         [(k, v.replace(value=jax.ShapeDtypeStruct(v.shape, stored_params[p].dtype, sharding=device))) for p, k, v in flat]
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=device)
-    target = {"params": params_target, "step": scalar, "policy_version": scalar}
+    target = {"params": params_target, "step": scalar, "policy_version": scalar, "data_position": scalar}
     try:
         out = handler.restore(path, args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
     except Exception as e:
         raise CheckpointError(f"{path}: corrupt checkpoint (cannot read the params): {e}") from e
-    return out["params"], {"step": int(out["step"]), "policy_version": int(out["policy_version"]), "checkpoint": str(path.parent)}
+    counters = {k: int(out[k]) for k in ("step", "policy_version", "data_position")}
+    return out["params"], {**counters, "checkpoint": str(path.parent)}
 
 
 def _keystr(path) -> str:
@@ -490,7 +493,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     """Restore a checkpoint's params onto one device (hf_io for the model's structure) and export them."""
     if overrides:
-        raise ValueError(f"cisjax export takes no --config overrides (got {overrides})")
+        raise errors.UserError(f"cisjax export takes no --config overrides (got {overrides})")
     from cisjax.models import hf_io
 
     hf = hf_io.read_hf_config(args.model)
@@ -499,5 +502,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     version = info["step"] if args.version is None else args.version
     path = export((graphdef, params), hf, args.out, version, dtype=args.dtype, keep=args.keep,
                   max_shard_bytes=args.max_shard_bytes, metadata={"source": "checkpoint", **info})
+    print(f"{path}  (checkpoint step {info['step']}, policy version {info['policy_version']}, "
+          f"{info['data_position']} prompts seen)", file=sys.stderr)
     print(path)
     return 0

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from cisjax import errors
+
 
 class TokenStats(NamedTuple):
     logprobs_N: jax.Array  # fp32 log p(target) under the temperature-scaled distribution
@@ -161,7 +163,7 @@ def _prepare(hidden, unembed_DxV, targets, temperature, top_k: int, compute_dtyp
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden leading shape {hidden.shape[:-1]} != targets shape {targets.shape}")
     if not 0 <= top_k <= v:
-        raise ValueError(f"top_k={top_k} must lie in [0, vocab={v}]")
+        raise errors.UserError(f"top_k={top_k} must lie in [0, vocab={v}]")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"targets must be integer ids, got {targets.dtype}")
     compute_dtype = jnp.dtype(hidden.dtype if compute_dtype is None else compute_dtype)
@@ -195,7 +197,7 @@ def token_logprobs(hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk
     in fp32.
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be positive")
+        raise errors.UserError(f"chunk_size={chunk_size} must be positive")
     h_NxD, t_N, temperature, compute_dtype, lead = _prepare(hidden_NxD, unembed_DxV, targets_N, temperature, top_k, compute_dtype)
     return _result(_chunked(h_NxD, unembed_DxV, t_N, temperature, chunk_size, top_k, compute_dtype), lead, top_k)
 

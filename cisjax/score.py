@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from cisjax import config as config_lib
+from cisjax import errors
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.models import hf_io
@@ -34,24 +35,24 @@ def read_items(path: str | Path, vocab_size: int) -> list[Item]:
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
-                raise ValueError(f"{path}:{n}: empty line")
+                raise errors.UserError(f"{path}:{n}: empty line")
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err})") from None
+                raise errors.UserError(f"{path}:{n}: not JSON ({err})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object")
+                raise errors.UserError(f"{path}:{n}: expected a JSON object")
             ids = {}
             for key in ("prompt_ids", "response_ids"):
                 value = obj.get(key)
                 if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                    raise ValueError(f"{path}:{n}: {key!r} must be a list of token ids")
+                    raise errors.UserError(f"{path}:{n}: {key!r} must be a list of token ids")
                 bad = [t for t in value if not 0 <= t < vocab_size]
                 if bad:
-                    raise ValueError(f"{path}:{n}: {key!r} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                    raise errors.UserError(f"{path}:{n}: {key!r} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
                 ids[key] = value
             if not ids["prompt_ids"]:
-                raise ValueError(f"{path}:{n}: 'prompt_ids' is empty (the first response token needs a context)")
+                raise errors.UserError(f"{path}:{n}: 'prompt_ids' is empty (the first response token needs a context)")
             items.append(Item(ids["prompt_ids"], ids["response_ids"]))
     return items
 
@@ -63,7 +64,7 @@ def pack(items: list[Item], row_tokens: int) -> list[list[int]]:
     for i in sorted(range(len(items)), key=lambda i: -len(items[i])):
         need = len(items[i])
         if need > row_tokens:
-            raise ValueError(f"item {i} has {need} tokens, more than a row ({row_tokens}); raise score.row_tokens")
+            raise errors.UserError(f"item {i} has {need} tokens, more than a row ({row_tokens}); raise score.row_tokens")
         for r, space in enumerate(free):
             if space >= need:
                 rows[r].append(i)
@@ -197,6 +198,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     cfg = config_lib.load(args.config, overrides or [])
+    if not Path(args.input).is_file():  # before the model loads
+        raise errors.MissingInput(f"--input {args.input}: no such file")
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     model, mcfg, _ = hf_io.load(
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     top_k = cfg.logprobs.top_k if args.top_k is None else args.top_k
     temperature = cfg.logprobs.temperature if args.temperature is None else args.temperature
     if temperature <= 0:
-        raise ValueError("--temperature must be > 0 (greedy rollouts: score at temperature 1)")
+        raise errors.UserError("--temperature must be > 0 (greedy rollouts: score at temperature 1)")
     results = score_items(
         model, items, mesh, rules, temperature=temperature, chunk_size=cfg.logprobs.chunk_size, top_k=top_k,
         row_tokens=cfg.score.row_tokens, rows_per_call=cfg.score.rows, progress=not args.no_progress,

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cisjax import errors
+
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # Logical axis -> mesh axis (or tuple of mesh axes; None = replicated). Model code names only
@@ -53,9 +55,9 @@ def rules_from_config(overrides: Mapping | None = None) -> dict:
         axes = (target,) if isinstance(target, str) or target is None else target
         for axis in axes:
             if axis is not None and axis not in MESH_AXES:
-                raise ValueError(f"sharding rule {name!r} -> unknown mesh axis {axis!r}; mesh axes are {MESH_AXES}")
+                raise errors.UserError(f"sharding rule {name!r} -> unknown mesh axis {axis!r}; mesh axes are {MESH_AXES}")
         if len(set(axes)) != len(axes):
-            raise ValueError(f"sharding rule {name!r} -> {target!r} names a mesh axis twice")
+            raise errors.UserError(f"sharding rule {name!r} -> {target!r} names a mesh axis twice")
     return rules
 
 
@@ -64,19 +66,19 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> Mesh
     devices = list(devices if devices is not None else jax.devices())
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid: {MESH_AXES}")
+        raise errors.UserError(f"unknown mesh axes {sorted(unknown)}; valid: {MESH_AXES}")
     sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
     if any(s < 1 and s != -1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}")
+        raise errors.UserError(f"mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}")
     if sizes.count(-1) > 1:
-        raise ValueError("at most one mesh axis may be -1")
+        raise errors.UserError("at most one mesh axis may be -1")
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
         if len(devices) % rest:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices")
+            raise errors.UserError(f"mesh {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices")
         sizes[sizes.index(-1)] = len(devices) // rest
     if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}")
+        raise errors.UserError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}")
     arr = np.asarray(devices).reshape(sizes)
     return Mesh(arr, MESH_AXES)
 

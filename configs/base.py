@@ -119,6 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.run.dump_tokens = 4096  # tokens sampled per dump (0 = all valid tokens of the step)
     c.run.tensorboard = True  # TensorBoard event files under <run dir>/tb (metrics.jsonl is always written)
     c.run.progress = "auto"  # rich progress bar: auto (on a terminal) | on | off (one line per step)
+    c.run.print_every = 1  # without the progress bar: a step line every N steps (and the first and last)
 
     # --- training data (cisjax.data) -------------------------------------------------------------
     c.data = ml_collections.ConfigDict()

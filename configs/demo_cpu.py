@@ -37,5 +37,6 @@ def get_config():
     c.checkpoint.keep = 2
     c.run.dir = "runs/demo/train"
     c.run.dump_every = 4
+    c.run.print_every = 8  # the launcher prints every step's row in its table at the end
     c.reward.workers = 2
     return c

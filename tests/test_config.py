@@ -2,7 +2,7 @@
 
 import pytest
 
-from cisjax import config
+from cisjax import config, errors
 
 
 def test_base_loads_and_overrides_typed():
@@ -16,14 +16,14 @@ def test_base_loads_and_overrides_typed():
 
 
 def test_unknown_field_is_an_error():
-    with pytest.raises(KeyError, match="mesh.fsdpp"):
+    with pytest.raises(errors.UserError, match="unknown config field 'mesh.fsdpp'"):
         config.load(None, ["--config.mesh.fsdpp=2"])
-    with pytest.raises(KeyError, match="nope.x"):
+    with pytest.raises(errors.UserError, match="unknown config field 'nope.x'"):
         config.load(None, ["--config.nope.x=1"])
 
 
 def test_bad_value_is_an_error():
-    with pytest.raises(ValueError, match="mesh.fsdp"):
+    with pytest.raises(errors.UserError, match="mesh.fsdp"):
         config.load(None, ["--config.mesh.fsdp=abc"])
     with pytest.raises(ValueError, match="boolean"):
         config.apply_overrides(_flag_config(), ["--config.flag=maybe"])
@@ -47,7 +47,7 @@ def test_experiment_file_builds_on_base(tmp_path):
 
 
 def test_missing_file():
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(errors.MissingInput):
         config.load("does/not/exist.py")
 
 

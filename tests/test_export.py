@@ -328,10 +328,10 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
     """A train state (fp32 params moved away from the source + Adam moments) saved by Checkpointer exports to a
     directory transformers loads with exactly those params."""
     model, _ = loaded
-    graphdef, state = state_lib.create(model, make_optimizer(config_lib.load(None).train), seed=3)
+    graphdef, state = state_lib.create(model, make_optimizer(config_lib.load(None).train))
     rng = np.random.default_rng(1)
     moved = jax.tree.map(lambda p: p + jnp.asarray(rng.normal(0, 0.05, p.shape), p.dtype), state.params)
-    state = state._replace(params=moved, step=jnp.int32(7), policy_version=jnp.int32(6))
+    state = state._replace(params=moved, step=jnp.int32(7), policy_version=jnp.int32(6), data_position=jnp.int32(448))
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
         ckpt.save(state)
         ckpt.save(state._replace(step=jnp.int32(9)))
@@ -339,9 +339,12 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
 
     assert _cli("--checkpoint", str(tmp_path / "ckpt"), "--step", "7", "--model", src, "--out", str(out), "--dtype", "float32") == 0
     path = out / "v000007"
-    assert capsys.readouterr().out.strip() == str(path)
+    printed = capsys.readouterr()
+    assert printed.out.strip() == str(path)
+    assert "checkpoint step 7, policy version 6, 448 prompts seen" in printed.err
     manifest = ex.verify(path)
-    assert manifest["metadata"]["step"] == 7 and manifest["metadata"]["policy_version"] == 6 and manifest["dtype"] == "float32"
+    meta = manifest["metadata"]
+    assert (meta["step"], meta["policy_version"], meta["data_position"], manifest["dtype"]) == (7, 6, 448, "float32")
     exported_model, _, _ = hf_io.load(path, dtype="float32")
     want = params(nnx.merge(graphdef, moved))
     got = params(exported_model)

@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cisjax import errors
+
 TARGET_RATIO = 0.5  # export + reload bytes/s / plain sequential write + fsync bytes/s
 _WRITE_CHUNK = 8 << 20
 
@@ -348,9 +350,9 @@ def _print(res: dict) -> None:
 
 def run(args) -> int:
     if min(args.hidden, args.layers, args.heads, args.kv_heads, args.experts, args.top_k, args.vocab, args.repeats, args.chunk_bytes) < 1:
-        raise ValueError("sizes, --chunk-bytes and --repeats must be positive")
+        raise errors.UserError("sizes, --chunk-bytes and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads or args.hidden % args.heads:
-        raise ValueError("need --top-k <= --experts, --heads dividing --hidden and --kv-heads dividing --heads")
+        raise errors.UserError("need --top-k <= --experts, --heads dividing --hidden and --kv-heads dividing --heads")
     if args.backend == "vllm":
         import importlib.util
 

@@ -9,6 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cisjax import errors
+
 TARGET = 1.2  # async step time / max(rollout time, train time) once warmed up
 
 
@@ -55,9 +57,9 @@ def run(args, overrides=()) -> int:
     from cisjax.train import loop
 
     if args.steps <= args.skip:
-        raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
+        raise errors.UserError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
     if args.staleness < 1:
-        raise ValueError(f"--staleness={args.staleness}: the async mode needs >= 1")
+        raise errors.UserError(f"--staleness={args.staleness}: the async mode needs >= 1")
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="cisjax-bench-loop-")
     root = Path(args.dir or tmp.name)
     modes = {}

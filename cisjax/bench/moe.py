@@ -7,6 +7,8 @@ import json
 import statistics
 import time
 
+from cisjax import errors
+
 TARGET_RATIO = 2.0  # default impl's MoE time / dense MLP time
 # ExKxF: Mixtral-like top-2 of 8, and Qwen1.5-MoE-A2.7B (hidden 2048, 60 experts of width 1408,
 # top-4) scaled down 4x with the default --hidden 512.
@@ -35,9 +37,9 @@ def parse_shape(spec: str) -> tuple[int, int, int]:
     try:
         e, k, f = (int(v) for v in spec.lower().split("x"))
     except ValueError:
-        raise ValueError(f"bad --shapes entry {spec!r}; expected ExKxF, e.g. 60x4x352") from None
+        raise errors.UserError(f"bad --shapes entry {spec!r}; expected ExKxF, e.g. 60x4x352") from None
     if not 1 <= k <= e or f < 1:
-        raise ValueError(f"bad --shapes entry {spec!r}: need 1 <= k <= E and F >= 1")
+        raise errors.UserError(f"bad --shapes entry {spec!r}: need 1 <= k <= E and F >= 1")
     return e, k, f
 
 
@@ -177,7 +179,7 @@ def run(args) -> int:
     impls = args.impls or [i for i in moe.IMPLS if i != "auto"]
     for impl in impls:
         if impl not in moe.IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; one of {moe.IMPLS}")
+            raise errors.UserError(f"unknown impl {impl!r}; one of {moe.IMPLS}")
     results = []
     for e, k, f in shapes:
         results.append(bench_shape(e, k, f, n=args.tokens, d=args.hidden, impls=impls, forced=set(args.impls or ()), tile=args.tile,

@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from cisjax import errors
+
 TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same engine settings
 
 
@@ -212,7 +214,7 @@ def bench(args) -> dict:
         max_model_len = int(hf.get("max_position_embeddings") or 4096)  # what the server's engine uses
         prompts = _prompts(args, int(hf["vocab_size"]))
         if max(map(len, prompts)) + args.max_new_tokens > max_model_len:
-            raise ValueError(f"--prompt-len + --max-new-tokens exceed the model's context length {max_model_len}")
+            raise errors.UserError(f"--prompt-len + --max-new-tokens exceed the model's context length {max_model_len}")
         params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
         warm = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=min(2, args.max_new_tokens), seed=args.seed)
         res["model"] = {k: hf.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
@@ -347,9 +349,9 @@ def _print(res: dict) -> None:
 def run(args) -> int:
     if min(args.hidden, args.layers, args.heads, args.kv_heads, args.experts, args.top_k, args.vocab, args.prompts, args.prompt_len,
            args.n, args.max_new_tokens, args.clients, args.repeats) < 1:
-        raise ValueError("sizes, counts and --repeats must be positive")
+        raise errors.UserError("sizes, counts and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads:
-        raise ValueError("need --top-k <= --experts and --heads divisible by --kv-heads")
+        raise errors.UserError("need --top-k <= --experts and --heads divisible by --kv-heads")
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:  # imported later, after its environment is set

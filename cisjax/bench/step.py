@@ -128,7 +128,7 @@ def bench(args) -> dict:
             run_cfg.correction.method = method
             tx = step_lib.make_optimizer(run_cfg.train)
             fresh = jax.tree.map(lambda x: x.copy(), params)  # each state is donated: its own buffers
-            _, state = state_lib.create(nnx.merge(graphdef, fresh), tx, seed=args.seed, mesh=mesh)
+            _, state = state_lib.create(nnx.merge(graphdef, fresh), tx, mesh=mesh)
             steps[method] = step_lib.make_train_step(graphdef, tx, run_cfg, mesh, rules, state_lib.shardings(state))
             t0 = time.perf_counter()
             state, met = steps[method](state, batch)

@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cisjax import console, errors
+
 log = logging.getLogger("cisjax.eval")
 
 DEFAULT_SETS = "gsm8k,math500,svamp,minerva,olympiadbench"
@@ -56,10 +58,10 @@ def check_vocabulary(info: dict, model_dir, tokenizer, where: str) -> None:
     if cfg.is_file():
         ours = json.loads(cfg.read_text()).get("vocab_size")
         if ours is not None and int(ours) != served:
-            raise ValueError(f"{where} serves a model with vocab_size {served} ({info.get('model')}), but --model {model_dir} has "
+            raise errors.UserError(f"{where} serves a model with vocab_size {served} ({info.get('model')}), but --model {model_dir} has "
                              f"{ours}: not the same model")
     if len(tokenizer) > served:
-        raise ValueError(f"the tokenizer of {model_dir} has {len(tokenizer)} tokens, more than the vocab_size {served} that {where} "
+        raise errors.UserError(f"the tokenizer of {model_dir} has {len(tokenizer)} tokens, more than the vocab_size {served} that {where} "
                          f"serves ({info.get('model')}): not the same model")
 
 
@@ -78,21 +80,21 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     from cisjax.rl.rewards import RewardPool
     from cisjax.train import server_proc
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console.setup()
     if overrides:
-        raise ValueError(f"cisjax eval takes no --config overrides: {overrides}")
+        raise errors.UserError(f"cisjax eval takes no --config overrides: {overrides}")
     settings = runner.Settings(n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                                seed=args.seed, batch_size=args.batch_size, concurrency=args.concurrency)
     settings.check()
     model_dir = Path(args.model)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"--model {model_dir} is not a directory")
+        raise errors.MissingInput(f"--model {model_dir} is not a directory")
     # every input is checked before an engine starts: sets, data, prompts
     default, per_set = sets_lib.parse_data(args.data)
     evalsets = [sets_lib.load_set(name, default, per_set, limit=args.limit) for name in sets_lib.parse_sets(args.sets)]
     tokenizer_dir = Path(args.tokenizer or model_dir)
     if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer (an export of `cisjax train` has none): pass --tokenizer DIR")
+        raise errors.MissingInput(f"{tokenizer_dir} holds no tokenizer (an export of `cisjax train` has none): pass --tokenizer DIR")
     formatter = prompts.formatter(args.prompt, tokenizer_dir, chat_template=not args.no_chat_template)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ import logging
 import time
 from pathlib import Path
 
+from cisjax import errors
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LoopEval"]
@@ -25,7 +27,7 @@ class LoopEval:
 
         e = cfg.eval
         if e.every < 0:
-            raise ValueError(f"eval.every must be >= 0, got {e.every}")
+            raise errors.UserError(f"eval.every must be >= 0, got {e.every}")
         default, per_set = sets_lib.parse_data(e.data)
         self.sets = [sets_lib.load_set(name, default, per_set, limit=e.limit) for name in sets_lib.parse_sets(e.sets)]
         # the run's training prompt by default: its instruction and chat template

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cisjax import errors
 from cisjax.data import EVAL_INSTRUCTION, TRAIN_INSTRUCTION, PromptFormatter
 
 __all__ = ["STYLES", "formatter"]
@@ -20,7 +21,7 @@ STYLES = {
 def formatter(style: str, tokenizer_dir, *, instruction: str | None = None, chat_template: bool = True) -> PromptFormatter:
     """The PromptFormatter of a style; `instruction` replaces the style's (the loop passes its data.instruction)."""
     if style not in STYLES:
-        raise ValueError(f"unknown prompt style {style!r}; known: {', '.join(STYLES)}")
+        raise errors.UserError(f"unknown prompt style {style!r}; known: {', '.join(STYLES)}")
     system, default_instruction = STYLES[style]
     return PromptFormatter(tokenizer_dir, instruction=default_instruction if instruction is None else instruction,
                            chat_template=chat_template, system=system)

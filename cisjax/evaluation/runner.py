@@ -8,6 +8,7 @@ import time
 from concurrent import futures
 from dataclasses import asdict, dataclass
 
+from cisjax import errors
 from cisjax.evaluation import answers as answers_lib
 from cisjax.evaluation import grading, scores
 
@@ -34,13 +35,13 @@ class Settings:
 
     def check(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1:
-            raise ValueError(f"n, max_new_tokens, batch_size and concurrency must be >= 1: {self}")
+            raise errors.UserError(f"n, max_new_tokens, batch_size and concurrency must be >= 1: {self}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise errors.UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.greedy and self.n > 1:
-            raise ValueError(f"n={self.n} with temperature 0: greedy samples are all the same; give a temperature > 0 for avg@{self.n}/pass@{self.n}")
+            raise errors.UserError(f"n={self.n} with temperature 0: greedy samples are all the same; give a temperature > 0 for avg@{self.n}/pass@{self.n}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise errors.UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def to_json(self) -> dict:
         return {**asdict(self), "greedy": self.greedy}

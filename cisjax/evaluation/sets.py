@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from cisjax import data as data_lib
+from cisjax import errors
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,11 @@ def parse_sets(text: str) -> list[str]:
             continue
         name = ALIASES.get(name, name)
         if name not in BENCHMARKS:
-            raise ValueError(f"unknown eval set {raw.strip()!r}; known: {', '.join(BENCHMARKS)}")
+            raise errors.UserError(f"unknown eval set {raw.strip()!r}; known: {', '.join(BENCHMARKS)}")
         if name not in names:
             names.append(name)
     if not names:
-        raise ValueError(f"no eval sets given; known: {', '.join(BENCHMARKS)}")
+        raise errors.UserError(f"no eval sets given; known: {', '.join(BENCHMARKS)}")
     return names
 
 
@@ -76,12 +77,12 @@ def parse_data(spec: str) -> tuple[str | None, dict[str, str]]:
         if eq and not name.strip().startswith("hf:"):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in BENCHMARKS:
-                raise ValueError(f"--data {entry!r}: unknown eval set {name.strip()!r}; known: {', '.join(BENCHMARKS)}")
+                raise errors.UserError(f"--data {entry!r}: unknown eval set {name.strip()!r}; known: {', '.join(BENCHMARKS)}")
             if not source.strip():
-                raise ValueError(f"--data {entry!r}: no source after '='")
+                raise errors.UserError(f"--data {entry!r}: no source after '='")
             per_set[key] = source.strip()
         elif default is not None:
-            raise ValueError(f"--data has two default sources, {default!r} and {entry!r}; name the set of one: SET=SOURCE")
+            raise errors.UserError(f"--data has two default sources, {default!r} and {entry!r}; name the set of one: SET=SOURCE")
         else:
             default = entry
     return default, per_set
@@ -93,11 +94,11 @@ def locate(bench: Benchmark, default: str | None, per_set: dict[str, str]) -> tu
     default. FileNotFoundError / ValueError naming the set and what was looked for."""
     source = per_set.get(bench.name)
     if source is None and default is None:
-        raise ValueError(f"eval set {bench.name}: no data source; pass --data DIR (holding {bench.folder}/test.jsonl), "
+        raise errors.UserError(f"eval set {bench.name}: no data source; pass --data DIR (holding {bench.folder}/test.jsonl), "
                          f"--data {bench.name}=FILE, or --data hf")
     if source is None and default in ("hf", "hf:"):
         if bench.hub is None:
-            raise ValueError(f"eval set {bench.name}: no default hub dataset is known in this layout; pass "
+            raise errors.UserError(f"eval set {bench.name}: no default hub dataset is known in this layout; pass "
                              f"--data {bench.name}=FILE (e.g. the Qwen2.5-Math harness's {bench.folder}/test.jsonl) or "
                              f"{bench.name}=hf:<dataset>[:<config>][@split]")
         return "hf:" + bench.hub, bench.split
@@ -105,18 +106,18 @@ def locate(bench: Benchmark, default: str | None, per_set: dict[str, str]) -> tu
         source = default
     if source is None:
         if not os.path.isdir(default):
-            raise FileNotFoundError(f"eval data directory {default} does not exist (for set {bench.name})")
+            raise errors.MissingInput(f"eval data directory {default} does not exist (for set {bench.name})")
         tried = [os.path.join(default, bench.folder, f"{bench.split}{ext}") for ext in (".jsonl", ".parquet")]
         tried += [os.path.join(default, f"{stem}{ext}") for stem in dict.fromkeys((bench.folder, bench.name)) for ext in (".jsonl", ".parquet")]
         found = next((t for t in tried if os.path.isfile(t)), None)
         if found is None:
-            raise FileNotFoundError(f"eval set {bench.name}: none of {', '.join(tried)} exists")
+            raise errors.MissingInput(f"eval set {bench.name}: none of {', '.join(tried)} exists")
         return found, bench.split
     split = bench.split
     if source.startswith("hf:") and "@" in source:
         source, split = source.rsplit("@", 1)
     if not source.startswith("hf:") and not os.path.exists(source):
-        raise FileNotFoundError(f"eval set {bench.name}: data source {source} does not exist")
+        raise errors.MissingInput(f"eval set {bench.name}: data source {source} does not exist")
     return source, split
 
 
@@ -128,12 +129,12 @@ def load_set(name: str, default: str | None, per_set: dict[str, str], *, limit: 
     problems = data_lib.load_problems(source, split, kind=bench.kind)
     empty = next((p for p in problems if not str(p.answer).strip()), None)
     if empty is not None:
-        raise ValueError(f"eval set {name} ({source}): problem {empty.id} has no gold answer")
+        raise errors.UserError(f"eval set {name} ({source}): problem {empty.id} has no gold answer")
     note = ""
     if len(problems) != bench.full_size:
         note = f"{source} holds {len(problems)} problems; the full {name} test set has {bench.full_size}"
         log.warning("eval set %s: %s", name, note)
     if limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise errors.UserError(f"limit must be >= 0, got {limit}")
     return EvalSet(name=name, benchmark=bench, problems=problems[:limit] if limit else problems, source=source,
                    source_size=len(problems), size_note=note)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import errors
 from cisjax.mismatch import records
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def parse_pairs(text: str) -> list[str]:
     pairs = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in pairs if s not in PAIRS]
     if unknown or not pairs:
-        raise ValueError(f"unknown engine pair(s) {unknown or [text]}; known: {', '.join(PAIRS)}")
+        raise errors.UserError(f"unknown engine pair(s) {unknown or [text]}; known: {', '.join(PAIRS)}")
     return list(dict.fromkeys(pairs))
 
 
@@ -82,10 +83,10 @@ def read_prompts(path, model_dir, *, kind: str, num: int, seed: int) -> list[lis
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--prompts {path}: no such file")
+        raise errors.MissingInput(f"--prompts {path}: no such file")
     rows = data.read_jsonl(str(path))
     if not rows:
-        raise ValueError(f"{path}: no prompts")
+        raise errors.UserError(f"{path}: no prompts")
     if num > 0 and num < len(rows):
         pick = np.sort(np.random.default_rng(seed).choice(len(rows), num, replace=False))
         rows = [rows[i] for i in pick]
@@ -95,7 +96,7 @@ def read_prompts(path, model_dir, *, kind: str, num: int, seed: int) -> list[lis
         for i, r in enumerate(rows):
             ids = r.get("prompt_ids") if isinstance(r, dict) else None
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{path}: prompt {i + 1}: 'prompt_ids' must be a non-empty list of token ids")
+                raise errors.UserError(f"{path}: prompt {i + 1}: 'prompt_ids' must be a non-empty list of token ids")
             out.append(ids)
         return out
     if isinstance(first.get("prompt"), str):
@@ -105,7 +106,7 @@ def read_prompts(path, model_dir, *, kind: str, num: int, seed: int) -> list[lis
         texts = [r.get("prompt") if isinstance(r, dict) else None for r in rows]
         bad = [i + 1 for i, t in enumerate(texts) if not isinstance(t, str) or not t]
         if bad:
-            raise ValueError(f"{path}: prompt(s) {bad[:5]}: 'prompt' must be a non-empty string")
+            raise errors.UserError(f"{path}: prompt(s) {bad[:5]}: 'prompt' must be a non-empty string")
         return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     problems = data.problems_from_rows(rows, kind=kind, where=str(path))
     return data.PromptFormatter(model_dir, instruction=data.TRAIN_INSTRUCTION).encode_batch(problems)
@@ -144,9 +145,9 @@ class Servers:
         info = client.info()
         where = target or "the child server"
         if info["engine"] and backend not in info["engine"].lower():
-            raise ValueError(f"{where} runs the {info['engine']!r} engine, expected {backend}")
+            raise errors.UserError(f"{where} runs the {info['engine']!r} engine, expected {backend}")
         if info["vocab_size"] != self.vocab_size:
-            raise ValueError(f"{where} serves a model with vocab_size {info['vocab_size']} ({info['model']}), but --model "
+            raise errors.UserError(f"{where} serves a model with vocab_size {info['vocab_size']} ({info['model']}), but --model "
                              f"{self.model_dir} has {self.vocab_size}: not the same model")
         self.clients[backend], self.infos[backend] = client, info
         return client
@@ -249,20 +250,20 @@ def measure(args, overrides) -> list[Path]:
 
     pairs = parse_pairs(args.pairs)
     if args.model is None or args.prompts is None:
-        raise ValueError("--model and --prompts are needed to measure engine pairs (or give only --dump)")
+        raise errors.UserError("--model and --prompts are needed to measure engine pairs (or give only --dump)")
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
+        raise errors.MissingInput(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
     if args.n < 1 or args.max_new_tokens < 1:
-        raise ValueError("--n and --max-new-tokens must be >= 1")
+        raise errors.UserError("--n and --max-new-tokens must be >= 1")
     if args.topk and args.probe_positions <= 0:
-        raise ValueError("--topk needs --probe-positions N > 0 (the positions whose top-K both sides report)")
+        raise errors.UserError("--topk needs --probe-positions N > 0 (the positions whose top-K both sides report)")
     hf = json.loads((model_dir / "config.json").read_text())
     vocab_size = int(hf["vocab_size"])
     prompts = read_prompts(args.prompts, model_dir, kind=args.kind, num=args.num_prompts, seed=args.seed)
     bad = [i for i, p in enumerate(prompts) if not all(0 <= t < vocab_size for t in p)]
     if bad:
-        raise ValueError(f"prompt {bad[0]} has token ids outside the model's vocabulary [0, {vocab_size})")
+        raise errors.UserError(f"prompt {bad[0]} has token ids outside the model's vocabulary [0, {vocab_size})")
     cfg = config_lib.load(args.config, list(overrides or []))
     sides = {s for pair in pairs for s in PAIRS[pair]}
     out = Path(args.out)
@@ -285,7 +286,7 @@ def measure(args, overrides) -> list[Path]:
             raise RuntimeError("the engine sampled no response tokens")
         token_id = np.concatenate([np.asarray(it.response_ids, np.int64) for it in items])
         if token_id.max() >= vocab_size or token_id.min() < 0:
-            raise ValueError(f"the server sampled token id {int(token_id.max())} outside --model's vocabulary [0, {vocab_size}): not the same model")
+            raise errors.UserError(f"the server sampled token id {int(token_id.max())} outside --model's vocabulary [0, {vocab_size}): not the same model")
         seq_id = np.repeat(np.arange(len(items)), lengths)
         position = np.concatenate([np.arange(n) for n in lengths])
         logq_vllm = _flat([s.logprobs for s in samples], n_tokens, "vllm sampling")
@@ -354,7 +355,7 @@ def measure(args, overrides) -> list[Path]:
                 side[name]["topk"] = probe_topk(r["probe"])
             if args.routing:
                 if "routing" not in res[0]:
-                    raise ValueError(f"--routing: {model_dir} is not a mixture-of-experts model (the XLA model reports no routing)")
+                    raise errors.UserError(f"--routing: {model_dir} is not a mixture-of-experts model (the XLA model reports no routing)")
                 side[name]["routing"] = _routing_array([x["routing"] for x in res], routing_index, n_tokens, f"XLA {dtype}")
     finally:
         servers.close()
@@ -420,7 +421,7 @@ def read_dumps(run_dir) -> records.Measurement:
     files = [f for f in (run_dir / "dumps").glob("step_*.npz") if re.fullmatch(r"step_\d+", f.stem)]  # not the .tmp ones
     files.sort(key=lambda f: int(f.stem.split("_")[1]))
     if not files:
-        raise FileNotFoundError(f"--dump {run_dir}: no dumps/step_*.npz there (the trainer writes them every run.dump_every steps)")
+        raise errors.MissingInput(f"--dump {run_dir}: no dumps/step_*.npz there (the trainer writes them every run.dump_every steps)")
     steps = [int(f.stem.split("_")[1]) for f in files]
     phase_of = {s: min(2, 3 * i // len(steps)) for i, s in enumerate(steps)}
     cols = {k: [] for k in ("logp", "logq", "seq_id", "position", "phase", "staleness")}
@@ -429,7 +430,7 @@ def read_dumps(run_dir) -> records.Measurement:
         with np.load(f) as z:
             for key in ("logp_infer", "logp_prox"):
                 if key not in z.files:
-                    raise ValueError(f"{f}: not a token dump (no {key!r})")
+                    raise errors.UserError(f"{f}: not a token dump (no {key!r})")
             n = z["logp_infer"].shape[0]
             rows = z["row"] if "row" in z.files else np.arange(n)
             uniq, inv = np.unique(rows, return_inverse=True)
@@ -456,12 +457,12 @@ def read_dumps(run_dir) -> records.Measurement:
 
 def run(args: argparse.Namespace, overrides=()) -> int:
     if args.dump is None and args.prompts is None:
-        raise ValueError("give --prompts (and --model) to measure engine pairs, or --dump RUN_DIR to read a run's token dumps")
+        raise errors.UserError("give --prompts (and --model) to measure engine pairs, or --dump RUN_DIR to read a run's token dumps")
     written = []
     if args.prompts is not None or args.model is not None:
         written += measure(args, overrides)
     elif overrides:
-        raise ValueError(f"--dump alone takes no --config overrides: {list(overrides)}")
+        raise errors.UserError(f"--dump alone takes no --config overrides: {list(overrides)}")
     if args.dump is not None:
         written.append(records.save(Path(args.out) / "train-dump", read_dumps(args.dump)))
     for d in written:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import errors
+
 TOKEN_FIELDS = {"logp": np.float32, "logq": np.float32, "seq_id": np.int32, "position": np.int32, "token_id": np.int32}
 TOPK_FIELDS = ("token_index", "ids_p", "logp_p", "ids_q", "logp_q")
 ROUTING_FIELDS = ("token_index", "experts_p", "experts_q")
@@ -97,7 +99,7 @@ def load(directory) -> Measurement:
     """Read a measurement directory; FileNotFoundError / ValueError with the path when it is missing or inconsistent."""
     d = Path(directory)
     if not (d / "meta.json").is_file() or not (d / "tokens.npz").is_file():
-        raise FileNotFoundError(f"{d} is not a mismatch measurement (no meta.json + tokens.npz)")
+        raise errors.MissingInput(f"{d} is not a mismatch measurement (no meta.json + tokens.npz)")
     meta = json.loads((d / "meta.json").read_text())
 
     def npz(name):
@@ -108,7 +110,10 @@ def load(directory) -> Measurement:
             return {k: z[k] for k in z.files}
 
     m = Measurement(meta=meta, tokens=npz("tokens.npz"), topk=npz("topk.npz"), routing=npz("routing.npz"), path=d)
-    m.validate()
+    try:
+        m.validate()
+    except ValueError as e:  # the directory the user named is not a consistent measurement
+        raise errors.UserError(str(e)) from None
     return m
 
 
@@ -122,6 +127,6 @@ def find(paths) -> list[Path]:
             continue
         subs = sorted(q for q in p.iterdir() if (q / "meta.json").is_file()) if p.is_dir() else []
         if not subs:
-            raise FileNotFoundError(f"{p}: no mismatch measurement there (meta.json + tokens.npz), nor in its subdirectories")
+            raise errors.MissingInput(f"{p}: no mismatch measurement there (meta.json + tokens.npz), nor in its subdirectories")
         out.extend(subs)
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import errors
 from cisjax.mismatch import records
 from cisjax.mismatch import stats as S
 
@@ -451,9 +452,9 @@ def _labels(paths, metas):
 
 def run(args, overrides=()) -> int:
     if overrides:
-        raise ValueError(f"mismatch report takes no --config overrides, got {list(overrides)}")
+        raise errors.UserError(f"mismatch report takes no --config overrides, got {list(overrides)}")
     if args.plot_points < 1 or args.spearman_tokens < 2:
-        raise ValueError("--plot-points must be >= 1 and --spearman-tokens >= 2")
+        raise errors.UserError("--plot-points must be >= 1 and --spearman-tokens >= 2")
     t0 = time.perf_counter()
     paths = records.find(args.measurements)
     out = Path(args.out)
@@ -461,7 +462,7 @@ def run(args, overrides=()) -> int:
     metas = [json.loads((p / "meta.json").read_text()) for p in paths]
     for p, meta in zip(paths, metas):
         if not meta.get("pair"):
-            raise ValueError(f"mismatch measurement in {p}: meta.json lacks 'pair'")
+            raise errors.UserError(f"mismatch measurement in {p}: meta.json lacks 'pair'")
     labels = _labels(paths, metas)
     # Different vocabularies are a warning, not an error: the paper compares different models side by side (dense vs
     # MoE); the numbers of each column stay valid, only token-level comparisons across them are not.

@@ -7,11 +7,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from cisjax import errors
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: names the tensor or config field."""
+class CheckpointError(errors.UserError):
+    """A checkpoint that does not fit the model: names the tensor or config field. A user error (the model or
+    checkpoint directory the user named): the CLI reports it in one line."""
 
 
 def dtype_of(name) -> Any:
@@ -19,7 +22,7 @@ def dtype_of(name) -> Any:
     if not isinstance(name, str):
         return name
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPES)}")
+        raise errors.UserError(f"unknown dtype {name!r}; one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cisjax import errors
 from cisjax import sharding
 
 # Initializers only matter for random-init models; loaded checkpoints overwrite every value.
@@ -82,7 +83,7 @@ def rope_frequencies(rope: Mapping, dim: int, max_position_embeddings: int) -> t
     if rope_type == "linear":
         return (inv_freq / np.float32(rope["factor"])).astype(np.float32), 1.0
     if rope_type != "yarn":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, yarn)")
+        raise errors.UserError(f"unsupported rope_type {rope_type!r} (supported: default, linear, yarn)")
 
     factor = rope.get("factor")
     orig_max = rope.get("original_max_position_embeddings") or max_position_embeddings

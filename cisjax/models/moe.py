@@ -8,6 +8,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
+from cisjax import errors
 from cisjax import sharding
 from cisjax.models.layers import param
 
@@ -255,7 +256,7 @@ def moe_ffn(
     if impl == "auto":
         impl = default_impl()
     if impl not in IMPLS:
-        raise ValueError(f"unknown moe impl {impl!r}; one of {IMPLS}")
+        raise errors.UserError(f"unknown moe impl {impl!r}; one of {IMPLS}")
     w_NxK = w_NxK.astype(x_NxD.dtype)
 
     if impl == "dense":  # every expert on every token: a reference, E/k times the FLOPs

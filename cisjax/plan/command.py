@@ -18,6 +18,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # plan beside a job on a TPU VM) may run at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from cisjax import errors  # noqa: E402
 from cisjax.plan import hardware  # noqa: E402  (no jax at import)
 
 PROGRAM_NAMES = ("train_step", "rescore", "canary")
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     programs = [p for p in args.programs.split(",") if p]
     unknown = sorted(set(programs) - set(PROGRAM_NAMES))
     if unknown:
-        raise ValueError(f"--programs: unknown {unknown}; from {list(PROGRAM_NAMES)}")
+        raise errors.UserError(f"--programs: unknown {unknown}; from {list(PROGRAM_NAMES)}")
     report = plan(cfg, target_name=args.topology, mesh_text=args.mesh, hf_config=args.hf_config,
                   num_layers=args.num_layers, rows=args.rows, seq_len=args.seq_len, programs=programs,
                   layer_costs=not args.no_layer_costs, search=args.search, max_rows=args.max_rows, log=_console_log)
@@ -71,14 +72,14 @@ def read_architecture(cfg, hf_config: str | None = None, num_layers: int = 0) ->
     """(config.json dict, where it came from): --hf-config, else model.hf_config, else <model.path>/config.json."""
     source = hf_config or cfg.model.hf_config or (os.path.join(cfg.model.path, "config.json") if cfg.model.path else "")
     if not source:
-        raise ValueError("no architecture: pass --hf-config FILE, or set model.hf_config or model.path in the config")
+        raise errors.UserError("no architecture: pass --hf-config FILE, or set model.hf_config or model.path in the config")
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"architecture config not found: {path}")
+        raise errors.MissingInput(f"architecture config not found: {path}")
     hf = json.loads(path.read_text())
     if num_layers:
         if not 0 < num_layers <= int(hf["num_hidden_layers"]):
-            raise ValueError(f"--num-layers {num_layers}: the model has {hf['num_hidden_layers']} layers")
+            raise errors.UserError(f"--num-layers {num_layers}: the model has {hf['num_hidden_layers']} layers")
         hf["num_hidden_layers"] = num_layers
     return hf, str(path)
 
@@ -88,9 +89,12 @@ def mesh_shape(cfg, text: str) -> dict:
     shape = {k: int(v) for k, v in cfg.mesh.to_dict().items()}
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
-            raise ValueError(f"--mesh {text!r}: expected axis=size[,axis=size...]")
+            raise errors.UserError(f"--mesh {text!r}: expected axis=size[,axis=size...]")
         axis, size = item.split("=", 1)
-        shape[axis.strip()] = int(size)
+        try:
+            shape[axis.strip()] = int(size)
+        except ValueError:
+            raise errors.UserError(f"--mesh {text!r}: size {size.strip()!r} of axis {axis.strip()!r} is not an integer") from None
     return shape
 
 
@@ -101,10 +105,10 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
     samples = int(cfg.data.prompts_per_step) * int(cfg.rollout.group_size)
     rows = rows or -(-(-(-samples // m)) // rows_multiple) * rows_multiple
     if rows % rows_multiple:
-        raise ValueError(f"--rows {rows}: must be a multiple of the mesh's batch shards ({rows_multiple})")
+        raise errors.UserError(f"--rows {rows}: must be a multiple of the mesh's batch shards ({rows_multiple})")
     if not seq_len:
         if int(cfg.data.max_prompt_tokens) <= 0:
-            raise ValueError("data.max_prompt_tokens=0 (no limit) leaves the row length open: set it, or pass --seq-len")
+            raise errors.UserError("data.max_prompt_tokens=0 (no limit) leaves the row length open: set it, or pass --seq-len")
         longest = int(cfg.data.max_prompt_tokens) + int(cfg.rollout.max_new_tokens) - 1
         multiple = int(cfg.train.length_multiple)
         seq_len = -(-longest // multiple) * multiple
@@ -182,9 +186,9 @@ def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = 
                                        usable=usable, max_rows=max_rows, log=log, known={b: compiled.get("train_step")})
     report["notes"] += [
         "Memory: the compiler's buffer assignment per chip; total = arguments + outputs - aliased (donated) + "
-        "temporaries + code, against the HBM one program may use. The TPU compiler's own check leaves the program's "
-        "code out, so it may accept a program whose total exceeds the usable HBM by up to the code size: counted "
-        "here as not fitting.",
+        "temporaries + code, against the HBM one program may use. The TPU compiler refuses a program only when its "
+        "temporaries alone exceed the HBM; it accepts larger totals (arguments + temporaries + code), counted here as "
+        "not fitting.",
         "FLOPs per layer kind: XLA's cost model of loop-free one-layer programs (cost_analysis counts a loop body "
         "once, so the whole step's own figure undercounts), times layers, micro-batches and logprob chunks.",
         "Roofline and MFU are estimates from the compiler's cost model (max of FLOPs / peak and bytes / HBM bandwidth "

@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+from cisjax import errors
+
 GIB = 2**30
 
 
@@ -135,26 +137,26 @@ def target(name: str) -> Target:
         chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
         cores = int(m[2])
         if cores % chip.cores_per_chip:
-            raise ValueError(f"{name}: {chip.name} slices are named by TensorCores ({chip.cores_per_chip} per chip)")
+            raise errors.UserError(f"{name}: {chip.name} slices are named by TensorCores ({chip.cores_per_chip} per chip)")
         chips = cores // chip.cores_per_chip
         shapes = SHAPES_3D if chip.torus_dims == 3 else SHAPES_2D
         if chips not in shapes:
-            raise ValueError(f"{name}: no {chip.name} slice of {chips} chips; sizes: "
+            raise errors.UserError(f"{name}: no {chip.name} slice of {chips} chips; sizes: "
                              f"{', '.join(f'{chip.name}-{n * chip.cores_per_chip}' for n in shapes)} (or give the shape, {chip.name}:AxBxC)")
         return Target(name, chip, chips, shapes[chips])
     if m := re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e):(\d+(?:x\d+)+)", text):
         chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
         dims = [int(d) for d in m[2].split("x")]
         if len(dims) != chip.torus_dims or min(dims) < 1:
-            raise ValueError(f"{name}: a {chip.name} topology has {chip.torus_dims} positive dimensions")
+            raise errors.UserError(f"{name}: a {chip.name} topology has {chip.torus_dims} positive dimensions")
         return Target(name, chip, math.prod(dims), m[2])
     if m := re.fullmatch(r"(h100|h200|a100)x(\d+)", text):
         chip = GPU_CHIPS[m[1]][0]
         n = int(m[2])
         if n < 1 or (n > 8 and n % 8):
-            raise ValueError(f"{name}: 1-8 GPUs on one host, or a multiple of 8 over hosts of 8")
+            raise errors.UserError(f"{name}: 1-8 GPUs on one host, or a multiple of 8 over hosts of 8")
         return Target(name, chip, n, f"1x1x{n}" if n <= 8 else f"1x{n // 8}x8")
-    raise ValueError(f"unknown target {name!r}; {NAMES_HELP}")
+    raise errors.UserError(f"unknown target {name!r}; {NAMES_HELP}")
 
 
 # ----------------------------------------------------------------------------- GPU: XLA's target description

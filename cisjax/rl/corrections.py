@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import checkify
 
+from cisjax import errors
+
 METHODS = ("none", "exact", "tis", "icepop", "kpop", "kpop_shipped", "seq_tis", "seq_mis", "gspo", "fp16", "cis",
            "cis_two_sided")
 # Default [low, high] bounds of the masking operators (paper Table 7).
@@ -35,27 +37,27 @@ class Correction(NamedTuple):
 def _check_hparams(method, lam, kappa, cap, low, high, threshold):
     """Validate static hyperparameters; returns the effective (low, high) of masking methods (else (None, None))."""
     if method not in METHODS:
-        raise ValueError(f"unknown correction method {method!r}; valid methods: {', '.join(METHODS)}")
+        raise errors.UserError(f"unknown correction method {method!r}; valid methods: {', '.join(METHODS)}")
     lam, kappa, cap, threshold = float(lam), float(kappa), float(cap), float(threshold)
     if not (math.isfinite(lam) and lam >= 0):
-        raise ValueError(f"lam={lam} must be finite and >= 0")
+        raise errors.UserError(f"lam={lam} must be finite and >= 0")
     if not (0.0 <= kappa <= 1.0):
-        raise ValueError(f"kappa={kappa} must lie in [0, 1]")
+        raise errors.UserError(f"kappa={kappa} must lie in [0, 1]")
     if not (math.isfinite(cap) and cap > 0):
-        raise ValueError(f"cap={cap} must be finite and > 0")
+        raise errors.UserError(f"cap={cap} must be finite and > 0")
     if not (threshold >= 0):  # inf allowed: never mask
-        raise ValueError(f"threshold={threshold} must be >= 0")
+        raise errors.UserError(f"threshold={threshold} must be >= 0")
     if method not in DEFAULT_BOUNDS:
         return None, None
     d_low, d_high = DEFAULT_BOUNDS[method]
     low = d_low if low is None else float(low)
     high = d_high if high is None else float(high)
     if not (math.isfinite(low) and low >= 0):
-        raise ValueError(f"{method}: low={low} must be finite and >= 0 (None: the default {d_low})")
+        raise errors.UserError(f"{method}: low={low} must be finite and >= 0 (None: the default {d_low})")
     if not (high > 0):
-        raise ValueError(f"{method}: high={high} must be > 0 (None: the default {d_high})")
+        raise errors.UserError(f"{method}: high={high} must be > 0 (None: the default {d_high})")
     if low > high:
-        raise ValueError(f"{method}: low={low} > high={high}")
+        raise errors.UserError(f"{method}: low={low} > high={high}")
     return low, high
 
 

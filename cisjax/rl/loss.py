@@ -5,12 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cisjax import errors
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 
 
 def _check_aggregation(aggregation: str) -> None:
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+        raise errors.UserError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def loss_denominator(mask, aggregation: str = "token_mean") -> jax.Array:

@@ -15,6 +15,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from cisjax import errors
+
 log = logging.getLogger(__name__)
 
 __all__ = ["last_boxed", "normalize_reference", "verify", "RewardPool", "MATH_VERIFY_TIMEOUT_S"]
@@ -180,7 +182,7 @@ class RewardPool:
     def __init__(self, workers: int = 2, timeout_s: float = 10.0, batch_deadline_s: float = 300.0, *,
                  fn: Callable[[str, str], float] | str = verify, start_timeout_s: float = 120.0):
         if workers < 1 or timeout_s <= 0 or batch_deadline_s <= 0:
-            raise ValueError(f"need workers >= 1 and positive timeouts, got workers={workers}, timeout_s={timeout_s}, batch_deadline_s={batch_deadline_s}")
+            raise errors.UserError(f"need workers >= 1 and positive timeouts, got workers={workers}, timeout_s={timeout_s}, batch_deadline_s={batch_deadline_s}")
         if isinstance(fn, str):
             if ":" not in fn:
                 raise ValueError(f"fn {fn!r}: expected 'module:function'")

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cisjax import errors
+
 __all__ = ["canary_sequences", "compare", "CanaryReport", "family", "family_differences", "FamilyDiff", "format_differences"]
 
 
@@ -18,7 +20,7 @@ def canary_sequences(vocab_size: int, *, num: int, prompt_len: int, response_len
     same for the same arguments (numpy PCG64 from `seed`): the fixed set both engines score."""
     for what, value, low in (("vocab_size", vocab_size, 1), ("num", num, 1), ("prompt_len", prompt_len, 1), ("response_len", response_len, 1)):
         if isinstance(value, bool) or int(value) != value or value < low:
-            raise ValueError(f"{what}={value!r}: want an integer >= {low}")
+            raise errors.UserError(f"{what}={value!r}: want an integer >= {low}")
     ids = np.random.default_rng(int(seed)).integers(0, int(vocab_size), size=(int(num), int(prompt_len) + int(response_len)))
     return [(row[:prompt_len].tolist(), row[prompt_len:].tolist()) for row in ids]
 

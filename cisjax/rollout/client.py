@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from cisjax import errors
 from cisjax.rollout import protos
 
 log = logging.getLogger("cisjax.rollout.client")
@@ -362,10 +363,10 @@ def read_prompts(path: str | Path) -> list[list[int]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err})") from None
+                raise errors.UserError(f"{path}:{n}: not JSON ({err})") from None
             ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{path}:{n}: 'prompt_ids' must be a non-empty list of token ids")
+                raise errors.UserError(f"{path}:{n}: 'prompt_ids' must be a non-empty list of token ids")
             prompts.append(ids)
     return prompts
 
@@ -393,7 +394,9 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     from cisjax.score import write_jsonl_atomic
 
     if overrides:
-        raise ValueError(f"cisjax generate takes no --config overrides: {overrides}")
+        raise errors.UserError(f"cisjax generate takes no --config overrides: {overrides}")
+    if not Path(args.input).is_file():
+        raise errors.MissingInput(f"--input {args.input}: no such file")
     prompts = read_prompts(args.input)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                             stop_token_ids=args.stop, seed=args.seed, greedy=args.greedy, logprobs=args.logprobs, return_routing=args.routing)
@@ -401,7 +404,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         try:
             samples = client.generate(prompts, params)
         except RolloutError as err:
-            raise ValueError(str(err)) from None
+            raise errors.UserError(str(err)) from None
     records = [s.to_json() for per_prompt in samples for s in per_prompt]
     keys = ["prompt_index", "sample_index", "prompt_ids", "response_ids", "logprobs", "version", "versions", "finish_reason",
             "topk_ids", "topk_logprobs", "routing", "timing"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from cisjax import console, errors
 from cisjax.rollout import protos
 
 log = logging.getLogger("cisjax.serve")
@@ -555,7 +556,7 @@ class TokenAuth(grpc.ServerInterceptor):
 def build_server(backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 64):
     """(grpc server started on host:port, health servicer, bound port)."""
     if host not in LOCALHOST and not token:
-        raise ValueError(f"refusing to bind {host}: binding a non-localhost address requires --token")
+        raise errors.UserError(f"refusing to bind {host}: binding a non-localhost address requires --token")
     pb = protos.load()
     interceptors = [TokenAuth(token)] if token else []
     # each call in flight holds a thread while its work sits in the engine's batch: `workers` bounds
@@ -568,9 +569,9 @@ def build_server(backend: Backend, *, host: str, port: int, token: str | None, e
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as err:
-        raise ValueError(f"cannot bind {address}: {err}") from None
+        raise errors.UserError(f"cannot bind {address}: {err}") from None
     if not bound:
-        raise ValueError(f"cannot bind {address} (port in use?)")
+        raise errors.UserError(f"cannot bind {address} (port in use?)")
     server.start()
     return server, health, bound
 
@@ -595,19 +596,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     import importlib
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console.setup()
     if overrides:
-        raise ValueError(f"cisjax serve takes no --config overrides: {overrides}")
+        raise errors.UserError(f"cisjax serve takes no --config overrides: {overrides}")
     if args.host not in LOCALHOST and not args.token:
-        raise ValueError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
+        raise errors.UserError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
     if args.export_root and not Path(args.export_root).is_dir():
-        raise FileNotFoundError(f"--export-root {args.export_root} is not a directory")
+        raise errors.MissingInput(f"--export-root {args.export_root} is not a directory")
     options = {}
     if args.backend == "vllm":
         options = dict(max_model_len=args.max_model_len or None, tensor_parallel_size=args.tensor_parallel_size,
                        gpu_memory_utilization=args.gpu_memory_utilization or None)
     elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len:
-        raise ValueError("--max-model-len, --tensor-parallel-size and --gpu-memory-utilization are vllm options")
+        raise errors.UserError("--max-model-len, --tensor-parallel-size and --gpu-memory-utilization are vllm options")
     backend = importlib.import_module(BACKENDS[args.backend]).Backend(args.model, dtype=args.dtype, **options)
     server, health, port = build_server(backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root)
     stop = threading.Event()
@@ -645,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except errors.UserError as err:  # declared user errors only: anything else shows its traceback
         print(f"cisjax serve: error: {err}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cisjax import errors
 from cisjax.records import TrainBatch
 
 
@@ -55,9 +56,9 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
     longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows) - 1
     t = _round_up(max(longest, 1), length_multiple)
     if max_length and t > max_length:
-        raise ValueError(f"a sequence needs {longest} positions, above the configured maximum {max_length}")
+        raise errors.UserError(f"a sequence needs {longest} positions, above the configured maximum {max_length}")
     if micro_batches < 1 or rows_multiple < 1:
-        raise ValueError(f"micro_batches ({micro_batches}) and rows_multiple ({rows_multiple}) must be >= 1")
+        raise errors.UserError(f"micro_batches ({micro_batches}) and rows_multiple ({rows_multiple}) must be >= 1")
     b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
     total = micro_batches * b
 

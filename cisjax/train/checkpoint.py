@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import cisjax
+from cisjax import errors
 from cisjax import sharding as sharding_lib
 from cisjax.models.hf_config import CheckpointError
 
@@ -36,7 +37,7 @@ COMMIT_FILE = "commit_success.txt"
 def target_shardings(state, mesh: Mesh, rules: Mapping | None = None):
     """The sharding of every leaf of a train state (concrete or abstract) on `mesh`: each
     nnx.Variable (the params and the optimizer moments, which keep the params' `axes` metadata)
-    by its logical axes, every other leaf (counters, rng, optimizer step counts) replicated.
+    by its logical axes, every other leaf (counters, optimizer step counts) replicated.
     Same tree structure as `state`."""
     rules = sharding_lib.rules_from_config(rules)  # the default table, or it with these overrides
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -146,7 +147,7 @@ class Checkpointer:
         the model directory go into every step's metadata."""
         directory = config.checkpoint.dir or (os.path.join(os.fspath(run_dir), "checkpoints") if run_dir else "")
         if not directory:
-            raise ValueError("checkpoint.dir is empty and no run directory was given")
+            raise errors.UserError("checkpoint.dir is empty and no run directory was given")
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         meta = {"config": cfg, "model_dir": config.model.path}
         return cls(directory, keep=config.checkpoint.keep, every=config.checkpoint.every, metadata=meta, **kwargs)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import console, errors
+
 log = logging.getLogger("cisjax.train")
 
 
@@ -52,14 +54,14 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     model, _, hf = hf_io.load(cfg.model.path, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
     tx = step_lib.make_optimizer(cfg.train)
-    graphdef, state = state_lib.create(model, tx, seed=cfg.seed, mesh=mesh)
+    graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every,
                         metadata={"model": str(cfg.model.path)})
     data_state = None
     if resume:
         if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt.directory}")
+            raise errors.MissingInput(f"--resume: no checkpoint under {ckpt.directory}")
         state = ckpt.restore(abstract_state=abstract_state(state))
         data_state = ckpt.metadata().get("data_state")
     start = int(state.step)
@@ -94,7 +96,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         available = _steps_in_data(cfg, stream)
         total = int(cfg.run.steps) or available
         if total > available:  # found now, not when the prompts run out mid-run
-            raise ValueError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
+            raise errors.UserError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
                              f"{cfg.data.prompts_per_step}, data.epochs={cfg.data.epochs}); raise data.epochs or lower run.steps")
         publisher = Publisher(graphdef=graphdef, hf_config=hf, cfg=cfg, client=client, mesh=mesh, rules=rules,
                               run_dir=str(run_dir))
@@ -130,7 +132,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                                                     server_version=lambda: client.expected_version)
 
         mlog = metrics_lib.MetricsLog(run_dir, total_steps=total, start_step=start, tensorboard=cfg.run.tensorboard and lead,
-                                      progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on") if lead else None
+                                      progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on",
+                                      print_every=cfg.run.print_every) if lead else None
         corr_kw = step_lib._correction_kwargs(cfg)
         last: dict = {}
         stopped = False
@@ -168,6 +171,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             t0 = time.monotonic()
             report = publisher.publish(state.params, version=s + 1)
             publish_s = time.monotonic() - t0
+            state = state_lib.with_counters(state, policy_version=s + 1, data_position=int(roll_metrics["data/position"]))
             if lead:
                 producer.published(s + 1)
             step_s = time.monotonic() - t_step
@@ -281,7 +285,13 @@ def _rollout_metrics(ro, step: int) -> dict:
             "rollout/staleness_mean": float(stale.mean()) if stale.size else 0.0,
             "rollout/staleness_max": float(stale.max()) if stale.size else 0.0,
             "rollout/samples": float(len(rs)), "rollout/tokens": float(lengths.sum()),
-            "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0}
+            "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0,
+            "data/position": float(prompts_handed_out(ro.data_state))}
+
+
+def prompts_handed_out(data_state: dict) -> int:
+    """Prompts a stream in `data_state` (PromptStream.state()) has handed out over all its epochs."""
+    return int(data_state["epoch"]) * int(data_state["size"]) + int(data_state["position"])
 
 
 def _share(host, versions, metrics):
@@ -376,7 +386,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
 
     from cisjax import config as config_lib
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console.setup()
     cfg = config_lib.load(args.config, overrides or [])
     _init_distributed()
     stop = threading.Event()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cisjax import errors
+
 SHOWN = ("reward_mean", "accuracy", "response_len", "grad_norm", "corr/acted_frac", "staleness_mean", "time/step_s", "eval/average")
 
 
@@ -23,7 +25,11 @@ class MetricsLog:
     run loses nothing logged), mirrors every number to TensorBoard under `run_dir/tb`, and shows a
     progress line on a terminal. On resume the file is truncated to the steps before `start_step`."""
 
-    def __init__(self, run_dir, *, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool | None = None):
+    def __init__(self, run_dir, *, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool | None = None,
+                 print_every: int = 1):
+        if print_every < 1:
+            raise errors.UserError(f"run.print_every must be >= 1, got {print_every}")
+        self.print_every, self.start = print_every, start_step
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate(start_step)
@@ -65,7 +71,7 @@ class MetricsLog:
         if self._progress is not None:
             shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.3g}" for k in SHOWN if k in metrics)
             self._progress.update(self._task, completed=step + 1, description=shown)
-        else:
+        elif (step + 1) % self.print_every == 0 or step in (self.start, self.total - 1):
             shown = " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
             print(f"step {step + 1}/{self.total} {shown}", flush=True)
 

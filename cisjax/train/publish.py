@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cisjax import errors
 from cisjax import export as export_lib
 from cisjax import sharding
 from cisjax.models import hf_io
@@ -204,7 +205,7 @@ class Publisher:
 
         pc = cfg.publish
         if pc.mode not in MODES:
-            raise ValueError(f"publish.mode={pc.mode!r}; one of {MODES}")
+            raise errors.UserError(f"publish.mode={pc.mode!r}; one of {MODES}")
         self.graphdef, self.hf_config, self.cfg, self.mesh = graphdef, dict(hf_config), cfg, mesh
         self.rules = sharding.rules_from_config(dict(rules) if rules is not None else None)
         self.mode, self.dtype, self.keep = pc.mode, pc.dtype or None, int(pc.keep)
@@ -215,7 +216,7 @@ class Publisher:
         if root is None:
             root = pc.dir or (Path(run_dir) / "exports" if run_dir else None)
         if self.mode == "disk" and not root:
-            raise ValueError("publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)")
+            raise errors.UserError("publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)")
         self.root = Path(root) if root else None
         self.server_dir = pc.server_dir or None
         self.publishes = 0
@@ -223,10 +224,10 @@ class Publisher:
         c = pc.canary
         self.every = int(c.every)
         if self.every < 0:
-            raise ValueError(f"publish.canary.every={self.every} must be >= 0 (0 = off)")
+            raise errors.UserError(f"publish.canary.every={self.every} must be >= 0 (0 = off)")
         for what in ("mean_abs", "max_abs"):
             if not float(c[what]) >= 0:
-                raise ValueError(f"publish.canary.{what}={c[what]} must be >= 0 (0 = unchecked)")
+                raise errors.UserError(f"publish.canary.{what}={c[what]} must be >= 0 (0 = unchecked)")
         self.bounds = {k: float(c[k]) or math.inf for k in ("mean_abs", "max_abs")}
         self.sequences = []
         if self.every:
@@ -312,7 +313,7 @@ class Publisher:
         self.publishes += 1
         out = PublishReport(version=version, mode=self.mode, path=str(path) if path else None, bytes=int(nbytes), export_s=export_s,
                             reload_s=reload_s, canary_s=canary_s, canary=report)
-        log.info("published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s", version, self.mode, nbytes / 1e6,
+        log.debug("published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s", version, self.mode, nbytes / 1e6,
                  export_s, reload_s, canary_s, f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "")
         return out
 

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from cisjax import errors
 from cisjax.train.batching import Rollout
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class RolloutProducer:
     def __init__(self, stream, generate, reward, *, max_staleness: int, first_index: int, published_version: int,
                  server_version=None):
         if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+            raise errors.UserError(f"max_staleness must be >= 0, got {max_staleness}")
         self.stream, self._generate, self._reward = stream, generate, reward
         self.max_staleness = int(max_staleness)
         self._server_version = server_version or (lambda: self._published)

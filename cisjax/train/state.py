@@ -23,13 +23,12 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 optimizer steps taken (including skipped ones)
     params: Any  # nnx.State of the model's nnx.Param variables (fp32 master weights by default)
     opt_state: Any  # optax state of the optimizer over `params`
-    rng: jax.Array  # uint32 raw PRNG key data (jax.random.key_data), advanced by the loop
-    policy_version: jax.Array  # int32 version of the weights the rollout engine was last given
-    data_position: jax.Array  # int32 index of the next prompt in the shuffled data order
+    policy_version: jax.Array  # int32 version of the weights last published to the rollout engine (set by the loop)
+    data_position: jax.Array  # int32 prompts the data stream has handed out, over all epochs (set by the loop)
     skipped_steps: jax.Array  # int32 updates skipped because a gradient was not finite
 
 
-def create(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0, mesh=None) -> tuple[nnx.GraphDef, TrainState]:
+def create(model: nnx.Module, tx: optax.GradientTransformation, *, mesh=None) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, state) for a model and an optax transformation. With `mesh` (the model's params
     already loaded onto it), every leaf is placed on the mesh (see `place`)."""
     graphdef, params = nnx.split(model, nnx.Param)
@@ -38,7 +37,6 @@ def create(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0
         step=zero,
         params=params,
         opt_state=None,
-        rng=jax.random.key_data(jax.random.key(seed)),
         policy_version=zero,
         data_position=zero,
         skipped_steps=zero,
@@ -57,6 +55,13 @@ def place(state: TrainState, tx: optax.GradientTransformation, mesh) -> TrainSta
     return TrainState(params=state.params, opt_state=opt_state, **counters)
 
 
+def with_counters(state: TrainState, *, policy_version: int, data_position: int) -> TrainState:
+    """The state with the loop's two counters set (host ints, the same on every process), each kept on its sharding."""
+    put = lambda old, v: jax.device_put(np.int32(v), old.sharding)  # noqa: E731
+    return state._replace(policy_version=put(state.policy_version, policy_version),
+                          data_position=put(state.data_position, data_position))
+
+
 def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
     """The state `create(..., mesh=mesh)` would build, as jax.ShapeDtypeStructs carrying their shardings, from
     abstract params (ShapeDtypeStructs with shardings): for compiling the step ahead of time without allocating
@@ -65,10 +70,8 @@ def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
     opt_sh = _opt_shardings(tx, params, mesh)
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    return TrainState(step=scalar, params=params, opt_state=opt_state,
-                      rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated), policy_version=scalar,
-                      data_position=scalar, skipped_steps=scalar)
+    return TrainState(step=scalar, params=params, opt_state=opt_state, policy_version=scalar, data_position=scalar,
+                      skipped_steps=scalar)
 
 
 def _opt_shardings(tx, params, mesh):

@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cisjax import errors
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.records import TrainBatch
@@ -36,13 +37,13 @@ def make_schedule(train_cfg):
     lr, warmup, total = float(train_cfg.lr), int(train_cfg.warmup_steps), int(train_cfg.total_steps)
     kind, final = train_cfg.schedule, float(train_cfg.final_lr_ratio)
     if kind not in SCHEDULES:
-        raise ValueError(f"train.schedule={kind!r}; one of {SCHEDULES}")
+        raise errors.UserError(f"train.schedule={kind!r}; one of {SCHEDULES}")
     if warmup < 0 or lr < 0:
-        raise ValueError(f"train.warmup_steps={warmup} and train.lr={lr} must be non-negative")
+        raise errors.UserError(f"train.warmup_steps={warmup} and train.lr={lr} must be non-negative")
     if kind != "constant" and total <= warmup:
-        raise ValueError(f"train.schedule={kind} needs train.total_steps ({total}) > train.warmup_steps ({warmup})")
+        raise errors.UserError(f"train.schedule={kind} needs train.total_steps ({total}) > train.warmup_steps ({warmup})")
     if not 0.0 <= final <= 1.0:
-        raise ValueError(f"train.final_lr_ratio={final} must lie in [0, 1]")
+        raise errors.UserError(f"train.final_lr_ratio={final} must lie in [0, 1]")
 
     def schedule(count):
         c = jnp.asarray(count, jnp.float32)
@@ -62,7 +63,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     Weight decay is decoupled and applies to every parameter (norms and biases included).
     """
     if train_cfg.grad_clip < 0:
-        raise ValueError(f"train.grad_clip={train_cfg.grad_clip} must be >= 0 (0 = off)")
+        raise errors.UserError(f"train.grad_clip={train_cfg.grad_clip} must be >= 0 (0 = off)")
     adamw = optax.adamw(
         learning_rate=make_schedule(train_cfg), b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps),
         weight_decay=float(train_cfg.weight_decay),
@@ -80,7 +81,7 @@ def resolve_precision(cfg) -> str:
     1, both engines in float16) forces "fp16" whatever train.precision says."""
     precision = cfg.train.precision
     if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r}; one of {PRECISIONS}")
+        raise errors.UserError(f"train.precision={precision!r}; one of {PRECISIONS}")
     return "fp16" if cfg.correction.method == "fp16" else precision
 
 
@@ -201,10 +202,10 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
     from cisjax.rl import loss as loss_lib
 
     if cfg.loss.kl_coef:
-        raise ValueError("loss.kl_coef > 0 needs reference-policy logprobs, which TrainBatch does not carry")
+        raise errors.UserError("loss.kl_coef > 0 needs reference-policy logprobs, which TrainBatch does not carry")
     scale = float(cfg.train.loss_scale) if resolve_precision(cfg) == "fp16" else 1.0
     if not scale > 0:
-        raise ValueError(f"train.loss_scale={scale} must be positive")
+        raise errors.UserError(f"train.loss_scale={scale} must be positive")
     method = cfg.correction.method
     corr_kw, loss_kw = _correction_kwargs(cfg), _loss_kwargs(cfg)
     forward = _forward_fn(graphdef, cfg, mesh, rules)

@@ -58,7 +58,7 @@ def build(cfg, mesh, seed: int = 0):
         lambda v, sh: v.replace(jax.make_array_from_callback(v.shape, sh, lambda i, x=v[...]: x[i])),
         host, shardings, is_leaf=lambda v: isinstance(v, nnx.Variable))
     tx = step_lib.make_optimizer(cfg.train)
-    graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, seed=seed, mesh=mesh)
+    graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh)
     return graphdef, tx, rules, state
 
 

@@ -66,7 +66,7 @@ def _model_state(param_dtype: str, mesh, seed: int = 0) -> tuple[nnx.GraphDef, T
     graphdef, abstract = hf_io.abstract_model(TINY, cfg)
     init = jax.jit(lambda: nnx.split(hf_io.init_model(TINY, cfg, seed), nnx.Param)[1],
                    out_shardings=sharding.param_shardings(abstract, mesh, RULES))
-    graphdef, state = state_lib.create(nnx.merge(graphdef, init()), tx, seed=seed)
+    graphdef, state = state_lib.create(nnx.merge(graphdef, init()), tx)
     shardings = target_shardings(state, mesh, RULES)
 
     def one_update(params, opt_state):  # non-zero Adam moments and a count of 1
@@ -77,8 +77,7 @@ def _model_state(param_dtype: str, mesh, seed: int = 0) -> tuple[nnx.GraphDef, T
     params, opt_state = jax.jit(one_update, out_shardings=(shardings.params, shardings.opt_state))(state.params, state.opt_state)
     counters = {k: jax.device_put(jnp.int32(v), NamedSharding(mesh, P())) for k, v in
                 dict(step=7, policy_version=3, data_position=1234, skipped_steps=1).items()}
-    state = state._replace(params=params, opt_state=opt_state, rng=jax.device_put(state.rng, NamedSharding(mesh, P())),
-                           **counters)
+    state = state._replace(params=params, opt_state=opt_state, **counters)
     return graphdef, state, tx
 
 
@@ -90,7 +89,6 @@ def _small_state(step: int, seed: int = 0, n: int = 64) -> TrainState:
         step=jnp.int32(step),
         params=params,
         opt_state=(jnp.int32(step), jax.tree.map(lambda x: x * 0.5, params)),
-        rng=jax.random.key_data(jax.random.key(seed)),
         policy_version=jnp.int32(step // 2),
         data_position=jnp.int32(10 * step),
         skipped_steps=jnp.int32(0),

@@ -49,6 +49,16 @@ def vllm_env(monkeypatch):
 _metrics = looputil.metrics
 
 
+def _checkpoint_counters(prepared, run_dir) -> dict:
+    from cisjax import export as export_lib
+    from cisjax.models import hf_io
+
+    hf = hf_io.read_hf_config(prepared / "model")
+    _, abstract = hf_io.abstract_model(hf, hf_io.model_config(hf))
+    _, info = export_lib.restore_params(run_dir / "checkpoints", abstract)
+    return {k: info[k] for k in ("step", "policy_version", "data_position")}
+
+
 def _eval_cfg(prepared):
     """The in-loop eval (cisjax.evaluation.in_loop): greedy, 4 held-out problems as a GSM8K-format set, every 2 steps."""
     return {"eval.sets": "gsm8k", "eval.data": f"gsm8k={prepared / 'data' / 'heldout.jsonl'}", "eval.every": 2, "eval.limit": 4,
@@ -96,6 +106,9 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     assert np.all(dump["logp_infer"] <= 0) and np.all(dump["logp_prox"] <= 0)
     assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir())
     assert (run_dir / "exports" / "LATEST").read_text().strip() == "v000003"
+    # the train state's counters advance with the loop and are in the checkpoint (what cisjax export reports)
+    assert [r["data/position"] for r in rows] == [8, 16, 24]
+    assert _checkpoint_counters(prepared, run_dir) == {"step": 3, "policy_version": 3, "data_position": 24}
     # in-loop eval: after step 1 (eval.every=2) and the final weights after step 2
     _check_evals(run_dir, rows, [1, 2])
 
@@ -103,7 +116,8 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, **_eval_cfg(prepared)}), resume=True)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert rows[3]["publish/version"] == 4
+    assert rows[3]["publish/version"] == 4 and rows[3]["data/position"] == 32
+    assert _checkpoint_counters(prepared, run_dir) == {"step": 4, "policy_version": 4, "data_position": 32}
     _check_evals(run_dir, rows, [1, 2, 3])
 
 
