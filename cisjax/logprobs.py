@@ -50,7 +50,7 @@ def _stats_from_logits(z_CxV, t_C, top_k: int):
     return out
 
 
-def _layout(n: int, chunk_size: int) -> tuple[int, int]:
+def chunk_layout(n: int, chunk_size: int) -> tuple[int, int]:
     """(chunks M, rows per chunk C) with M * C >= N and C <= chunk_size; M * C == N (no padding) when N has a divisor
     giving chunks of at least half chunk_size, as batch x length shapes do."""
     c = max(1, min(chunk_size, n))
@@ -84,7 +84,7 @@ def _chunked(h_NxD, w_DxV, t_N, temperature, c: int, top_k: int, compute_dtype):
 
 def _chunked_fwd(h_NxD, w_DxV, t_N, temperature, c, top_k, compute_dtype):
     n = h_NxD.shape[0]
-    m, c = _layout(n, c)
+    m, c = chunk_layout(n, c)
     w_cd_DxV = w_DxV.astype(compute_dtype)  # cast once, not per chunk
 
     def block(xs):
@@ -108,7 +108,7 @@ def _chunked_bwd(c, top_k, compute_dtype, res, cts):
     g_lp_N, g_ent_N = cts[0], cts[1]
     n, d = h_NxD.shape
     v = w_DxV.shape[1]
-    m, c = _layout(n, c)
+    m, c = chunk_layout(n, c)
     dt = jnp.dtype(compute_dtype)
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
     t_N = t_N.astype(jnp.int32)

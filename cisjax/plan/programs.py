@@ -196,7 +196,7 @@ class StepPrograms:
 
     def head_chunks(self, rows: int, seq_len: int) -> tuple[int, int]:
         """(chunks, tokens per chunk) of the chunked logprob over a [rows, seq_len] micro-batch."""
-        return logprobs_lib._layout(rows * seq_len, int(self.cfg.logprobs.chunk_size))
+        return logprobs_lib.chunk_layout(rows * seq_len, int(self.cfg.logprobs.chunk_size))
 
     def head_part(self, rows: int, seq_len: int, *, backward: bool) -> Compiled:
         """The final norm and the logprob of ONE chunk, forward (the step loops over head_chunks of them); with

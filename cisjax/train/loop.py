@@ -134,7 +134,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         mlog = metrics_lib.MetricsLog(run_dir, total_steps=total, start_step=start, tensorboard=cfg.run.tensorboard and lead,
                                       progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on",
                                       print_every=cfg.run.print_every) if lead else None
-        corr_kw = step_lib._correction_kwargs(cfg)
+        corr_kw = step_lib.correction_kwargs(cfg)
         last: dict = {}
         stopped = False
         for s in range(start, total):

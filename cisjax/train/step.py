@@ -180,7 +180,7 @@ def make_logprobs_fn(graphdef, cfg, mesh, rules, params_shardings=None):
 # ----------------------------------------------------------------------------- the train step
 
 
-def _correction_kwargs(cfg) -> dict:
+def correction_kwargs(cfg) -> dict:
     c = cfg.correction
     return dict(lam=float(c.lam), kappa=float(c.kappa), cap=float(c.cap), low=float(c.low) or None,
                 high=float(c.high) or None, threshold=float(c.threshold))
@@ -207,7 +207,7 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
     if not scale > 0:
         raise errors.UserError(f"train.loss_scale={scale} must be positive")
     method = cfg.correction.method
-    corr_kw, loss_kw = _correction_kwargs(cfg), _loss_kwargs(cfg)
+    corr_kw, loss_kw = correction_kwargs(cfg), _loss_kwargs(cfg)
     forward = _forward_fn(graphdef, cfg, mesh, rules)
 
     def loss_fn(params, mb: TrainBatch, denominator):
