@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import jax
 import numpy as np
 
 from cisjax import config as config_lib
-from cisjax import errors
+from cisjax import errors, files
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.models import hf_io
@@ -166,23 +164,6 @@ def score_items(model, items: list[Item], mesh, rules, *, temperature=1.0, chunk
     return results
 
 
-def write_jsonl_atomic(path: str | Path, records, keys) -> None:
-    """Write to a temp file in the same directory, fsync, rename: never a half-written output."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for rec in records:
-                f.write(json.dumps({k: rec[k] for k in keys if k in rec}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--input", required=True, help='jsonl with {"prompt_ids": [...], "response_ids": [...]} per line')
@@ -216,6 +197,6 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         row_tokens=cfg.score.row_tokens, rows_per_call=cfg.score.rows, progress=not args.no_progress,
     )
     keys = ["logprobs"] + (["entropy"] if args.entropy else []) + (["topk_ids", "topk_logprobs"] if top_k else []) + (["routing"] if args.routing else [])
-    write_jsonl_atomic(args.output, results, keys)
+    files.write_jsonl_atomic(args.output, results, keys)
     print(f"scored {len(items)} sequences, {sum(len(it.response_ids) for it in items)} response tokens -> {args.output}")
     return 0

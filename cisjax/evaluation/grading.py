@@ -44,18 +44,10 @@ def math_verify_equal(answer: str, gold: str) -> float:
     of a \\boxed{} (LaTeX), as the training reward reads them: fractions and \\dfrac, decimals, intervals,
     sets of several answers, degrees, \\text{} units are normalised alike; "4.4e7" is read as 4.4 \\times 10^{7}. Raises ValueError when the gold
     answer does not parse. Runs in a pool worker's main thread (math-verify's timeouts are signals)."""
-    from math_verify import parse, verify
-
-    from cisjax.rl.rewards import MATH_VERIFY_TIMEOUT_S
+    from cisjax.rl.rewards import boxed_equal
 
     gold, answer = e_notation_to_latex(gold), e_notation_to_latex(answer)
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-    if not gold_parsed:
-        raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
-    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-    if not pred:
-        return 0.0
-    return 1.0 if verify(gold_parsed, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
+    return boxed_equal(answer, gold, what=f"gold answer {gold!r}")
 
 
 _POOL_METHOD = {"ok": "math_verify", "timeout": "timeout", "error": "error", "crashed": "error"}

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from cisjax import files
 from cisjax.evaluation import scores
 
 __all__ = ["SAMPLE_KEYS", "results", "write", "markdown"]
@@ -31,16 +30,8 @@ def results(per_set: dict, *, model: str, export_version, engine: dict, settings
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with files.atomic_open(path) as f:
+        f.write(text)
 
 
 def write(out_dir, doc: dict, samples: list[dict]) -> Path:

@@ -89,21 +89,27 @@ def normalize_reference(answer: str) -> str:
 def verify(response_text: str, reference: str) -> float:
     """1.0 when math-verify judges the response's last \\boxed{} answer equal to the reference, else 0.0
     (also when there is no box). Run it in a process's main thread (math-verify's timeouts are signals)."""
-    from math_verify import parse
-    from math_verify import verify as mv_verify
-
     answer = last_boxed(response_text)
     if answer is None or not answer.strip():
         return 0.0
-    # Both sides go through math-verify's boxed-LaTeX path, so "\$18", "18 \text{ dollars}", "\frac12"
-    # and "0.5" normalise alike; the reference is boxed too (MATH references are bare LaTeX).
-    gold = parse(f"\\boxed{{{normalize_reference(reference)}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-    if not gold:
-        raise ValueError(f"math-verify cannot parse the reference answer {reference!r} (or took over {MATH_VERIFY_TIMEOUT_S} s)")
+    return boxed_equal(answer, normalize_reference(reference), what=f"reference answer {reference!r}")
+
+
+def boxed_equal(answer: str, gold: str, *, what: str) -> float:
+    """1.0 when math-verify judges `answer` equal to `gold`, both read as the content of a \\boxed{} (so "\\$18",
+    "18 \\text{ dollars}", "\\frac12" and "0.5" normalise alike; MATH references are bare LaTeX), else 0.0.
+    Raises ValueError naming `what` when the gold side does not parse. The training reward and cisjax eval's grader
+    both compare through this. Main thread only (math-verify's timeouts are signals)."""
+    from math_verify import parse
+    from math_verify import verify as mv_verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+    if not gold_parsed:
+        raise ValueError(f"math-verify cannot parse the {what} (or took over {MATH_VERIFY_TIMEOUT_S} s)")
     pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
     if not pred:
         return 0.0
-    return 1.0 if mv_verify(gold, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
+    return 1.0 if mv_verify(gold_parsed, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
 
 
 # ----------------------------------------------------------------------------- the pool

@@ -391,7 +391,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    from cisjax.score import write_jsonl_atomic
+    from cisjax.files import write_jsonl_atomic
 
     if overrides:
         raise errors.UserError(f"cisjax generate takes no --config overrides: {overrides}")
