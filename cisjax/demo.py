@@ -202,30 +202,19 @@ def sft_arrays(formatter, rows: Sequence[dict], length: int | None = None, boxed
     """Prompt + target response of every row (response_text(row, boxed)) as left-aligned [N, T] arrays (TrainBatch
     layout: position t holds tokens[t] and predicts targets[t]); loss_mask on the positions predicting the response
     and its <|im_end|>."""
+    from cisjax import rows as rows_lib
+
     im_end = formatter.tokenizer.convert_tokens_to_ids(IM_END)
-    seqs, starts = [], []
-    for row in rows:
-        prompt = formatter.encode(row["question"])
-        response = formatter.tokenizer.encode(response_text(row, boxed), add_special_tokens=False)
-        seqs.append(prompt + response + [im_end])
-        starts.append(len(prompt))
-    longest = max(len(s) for s in seqs)
+    seqs = [rows_lib.Seq(formatter.encode(row["question"]),
+                         formatter.tokenizer.encode(response_text(row, boxed), add_special_tokens=False) + [im_end])
+            for row in rows]
+    longest = max(s.positions for s in seqs)
     t = length or longest
     if t < longest:
-        raise ValueError(f"length={t} < the longest sequence ({longest})")
-    n = len(seqs)
-    tokens = np.zeros((n, t), np.int32)
-    targets = np.zeros((n, t), np.int32)
-    positions = np.zeros((n, t), np.int32)
-    segments = np.zeros((n, t), np.int32)
-    mask = np.zeros((n, t), bool)
-    for r, (seq, start) in enumerate(zip(seqs, starts)):
-        tokens[r, : len(seq)] = seq
-        targets[r, : len(seq) - 1] = seq[1:]
-        positions[r, : len(seq)] = np.arange(len(seq))
-        segments[r, : len(seq)] = 1
-        mask[r, start - 1 : len(seq) - 1] = True
-    return dict(tokens=tokens, targets=targets, positions=positions, segments=segments, mask=mask)
+        raise ValueError(f"length={t} < the longest sequence ({longest} positions)")
+    built = rows_lib.build(seqs, rows_lib.one_per_row(len(seqs)), t)
+    return dict(tokens=built.tokens_RxT, targets=built.targets_RxT, positions=built.positions_RxT,
+                segments=built.segments_RxT, mask=built.response_RxT)
 
 
 def mix_styles(boxed: dict, plain: dict, use_boxed: np.ndarray) -> dict:
@@ -334,10 +323,10 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     import jax
     import jax.numpy as jnp
 
-    from cisjax import sharding
+    from cisjax import runtime, sharding
     from cisjax.data import PromptFormatter
     from cisjax.models import hf_io
-    from cisjax.train import state as state_lib
+    from cisjax.train import optim, state as state_lib
     from cisjax.train import step as step_lib
 
     formatter = PromptFormatter(model_dir, instruction=TRAIN_INSTRUCTION)
@@ -347,13 +336,13 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     style_rng = np.random.default_rng([seed, 3])
     mesh = sharding.make_mesh({}, jax.devices()[:1])
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
-    tx = step_lib.make_optimizer(cfg.train)
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    tx = optim.make_optimizer(cfg.train)
     graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     shardings = state_lib.shardings(state)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, shardings)
-    logprobs_fn = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules, shardings.params)
+    logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules, shardings.params)
     sampler = make_sampler(graphdef, max_new_tokens)
     eval_rows = list(eval_rows)[:eval_size]
 
@@ -387,7 +376,7 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
             pick = lambda a: {k: v[index] for k, v in a.items()}  # noqa: E731
             host = sft_batch(mix_styles(pick(arrays), pick(plain), style_rng.random(len(index)) < boxed_fraction),
                              np.arange(len(index)))
-        placed = step_lib.place_batch(host, mesh, rules)
+        placed = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
         prox = logprobs_fn(state.params, placed)  # the current policy: ratio 1, weight 1
         placed = placed._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=prox)
         loss = ce(prox, placed.loss_mask_MxBxT)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import flax.nnx as nnx
@@ -12,22 +11,12 @@ import jax
 import numpy as np
 
 from cisjax import config as config_lib
-from cisjax import errors, files
-from cisjax import logprobs as logprobs_lib
-from cisjax import sharding
+from cisjax import errors, files, forward, runtime, sharding
+from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 
 
-@dataclass
-class Item:
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-
-def read_items(path: str | Path, vocab_size: int) -> list[Item]:
+def read_items(path: str | Path, vocab_size: int) -> list[rows_lib.Seq]:
     """Parse `{"prompt_ids": [...], "response_ids": [...]}` lines; errors name the line."""
     items = []
     with open(path) as f:
@@ -51,113 +40,75 @@ def read_items(path: str | Path, vocab_size: int) -> list[Item]:
                 ids[key] = value
             if not ids["prompt_ids"]:
                 raise errors.UserError(f"{path}:{n}: 'prompt_ids' is empty (the first response token needs a context)")
-            items.append(Item(ids["prompt_ids"], ids["response_ids"]))
+            items.append(rows_lib.Seq(ids["prompt_ids"], ids["response_ids"]))
     return items
 
 
-def pack(items: list[Item], row_tokens: int) -> list[list[int]]:
-    """First-fit-decreasing packing of item indices into rows of `row_tokens` tokens."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(items)), key=lambda i: -len(items[i])):
-        need = len(items[i])
-        if need > row_tokens:
-            raise errors.UserError(f"item {i} has {need} tokens, more than a row ({row_tokens}); raise score.row_tokens")
-        for r, space in enumerate(free):
-            if space >= need:
-                rows[r].append(i)
-                free[r] -= need
-                break
-        else:
-            rows.append([i])
-            free.append(row_tokens - need)
-    return rows
+class Scorer:
+    """The trainer forward (forward.make_scorer) over packed rows of `row_tokens` positions, `rows_per_call` rows per
+    call (rounded up to the mesh's batch shards; empty rows pad the last call)."""
+
+    def __init__(self, model, mesh, rules, *, temperature: float, chunk_size: int, top_k: int, row_tokens: int,
+                 rows_per_call: int):
+        self.graphdef, self.params = nnx.split(model)
+        self.mesh, self.rules, self.top_k, self.row_tokens = mesh, rules, int(top_k), int(row_tokens)
+        multiple = sharding.axis_multiple(mesh, rules, "batch")
+        self.rows_per_call = -(-int(rows_per_call) // multiple) * multiple
+        self.fn = forward.make_scorer(self.graphdef, mesh, rules, precision=runtime.precision_of(model.cfg.dtype),
+                                      temperature=temperature, chunk_size=chunk_size, top_k=top_k)
+
+    def prepare(self, seqs: list[rows_lib.Seq]) -> list[rows_lib.Rows]:
+        """The host rows of every call (packing first-fit-decreasing; row_tokens 0 = the longest, rounded to 128)."""
+        row_tokens = self.row_tokens or -(-max(s.positions for s in seqs) // 128) * 128
+        layout = rows_lib.pack(seqs, row_tokens)
+        n = self.rows_per_call
+        return [rows_lib.build(seqs, layout[i : i + n], row_tokens, rows=n) for i in range(0, len(layout), n)]
+
+    def run(self, rows: rows_lib.Rows) -> forward.Output:
+        """One call on one prepare()d group of rows; the outputs on the host (numpy)."""
+        placed = sharding.place(tuple(rows[:4]), self.mesh, self.rules)
+        out = self.fn(self.params, *placed)
+        return jax.tree.map(np.asarray, out)
+
+    def collect(self, seqs, prepared, outs, results: list) -> None:
+        """Per sequence of `prepared` (outs = run() of each): logprobs, entropy, top-k and routing of its response
+        tokens into results[i]."""
+        for rows, out in zip(prepared, outs):
+            stats, expert_ids = out
+            for i in rows.where:
+                r, sl = rows.response_slice(seqs, i)  # the positions that predict the response tokens
+                res = {"logprobs": stats.logprobs_N[r, sl].tolist(), "entropy": stats.entropy_N[r, sl].tolist()}
+                if self.top_k:
+                    res["topk_ids"] = stats.topk_ids_NxK[r, sl].tolist()
+                    res["topk_logprobs"] = stats.topk_logprobs_NxK[r, sl].tolist()
+                if expert_ids is not None:
+                    # routing of the passes that produced the response tokens (the logprobs' positions), as the
+                    # rollout service reports it: [token][layer][k]
+                    res["routing"] = np.transpose(expert_ids[:, r, sl], (1, 0, 2)).tolist()
+                results[i] = res
 
 
-def build_rows(items: list[Item], rows: list[list[int]], row_tokens: int):
-    """Token, position, segment and target arrays [R, T]; targets[j] = next token of the segment."""
-    r = len(rows)
-    tokens = np.zeros((r, row_tokens), np.int32)
-    positions = np.zeros((r, row_tokens), np.int32)
-    segments = np.zeros((r, row_tokens), np.int32)
-    targets = np.zeros((r, row_tokens), np.int32)
-    where = {}  # item -> (row, offset)
-    for ri, members in enumerate(rows):
-        offset = 0
-        for seg, i in enumerate(members, 1):
-            seq = items[i].prompt_ids + items[i].response_ids
-            n = len(seq)
-            tokens[ri, offset : offset + n] = seq
-            positions[ri, offset : offset + n] = np.arange(n)
-            segments[ri, offset : offset + n] = seg
-            targets[ri, offset : offset + n - 1] = seq[1:]
-            where[i] = (ri, offset)
-            offset += n
-    return tokens, positions, segments, targets, where
-
-
-def make_scorer(model, mesh, rules, *, temperature: float, chunk_size: int, top_k: int):
-    """A jitted (tokens, positions, segments, targets) -> (TokenStats, expert ids) over packed rows."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def score(state, tokens, positions, segments, targets):
-        with sharding.use_mesh(mesh, rules):
-            m = nnx.merge(graphdef, state)
-            out = m(tokens, positions, segments)
-            stats = logprobs_lib.token_logprobs(
-                out.hidden_BxLxD, m.unembedding_DxV(), targets, temperature=temperature, chunk_size=chunk_size, top_k=top_k
-            )
-        return stats, out.expert_ids_XxBxLxK
-
-    def run(*arrays):
-        placed = [jax.device_put(a, sharding.named_sharding(("batch", "length"), rules, mesh, a.shape)) for a in arrays]
-        return score(state, *placed)
-
-    return run
-
-
-def score_items(model, items: list[Item], mesh, rules, *, temperature=1.0, chunk_size=1024, top_k=0, row_tokens=0, rows_per_call=8, progress=True) -> list[dict]:
+def score_items(model, items: list[rows_lib.Seq], mesh, rules, *, temperature=1.0, chunk_size=1024, top_k=0,
+                row_tokens=0, rows_per_call=8, progress=True) -> list[dict]:
     """Per item: logprobs (and entropy, top-k, routing) of its response tokens, in input order."""
     if not items:
         return []
-    if row_tokens <= 0:
-        row_tokens = -(-max(len(it) for it in items) // 128) * 128
-    rows = pack(items, row_tokens)
-    n_data = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    rows_per_call = -(-rows_per_call // n_data) * n_data  # the batch dimension must split evenly
-    scorer = make_scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=top_k)
+    scorer = Scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=top_k,
+                    row_tokens=row_tokens, rows_per_call=rows_per_call)
+    prepared = scorer.prepare(items)
     results: list[dict | None] = [None] * len(items)
-    calls = range(0, len(rows), rows_per_call)
     bar = None
     if progress:
         from rich.progress import Progress
 
         bar = Progress(transient=True)
         bar.start()
-        task = bar.add_task("scoring", total=len(rows))
+        task = bar.add_task("scoring", total=sum(len(rows.where) for rows in prepared))
     try:
-        for start in calls:
-            chunk = rows[start : start + rows_per_call]
-            chunk = chunk + [[] for _ in range(rows_per_call - len(chunk))]  # empty rows = padding
-            tokens, positions, segments, targets, where = build_rows(items, chunk, row_tokens)
-            stats, expert_ids = scorer(tokens, positions, segments, targets)
-            stats = jax.tree.map(lambda x: None if x is None else np.asarray(x), stats)
-            expert_ids = None if expert_ids is None else np.asarray(expert_ids)
-            for i, (ri, offset) in where.items():
-                p, n = len(items[i].prompt_ids), len(items[i])
-                sl = slice(offset + p - 1, offset + n - 1)  # positions that predict the response tokens
-                out = {"logprobs": stats.logprobs_N[ri, sl].tolist(), "entropy": stats.entropy_N[ri, sl].tolist()}
-                if top_k:
-                    out["topk_ids"] = stats.topk_ids_NxK[ri, sl].tolist()
-                    out["topk_logprobs"] = stats.topk_logprobs_NxK[ri, sl].tolist()
-                if expert_ids is not None:
-                    # routing of the passes that produced the response tokens (the logprobs' positions),
-                    # as the rollout service reports it: [token][layer][k]
-                    out["routing"] = np.transpose(expert_ids[:, ri, sl], (1, 0, 2)).tolist()
-                results[i] = out
+        for rows in prepared:
+            scorer.collect(items, [rows], [scorer.run(rows)], results)
             if bar:
-                bar.advance(task, len([c for c in chunk if c]))
+                bar.advance(task, len(rows.where))
     finally:
         if bar:
             bar.stop()

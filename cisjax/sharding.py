@@ -106,15 +106,44 @@ def named_sharding(axes, rules: Rules, mesh: Mesh, shape=None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape))
 
 
-def shard_batch(tree, mesh: Mesh, rules: Rules, axes: Sequence[str | None] = ("batch", "length")):
-    """device_put every array of `tree` by the logical names of its leading dims (rest replicated)."""
+# Logical names of every [M, B, T] field of a TrainBatch: micro-batches replicated, rows split like activations.
+BATCH_AXES = (None, "batch", "length")
+
+
+def axis_multiple(mesh: Mesh, rules: Rules, name: str) -> int:
+    """How many shards the logical axis `name` splits into on this mesh: a dimension so named must be a multiple of
+    it to be split rather than replicated (the product of the mesh axes the rules map it to)."""
+    spec = logical_to_spec((name,), rules, mesh)
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Sharding of every [M, B, T] field of a TrainBatch: M replicated, B over the "batch" mesh axes (B must be a
+    multiple of axis_multiple(mesh, rules, "batch"))."""
+    return named_sharding(BATCH_AXES, rules, mesh)
+
+
+def place(tree, mesh: Mesh, rules: Rules, axes: Sequence[str | None] = ("batch", "length")):
+    """Global arrays of a host pytree, each leaf sharded by the logical names of its leading dims (rest replicated).
+
+    Multi-process safe: every process holds the same full host copy and contributes the shards its devices own
+    (jax.make_array_from_callback), where a device_put of a host array would assume one process."""
 
     def one(x):
-        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        x = np.asarray(x)
         names = tuple(axes[: x.ndim]) + (None,) * (x.ndim - len(axes))
-        return jax.device_put(x, named_sharding(names, rules, mesh, x.shape))
+        target = named_sharding(names, rules, mesh, x.shape)
+        return jax.make_array_from_callback(x.shape, target, lambda index: x[index])
 
     return jax.tree.map(one, tree)
+
+
+def freeze(rules: Rules) -> tuple:
+    """A hashable copy of a rules table (a jit / cache key)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in dict(rules).items()))
 
 
 # --- activation constraints: model code calls `constrain(x, ("batch", "length", "act_embed"))`.
@@ -126,9 +155,7 @@ _CTX = jax.make_user_context(default_value=None)
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Rules | None = None):
     """Make `constrain` active (inside jit traces) for this mesh and rules table."""
-    table = dict(rules) if rules is not None else dict(DEFAULT_RULES)
-    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in table.items()))
-    with _CTX((mesh, frozen)):
+    with _CTX((mesh, freeze(rules if rules is not None else dict(DEFAULT_RULES)))):
         yield mesh
 
 

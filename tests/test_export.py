@@ -25,7 +25,7 @@ from cisjax import export as ex
 from cisjax.models import hf_io
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import CheckpointError, Checkpointer
-from cisjax.train.step import make_optimizer
+from cisjax.train.optim import make_optimizer
 from tests.helpers import hf_forward, save_tiny_hf
 from tests.models.parity import LOGITS_TOL
 from tests.models.parity import run as jax_forward

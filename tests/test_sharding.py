@@ -171,7 +171,7 @@ def test_logical_to_spec_unknown_name():
         sharding.logical_to_spec(("batch", "hiddden"), sharding.rules_from_config(), mesh, (8, 8))
 
 
-# ----------------------------------------------------------------------------- constrain / shard_batch
+# ----------------------------------------------------------------------------- constrain / place
 
 
 def test_constrain_follows_mesh_context_through_jit_cache():
@@ -194,14 +194,29 @@ def test_constrain_follows_mesh_context_through_jit_cache():
     assert len(traces) == 3
 
 
-def test_shard_batch():
+def test_place():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    batch = {"tokens": np.zeros((8, 16), np.int32), "weights": np.ones((8,), np.float32), "odd": np.zeros((3, 16))}
-    placed = sharding.shard_batch(batch, mesh, sharding.rules_from_config())
+    rules = sharding.rules_from_config()
+    tokens = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
+    batch = {"tokens": tokens, "weights": np.ones((8,), np.float32), "odd": np.zeros((3, 16))}
+    placed = sharding.place(batch, mesh, rules)
     assert placed["tokens"].sharding.spec == P(("data", "fsdp"), None)
     assert placed["tokens"].addressable_shards[0].data.shape == (2, 16)
+    np.testing.assert_array_equal(np.asarray(placed["tokens"]), tokens)  # every shard holds its own rows
     assert placed["weights"].sharding.spec == P(("data", "fsdp"))
     assert placed["odd"].sharding.spec == P(None, None)  # 3 rows: replicated, not an error
+    # a TrainBatch-like [M, B, T] leaf: micro-batches replicated, rows split, as the step's batch_sharding says
+    mbt = sharding.place(np.zeros((2, 8, 4), np.float32), mesh, rules, sharding.BATCH_AXES)
+    assert mbt.sharding.is_equivalent_to(sharding.batch_sharding(mesh, rules), 3)
+
+
+def test_axis_multiple():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = sharding.rules_from_config()
+    assert sharding.axis_multiple(mesh, rules, "batch") == 4  # data x fsdp (expert has size 1)
+    assert sharding.axis_multiple(mesh, rules, "length") == 1
+    assert sharding.axis_multiple(mesh, sharding.rules_from_config({"batch": "data"}), "batch") == 2
+    assert sharding.axis_multiple(sharding.make_mesh({"expert": 8}), rules, "batch") == 8
 
 
 # ----------------------------------------------------------------------------- sharded load + forward
@@ -240,7 +255,7 @@ def test_sharded_load_and_forward_match_unsharded(name, tiny_dir, tokens_BxL, re
 
     graphdef, state = nnx.split(model)
     with sharding.use_mesh(mesh, rules):
-        tokens = sharding.shard_batch(tokens_BxL, mesh, rules)
+        tokens = sharding.place(tokens_BxL, mesh, rules)
         assert tokens.addressable_shards[0].data.shape[0] < tokens.shape[0]
         logits, ids = _forward(graphdef, state, tokens)
         hlo = _forward.lower(graphdef, state, tokens).compile().as_text()

@@ -91,11 +91,11 @@ def bench(args) -> dict:
     import numpy as np
 
     from cisjax import config as config_lib
-    from cisjax import sharding
+    from cisjax import runtime, sharding
     from cisjax.models import hf_io
     from cisjax.models import moe as moe_lib
     from cisjax.rl import loss as loss_lib
-    from cisjax.train import state as state_lib
+    from cisjax.train import optim, state as state_lib
     from cisjax.train import step as step_lib
 
     cfg = config_lib.load(None)
@@ -111,22 +111,22 @@ def bench(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
         _save_model(args, model_dir)
-        model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))  # model.moe_impl set above
+        model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))  # model.moe_impl set above
         res["jax_moe_impl"] = moe_lib.default_impl() if mcfg.moe_impl == "auto" else mcfg.moe_impl
         host = _host_batch(args, mcfg.vocab_size)
         graphdef, params = nnx.split(model, nnx.Param)
-        prox = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules)(params, step_lib.place_batch(host, mesh, rules))
+        prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, sharding.place(host, mesh, rules, sharding.BATCH_AXES))
         prox = np.asarray(prox)
         noise = 0.3 * np.random.default_rng(args.seed + 1).standard_normal(prox.shape)
         host = host._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32))
-        batch = step_lib.place_batch(host, mesh, rules)
+        batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
 
         # --- the full optimizer step, CIS vs none, interleaved call by call
         steps, states, compile_s = {}, {}, {}
         for method in ("cis", "none"):
             run_cfg = copy.deepcopy(cfg)
             run_cfg.correction.method = method
-            tx = step_lib.make_optimizer(run_cfg.train)
+            tx = optim.make_optimizer(run_cfg.train)
             fresh = jax.tree.map(lambda x: x.copy(), params)  # each state is donated: its own buffers
             _, state = state_lib.create(nnx.merge(graphdef, fresh), tx, mesh=mesh)
             steps[method] = step_lib.make_train_step(graphdef, tx, run_cfg, mesh, rules, state_lib.shardings(state))

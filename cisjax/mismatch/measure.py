@@ -191,34 +191,21 @@ def xla_scores(model_dir, dtype: str, items, probe_items, *, cfg, top_k: int, tw
 
 
 def _score_passes(score_lib, model, items, mesh, rules, *, passes, temperature, chunk_size, row_tokens, rows_per_call, progress):
-    """score_items' packing and scorer, compiled once and run `passes` times over the same rows: (results of each
-    pass, seconds of each pass). The first pass includes compilation; the later ones give the steady-state throughput."""
+    """cisjax score's Scorer (the trainer forward over packed rows), compiled once and run `passes` times over the
+    same rows: (results of each pass, seconds of each pass). The first pass includes compilation; the later ones
+    give the steady-state throughput."""
     del progress
-    if row_tokens <= 0:
-        row_tokens = -(-max(len(it) for it in items) // 128) * 128
-    rows = score_lib.pack(items, row_tokens)
-    n_data = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    rows_per_call = -(-rows_per_call // n_data) * n_data
-    scorer = score_lib.make_scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=0)
-    calls = []
-    for start in range(0, len(rows), rows_per_call):
-        chunk = rows[start : start + rows_per_call]
-        calls.append(score_lib.build_rows(items, chunk + [[] for _ in range(rows_per_call - len(chunk))], row_tokens))
+    scorer = score_lib.Scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=0,
+                              row_tokens=row_tokens, rows_per_call=rows_per_call)
+    prepared = scorer.prepare(items)
     all_results, times = [], []
     for _ in range(passes):
         t0 = time.monotonic()
-        outs = [scorer(*arrays[:4]) for arrays in calls]
-        outs = [(np.asarray(st.logprobs_N), None if ex is None else np.asarray(ex)) for st, ex in outs]  # waits for the device
+        outs = [scorer.run(rows) for rows in prepared]  # on the host: waits for the device
         times.append(time.monotonic() - t0)
         results: list = [None] * len(items)
-        for (*_, where), (logprobs, expert_ids) in zip(calls, outs):
-            for i, (ri, offset) in where.items():
-                p, n = len(items[i].prompt_ids), len(items[i])
-                sl = slice(offset + p - 1, offset + n - 1)  # the positions that predict the response tokens, as score_items
-                results[i] = {"logprobs": logprobs[ri, sl].tolist()}
-                if expert_ids is not None:
-                    results[i]["routing"] = np.transpose(expert_ids[:, ri, sl], (1, 0, 2)).tolist()
-        all_results.append(results)
+        scorer.collect(items, prepared, outs, results)
+        all_results.append([{k: r[k] for k in ("logprobs", "routing") if k in r} for r in results])
     return all_results, times
 
 
@@ -246,7 +233,7 @@ def _routing_array(per_seq, token_index: np.ndarray, n_tokens: int, what: str) -
 def measure(args, overrides) -> list[Path]:
     from cisjax import config as config_lib
     from cisjax.rollout.client import SamplingParams
-    from cisjax.score import Item
+    from cisjax.rows import Seq
 
     pairs = parse_pairs(args.pairs)
     if args.model is None or args.prompts is None:
@@ -279,7 +266,7 @@ def measure(args, overrides) -> list[Path]:
         t0 = time.monotonic()
         samples = [s for per_prompt in vllm.generate(prompts, params) for s in per_prompt]
         timings["generate_s"] = time.monotonic() - t0
-        items = [Item(list(s.prompt_ids), list(s.response_ids)) for s in samples]
+        items = [Seq(list(s.prompt_ids), list(s.response_ids)) for s in samples]
         lengths = np.asarray([len(it.response_ids) for it in items], np.int64)
         n_tokens = int(lengths.sum())
         if n_tokens == 0:
@@ -300,7 +287,7 @@ def measure(args, overrides) -> list[Path]:
         for t in probes:
             last_probe[int(seq_id[t])] = max(last_probe.get(int(seq_id[t]), 0), int(position[t]))
         probe_seqs = sorted(last_probe)
-        probe_items = [Item(items[s].prompt_ids, items[s].response_ids[: last_probe[s] + 1]) for s in probe_seqs] if args.topk else []
+        probe_items = [Seq(items[s].prompt_ids, items[s].response_ids[: last_probe[s] + 1]) for s in probe_seqs] if args.topk else []
 
         def probe_topk(per_probe_seq):
             """Top-K lists of the truncated probe sequences -> ids, logprobs [T, K] at `probes`."""

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import logprobs as logprobs_lib
-from cisjax import sharding
+from cisjax import runtime, sharding
 from cisjax.models import hf_io
 from cisjax.models.layers import attention_mask
 from cisjax.records import TrainBatch
 from cisjax.train import publish as publish_lib
-from cisjax.train import state as state_lib
+from cisjax.train import optim, state as state_lib
 from cisjax.train import step as step_lib
 
 BATCH_DTYPES = TrainBatch(jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_, jnp.float32, jnp.float32, jnp.float32)
@@ -110,19 +110,19 @@ class StepPrograms:
 
     def __init__(self, cfg, hf: dict, mesh, rules):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
-        self.mcfg = hf_io.model_config(hf, **step_lib.model_runtime(cfg))
+        self.mcfg = hf_io.model_config(hf, **runtime.model_runtime(cfg))
         self.graphdef, abstract = hf_io.abstract_model(hf, self.mcfg)
         shardings = sharding.param_shardings(abstract, mesh, rules)
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         self.params = jax.tree.map(lambda v, s: v.replace(_abstract(v, s)), abstract, shardings, is_leaf=is_var)
         self.model = nnx.merge(self.graphdef, self.params)  # abstract: ShapeDtypeStructs, for shapes and sub-modules
-        self.tx = step_lib.make_optimizer(cfg.train)
+        self.tx = optim.make_optimizer(cfg.train)
         self.state = state_lib.abstract(self.params, self.tx, mesh)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self.rows_multiple = step_lib.batch_rows_multiple(mesh, rules)
+        self.rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
 
     def batch(self, micro_batches: int, rows: int, seq_len: int) -> TrainBatch:
-        sh = step_lib.batch_sharding(self.mesh, self.rules)
+        sh = sharding.batch_sharding(self.mesh, self.rules)
         return TrainBatch(*(jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for dt in BATCH_DTYPES))
 
     # ------------------------------------------------------------------ the loop's programs
@@ -132,7 +132,7 @@ class StepPrograms:
         return compile_program("train_step", run.jitted, self.state, self.batch(micro_batches, rows, seq_len))
 
     def rescore(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
-        fn = step_lib.make_logprobs_fn(self.graphdef, self.cfg, self.mesh, self.rules, self.state_shardings.params)
+        fn = step_lib.make_rescore(self.graphdef, self.cfg, self.mesh, self.rules, self.state_shardings.params)
         return compile_program("rescore", fn, self.params, self.batch(micro_batches, rows, seq_len))
 
     def canary(self) -> Compiled:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cisjax import errors
+from cisjax import rows as rows_lib
 from cisjax.records import TrainBatch
 
 
@@ -62,22 +63,12 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
     b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
     total = micro_batches * b
 
-    tokens = np.zeros((total, t), np.int32)
-    positions = np.zeros((total, t), np.int32)
-    segments = np.zeros((total, t), np.int32)
-    targets = np.zeros((total, t), np.int32)
-    mask = np.zeros((total, t), bool)
+    built = rows_lib.build([rows_lib.Seq(r.prompt_ids, r.response_ids) for r in rows], rows_lib.one_per_row(len(rows)), t,
+                           rows=total)
+    mask = built.response_RxT
     infer = np.zeros((total, t), np.float32)
     for i, r in enumerate(rows):
-        seq = list(r.prompt_ids) + list(r.response_ids)
-        length = len(seq) - 1  # positions that predict a next token
-        p = len(r.prompt_ids)
-        tokens[i, :length] = seq[:-1]
-        targets[i, :length] = seq[1:]
-        positions[i, :length] = np.arange(length)
-        segments[i, :length] = 1
-        mask[i, p - 1 : length] = True  # targets p .. end are the response tokens
-        infer[i, p - 1 : length] = r.logprobs
+        infer[i, mask[i]] = r.logprobs  # q of the response tokens, at the positions that predict them
 
     # advantages over the real rows, laid out [G, N, T]
     g = len(groups)
@@ -91,8 +82,8 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
 
     shape = (micro_batches, b, t)
     batch = TrainBatch(
-        tokens_MxBxT=tokens.reshape(shape), positions_MxBxT=positions.reshape(shape), segment_ids_MxBxT=segments.reshape(shape),
-        targets_MxBxT=targets.reshape(shape), loss_mask_MxBxT=mask.reshape(shape), infer_logprobs_MxBxT=infer.reshape(shape),
+        tokens_MxBxT=built.tokens_RxT.reshape(shape), positions_MxBxT=built.positions_RxT.reshape(shape),
+        segment_ids_MxBxT=built.segments_RxT.reshape(shape), targets_MxBxT=built.targets_RxT.reshape(shape), loss_mask_MxBxT=mask.reshape(shape), infer_logprobs_MxBxT=infer.reshape(shape),
         prox_logprobs_MxBxT=np.zeros(shape, np.float32), advantages_MxBxT=advantages.reshape(shape),
     )
     info = dict(rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)])

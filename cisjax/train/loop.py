@@ -33,12 +33,12 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     """
     import jax
 
-    from cisjax import sharding
+    from cisjax import runtime, sharding
     from cisjax.models import hf_io
     from cisjax.rollout.client import SamplingParams
     from cisjax.rl import corrections
     from cisjax.train import metrics as metrics_lib, rollouts as rollouts_lib
-    from cisjax.train import state as state_lib
+    from cisjax.train import optim, state as state_lib
     from cisjax.train import step as step_lib
     from cisjax.train.checkpoint import Checkpointer, abstract_state
     from cisjax.train.publish import Publisher
@@ -52,8 +52,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     # --- model, mesh, state -------------------------------------------------------------------
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    model, _, hf = hf_io.load(cfg.model.path, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
-    tx = step_lib.make_optimizer(cfg.train)
+    model, _, hf = hf_io.load(cfg.model.path, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    tx = optim.make_optimizer(cfg.train)
     graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every,
@@ -67,8 +67,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     start = int(state.step)
     state_sh = state_lib.shardings(state)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh)
-    rescore = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules, state_sh.params)
-    rows_multiple = step_lib.batch_rows_multiple(mesh, rules)
+    rescore = step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params)
+    rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
 
     # --- data, rewards, rollout service (process 0 talks to the server) ----------------------
     stream, formatter, pool, server, client, producer = None, None, None, None, None, None
@@ -150,7 +150,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             # 2. the batch (process 0 builds it; every process holds the same host copy)
             host, info, versions_rows = _host_batch(ro, cfg, rows_multiple) if lead else (None, None, None)
             host, versions_rows, roll_metrics = _share(host, versions_rows, _rollout_metrics(ro, s) if lead else None)
-            batch = step_lib.place_batch(host, mesh, rules)
+            batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
             # 3. proximal rescoring with the params of this step
             t0 = time.monotonic()
             prox = rescore(state.params, batch)

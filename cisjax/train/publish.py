@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from cisjax import errors
+from cisjax import errors, forward, runtime, sharding
 from cisjax import export as export_lib
-from cisjax import sharding
+from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
 from cisjax.rollout import canary as canary_lib
@@ -119,62 +118,29 @@ def _agree(code: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
 
 
-def _shards(spec_entry, mesh) -> int:
-    if spec_entry is None:
-        return 1
-    axes = (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def _frozen(rules) -> tuple:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rules.items()))
-
-
 def canary_shape(cfg, mesh, rules) -> tuple[int, int]:
     """(rows, length) of the canary's [1, rows, length] batch: publish.canary's sequences, padded to the mesh's
     batch and length shards."""
-    from cisjax.train import step as step_lib
-
     c = cfg.publish.canary
-    spec = step_lib.batch_sharding(mesh, rules).spec
-    spec = tuple(spec) + (None,) * (3 - len(spec))
-    rows = -(-int(c.num_sequences) // _shards(spec[1], mesh)) * _shards(spec[1], mesh)
+    rows_multiple, length_multiple = (sharding.axis_multiple(mesh, rules, name) for name in ("batch", "length"))
     length = int(c.prompt_len) + int(c.response_len)
-    return rows, -(-length // _shards(spec[2], mesh)) * _shards(spec[2], mesh)
+    return -(-int(c.num_sequences) // rows_multiple) * rows_multiple, -(-length // length_multiple) * length_multiple
 
 
 def canary_logprobs_fn(graphdef, cfg, mesh, rules):
     """The trainer side of the canary, jitted: (params, TrainBatch [1, rows, length]) -> logprobs at temperature 1
-    on the params rounded to publish.dtype."""
-    from cisjax.train import step as step_lib
-
-    return _canary_logprobs_fn(graphdef, mesh, _frozen(rules), step_lib.resolve_precision(cfg), int(cfg.logprobs.chunk_size),
-                               cfg.publish.dtype or None)
+    (the server scores at temperature 1) through the step's forward, on the params rounded to publish.dtype (the
+    weights the engine got: the step's own bf16 compute rounds its matmul weights anyway; the router, norms and fp32
+    compute see the difference)."""
+    return _canary_logprobs_fn(graphdef, mesh, sharding.freeze(rules), runtime.resolve_precision(cfg),
+                               int(cfg.logprobs.chunk_size), cfg.publish.dtype or None)
 
 
 @functools.lru_cache(maxsize=8)
 def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size: int, dtype: str | None):
-    """Jitted (params, TrainBatch) -> logprobs [1, B, T]: the step's forward (train.step.make_logprobs_fn) at temperature
-    1 on the params rounded to the published dtype. Cached: Publishers of one model share one compilation."""
-    import ml_collections
-
-    from cisjax.train import step as step_lib
-
-    cfg = ml_collections.ConfigDict({
-        "logprobs": {"temperature": 1.0, "chunk_size": chunk_size},  # the server scores at temperature 1
-        "train": {"precision": precision}, "correction": {"method": "none"},
-    })
-    logprobs_fn = step_lib.make_logprobs_fn(graphdef, cfg, mesh, dict(rules))
-    rounded = jnp.dtype(dtype_of(dtype)) if dtype else None
-
-    def canary_logprobs(params, batch):
-        # the weights the engine got: the params rounded to the published dtype (the step's own bf16 compute rounds
-        # its matmul weights anyway; the router, norms and fp32 compute see the difference)
-        if rounded is not None:
-            params = jax.tree.map(lambda x: x.astype(rounded).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        return logprobs_fn(params, batch)
-
-    return jax.jit(canary_logprobs)
+    # cached: the Publishers of one model share one compilation
+    return forward.make_batch_logprobs(graphdef, mesh, dict(rules), precision=precision, temperature=1.0,
+                                       chunk_size=chunk_size, round_to=dtype_of(dtype) if dtype else None)
 
 
 class Publisher:
@@ -201,7 +167,6 @@ class Publisher:
     def __init__(self, graphdef, hf_config, cfg, client, mesh, rules, *, root: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None):
         from cisjax.records import TrainBatch
-        from cisjax.train import step as step_lib
 
         pc = cfg.publish
         if pc.mode not in MODES:
@@ -236,16 +201,11 @@ class Publisher:
                                                          response_len=int(c.response_len), seed=int(cfg.seed))
             self._logprobs_fn = canary_logprobs_fn(graphdef, cfg, mesh, self.rules)
             rows, length = canary_shape(cfg, mesh, self.rules)
-            tokens, positions, segments, targets = (np.zeros((1, rows, length), np.int32) for _ in range(4))
-            for i, (p, r) in enumerate(self.sequences):
-                seq = p + r
-                tokens[0, i, : len(seq)] = seq
-                positions[0, i, : len(seq)] = np.arange(len(seq))
-                segments[0, i, : len(seq)] = 1
-                targets[0, i, : len(seq) - 1] = seq[1:]
+            built = rows_lib.build([rows_lib.Seq(p, r) for p, r in self.sequences], rows_lib.one_per_row(len(self.sequences)),
+                                   length, rows=rows)
             zeros = np.zeros((1, rows, length), np.float32)
-            self._batch = step_lib.place_batch(
-                TrainBatch(tokens, positions, segments, targets, np.zeros((1, rows, length), bool), zeros, zeros, zeros), mesh, self.rules)
+            host = TrainBatch(*(x[None] for x in built[:4]), built.response_RxT[None], zeros, zeros, zeros)
+            self._batch = sharding.place(host, mesh, self.rules, sharding.BATCH_AXES)
 
     # ------------------------------------------------------------------ the canary's two sides
 

@@ -50,7 +50,7 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
     from cisjax import config as config_lib
     from cisjax import sharding
     from cisjax.models import hf_io
-    from cisjax.train import step as step_lib
+    from cisjax import runtime
     from cisjax.train.publish import CanaryError, PublishError, Publisher
 
     assert jax.process_count() == 2 and jax.device_count() == 8
@@ -59,7 +59,7 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
     mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": 2})
     assert {d.process_index for d in mesh.devices.flat} == {0, 1}
     rules = sharding.rules_from_config(None)
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
     graphdef, params = nnx.split(model, nnx.Param)
     fake = FakeClient() if jax.process_index() == 0 else None
     pub = Publisher(graphdef, hf, cfg, fake, mesh, rules)

@@ -8,6 +8,8 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
+from cisjax.train import optim
+from cisjax import runtime
 from cisjax import config as config_lib
 from cisjax import sharding
 from cisjax.models import hf_io
@@ -49,15 +51,15 @@ def build(cfg, mesh, seed: int = 0):
     """(graphdef, tx, rules, placed state) of the tiny model, its parameters placed by the sharding table on `mesh`
     (global arrays: the same values on any mesh and in any number of processes)."""
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    runtime = step_lib.model_runtime(cfg)
-    mcfg = hf_io.model_config(TINY_HF, **runtime)
+    rt = runtime.model_runtime(cfg)
+    mcfg = hf_io.model_config(TINY_HF, **rt)
     graphdef, abstract = hf_io.abstract_model(TINY_HF, mcfg)
     shardings = sharding.param_shardings(abstract, mesh, rules)
-    host = _host_params(runtime["param_dtype"], seed)
+    host = _host_params(rt["param_dtype"], seed)
     params = jax.tree.map(
         lambda v, sh: v.replace(jax.make_array_from_callback(v.shape, sh, lambda i, x=v[...]: x[i])),
         host, shardings, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    tx = step_lib.make_optimizer(cfg.train)
+    tx = optim.make_optimizer(cfg.train)
     graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh)
     return graphdef, tx, rules, state
 
@@ -109,11 +111,11 @@ def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
     params after each step, final state)."""
     graphdef, tx, rules, state = build(cfg, mesh)
     batch = host_batch() if batch is None else batch
-    logprobs_fn = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules)
-    prox = logprobs_fn(state.params, step_lib.place_batch(batch, mesh, rules))
+    logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules)
+    prox = logprobs_fn(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
     prox = np.asarray(jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(prox).addressable_data(0))
     batch = with_logprobs(batch, prox)
-    placed = step_lib.place_batch(batch, mesh, rules)
+    placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
     metrics, sums = [], []
     for _ in range(steps):

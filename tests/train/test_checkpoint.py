@@ -360,8 +360,8 @@ def test_resume_reproduces_the_next_step_bitwise(tmp_path):
     mesh = _mesh({"fsdp": 8})
     graphdef, tx, rules, state = steputil.build(cfg, mesh)
     batch = steputil.host_batch(m=1)
-    prox = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules)(state.params, step_lib.place_batch(batch, mesh, rules))
-    placed = step_lib.place_batch(steputil.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules)
+    prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
+    placed = sharding.place(steputil.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules, sharding.BATCH_AXES)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
 
     k = 2

@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+from cisjax import runtime
 from cisjax import config as config_lib
 from cisjax import export as export_lib
 from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
-from cisjax.train import step as step_lib
 from cisjax.train.publish import CanaryError, Publisher
 from tests.helpers import save_tiny_hf
 from tests.rollout import serverutil
@@ -74,7 +74,7 @@ def trainer(model_dir):
                                  "--config.publish.canary.response_len=12"])
     mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     rules = sharding.rules_from_config(None)
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **step_lib.model_runtime(cfg))
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
     graphdef, params = nnx.split(model, nnx.Param)
     return dict(cfg=cfg, mesh=mesh, rules=rules, hf=hf, graphdef=graphdef, params=params)
 

@@ -10,6 +10,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
+from cisjax.train import optim
+from cisjax import forward, runtime, sharding
 from cisjax.records import TrainBatch
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
@@ -37,7 +39,7 @@ def _fresh(name: str = "single"):
 def test_sharded_step_matches_single_device(name):
     ref, out = U.reference("single"), U.reference(name)
     mesh = U.mesh_for(name)
-    # proximal rescoring (make_logprobs_fn) agrees
+    # proximal rescoring (make_rescore) agrees
     np.testing.assert_allclose(out["prox"], ref["prox"], atol=2e-5, rtol=0)
     for r, o in zip(ref["metrics"], out["metrics"]):
         assert set(METRIC_KEYS) <= set(r)
@@ -78,7 +80,7 @@ def test_micro_batches_equal_one_big_batch():
     cfg, mesh = U.make_cfg(), U.mesh_for("single")
     graphdef, tx, rules, state = U.build(cfg, mesh)
     step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
-    state, met = step(state, step_lib.place_batch(one, mesh, rules))
+    state, met = step(state, sharding.place(one, mesh, rules, sharding.BATCH_AXES))
     first = ref["metrics"][0]
     for key in first:
         np.testing.assert_allclose(float(met[key]), first[key], rtol=1e-5, atol=1e-7, err_msg=key)
@@ -93,7 +95,7 @@ def test_fixed_batch_surrogate_decreases_and_logprobs_move_with_the_advantage():
     clip allows, responses with A > 0 gain probability and those with A < 0 lose it."""
     ref, state = _fresh()
     step, batch = ref["step"], ref["batch"]
-    placed = step_lib.place_batch(batch, U.mesh_for("single"), ref["rules"])
+    placed = sharding.place(batch, U.mesh_for("single"), ref["rules"], sharding.BATCH_AXES)
     losses = []
     for _ in range(20):
         state, met = step(state, placed)
@@ -112,7 +114,7 @@ def test_fixed_batch_surrogate_decreases_and_logprobs_move_with_the_advantage():
     assert np.all(losses[1:] < losses[0] - 0.2), losses
     assert np.all(losses >= floor - 1e-4), (losses, floor)
     assert losses[10:].min() < floor + 0.05 * (start - floor), (losses, floor)  # reaches the floor
-    logp = np.asarray(step_lib.make_logprobs_fn(ref["graphdef"], U.make_cfg(), U.mesh_for("single"), ref["rules"])(
+    logp = np.asarray(step_lib.make_rescore(ref["graphdef"], U.make_cfg(), U.mesh_for("single"), ref["rules"])(
         state.params, placed))
     delta = logp - prox
     up, down = delta[mask & (adv > 0)], delta[mask & (adv < 0)]
@@ -132,13 +134,13 @@ def test_non_finite_gradient_skips_the_update_then_training_proceeds():
     r, t = np.argwhere(np.asarray(batch.loss_mask_MxBxT)[1])[0]
     adv[1, r, t] = np.nan  # one poisoned token in the second micro-batch: NaN loss and gradient
     before_params, before_opt = _host(state.params), _host(state.opt_state)
-    state, met = step(state, step_lib.place_batch(batch._replace(advantages_MxBxT=adv), mesh, rules))
+    state, met = step(state, sharding.place(batch._replace(advantages_MxBxT=adv), mesh, rules, sharding.BATCH_AXES))
     assert float(met["skipped"]) == 1.0 and not np.isfinite(float(met["loss"]))
     assert int(state.step) == 1 and int(state.skipped_steps) == 1
     for a, b in zip(before_params + before_opt, _host(state.params) + _host(state.opt_state)):
         np.testing.assert_array_equal(a, b)  # bitwise unchanged
     # the next good step is exactly the reference's first step (same lr: the schedule counts applied updates)
-    state, met = step(state, step_lib.place_batch(batch, mesh, rules))
+    state, met = step(state, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
     assert float(met["skipped"]) == 0.0 and int(state.step) == 2 and int(state.skipped_steps) == 1
     for key in ("loss", "grad_norm", "lr"):
         assert float(met[key]) == ref["metrics"][0][key], key
@@ -148,16 +150,16 @@ def test_non_finite_gradient_skips_the_update_then_training_proceeds():
 def test_fp16_method_forces_fp16_with_loss_scaling():
     cfg = U.make_cfg()
     cfg.correction.method = "fp16"
-    assert step_lib.resolve_precision(cfg) == "fp16" and step_lib.model_runtime(cfg)["dtype"] == "float16"
+    assert runtime.resolve_precision(cfg) == "fp16" and runtime.model_runtime(cfg)["dtype"] == "float16"
     mesh = U.mesh_for("single")
     graphdef, tx, rules, state = U.build(cfg, mesh)
     batch = U.host_batch()
-    logprobs_fn = step_lib.make_logprobs_fn(graphdef, cfg, mesh, rules)
-    prox = np.asarray(logprobs_fn(state.params, step_lib.place_batch(batch, mesh, rules)))
+    logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules)
+    prox = np.asarray(logprobs_fn(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)))
     batch = U.with_logprobs(batch, prox)
     step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
     before = _host(state.params)
-    state, met = step(state, step_lib.place_batch(batch, mesh, rules))
+    state, met = step(state, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
     met = {k: float(v) for k, v in met.items()}
     assert met["skipped"] == 0.0 and all(np.isfinite(v) for v in met.values()), met
     mask, adv = np.asarray(batch.loss_mask_MxBxT), np.asarray(batch.advantages_MxBxT)
@@ -174,7 +176,8 @@ def _fp32_grad_norm(batch: TrainBatch) -> float:
     """|d/dtheta -sum(A * exp(logp - sg(logp))) / tokens| with the fp32 model (the step's forward)."""
     cfg, mesh = U.make_cfg(), U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
-    forward = step_lib._forward_fn(graphdef, cfg, mesh, rules)
+    fwd = forward.make_forward(graphdef, mesh, rules, precision=runtime.resolve_precision(cfg),
+                               temperature=cfg.logprobs.temperature, chunk_size=cfg.logprobs.chunk_size)
     mask = jnp.asarray(batch.loss_mask_MxBxT)
 
     @jax.jit
@@ -182,8 +185,8 @@ def _fp32_grad_norm(batch: TrainBatch) -> float:
         def objective(params):
             total = 0.0
             for i in range(U.M):
-                lp, _ = forward(params, batch.tokens_MxBxT[i], batch.positions_MxBxT[i], batch.segment_ids_MxBxT[i],
-                                batch.targets_MxBxT[i])
+                lp = fwd(params, batch.tokens_MxBxT[i], batch.positions_MxBxT[i], batch.segment_ids_MxBxT[i],
+                         batch.targets_MxBxT[i]).stats.logprobs_N
                 total += jnp.sum(jnp.where(mask[i], -batch.advantages_MxBxT[i] * jnp.exp(lp - jax.lax.stop_gradient(lp)), 0.0))
             return total / jnp.sum(mask)
 
@@ -201,7 +204,7 @@ def test_step_traces_once_and_donates_the_state():
     other = U.with_logprobs(U.host_batch(seed=5), ref["prox"], seed=7)  # same shapes, other values
     for batch in (ref["batch"], other, ref["batch"]):
         old = state
-        state, _ = step(state, step_lib.place_batch(batch, mesh, rules))
+        state, _ = step(state, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
         assert all(x.is_deleted() for x in jax.tree.leaves(old.params))  # donated: buffers reused in place
     assert step.traces == 1
     assert step.jitted._cache_size() == 1
@@ -211,17 +214,17 @@ def test_precision_mismatch_and_kl_are_refused():
     cfg = U.make_cfg()
     graphdef, tx, rules, state = U.build(cfg, U.mesh_for("single"))
     bf16 = U.make_cfg(precision="bf16")
-    assert step_lib.model_runtime(bf16)["dtype"] == "bfloat16" and step_lib.model_runtime(bf16)["param_dtype"] == "float32"
+    assert runtime.model_runtime(bf16)["dtype"] == "bfloat16" and runtime.model_runtime(bf16)["param_dtype"] == "float32"
     fp16 = U.make_cfg(precision="fp16")
-    fn = step_lib.make_logprobs_fn(graphdef, fp16, U.mesh_for("single"), rules)  # the fp32-built model
+    fn = step_lib.make_rescore(graphdef, fp16, U.mesh_for("single"), rules)  # the fp32-built model
     with pytest.raises(ValueError, match="train.precision=fp16 but the model computes in float32"):
-        fn(state.params, step_lib.place_batch(U.host_batch(), U.mesh_for("single"), rules))
+        fn(state.params, sharding.place(U.host_batch(), U.mesh_for("single"), rules, sharding.BATCH_AXES))
     kl = U.make_cfg()
     kl.loss.kl_coef = 0.1
     with pytest.raises(ValueError, match="kl_coef"):
         step_lib.make_train_step(graphdef, tx, kl, U.mesh_for("single"), rules, state_lib.shardings(state))
     with pytest.raises(ValueError, match="train.precision"):
-        step_lib.resolve_precision(U.make_cfg(precision="int8"))
+        runtime.resolve_precision(U.make_cfg(precision="int8"))
     # without a mesh, create() leaves counters and the optimizer state off the mesh; with it (or place) they are on it
     _, unplaced = state_lib.create(nnx.merge(graphdef, state.params), tx)
     with pytest.raises(ValueError, match="is not on the mesh"):
@@ -240,18 +243,18 @@ def _lr(schedule, counts):
 
 def test_schedules():
     cfg = U.make_cfg(lr=1.0, warmup_steps=4, total_steps=14, final_lr_ratio=0.1)
-    np.testing.assert_allclose(_lr(step_lib.make_schedule(cfg.train), [0, 1, 3, 4, 100]), [0.25, 0.5, 1, 1, 1])
+    np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [0, 1, 3, 4, 100]), [0.25, 0.5, 1, 1, 1])
     cfg.train.schedule = "linear"
-    np.testing.assert_allclose(_lr(step_lib.make_schedule(cfg.train), [0, 3, 4, 9, 14, 50]), [0.25, 1, 1, 0.55, 0.1, 0.1],
+    np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [0, 3, 4, 9, 14, 50]), [0.25, 1, 1, 0.55, 0.1, 0.1],
                                rtol=1e-6)
     cfg.train.schedule = "cosine"
-    np.testing.assert_allclose(_lr(step_lib.make_schedule(cfg.train), [4, 9, 14, 50]), [1, 0.55, 0.1, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [4, 9, 14, 50]), [1, 0.55, 0.1, 0.1], rtol=1e-6)
     cfg.train.total_steps = 4
     with pytest.raises(ValueError, match="total_steps"):
-        step_lib.make_schedule(cfg.train)
+        optim.make_schedule(cfg.train)
     cfg.train.schedule = "step"
     with pytest.raises(ValueError, match="schedule"):
-        step_lib.make_schedule(cfg.train)
+        optim.make_schedule(cfg.train)
 
 
 def test_optimizer_clips_then_adamw():
@@ -267,16 +270,16 @@ def test_optimizer_clips_then_adamw():
         _, state = tx.update(g1, state, params)
         return tx.update(g2, state, params)[0]
 
-    ours = two_updates(step_lib.make_optimizer(cfg.train))
+    ours = two_updates(optim.make_optimizer(cfg.train))
     manual = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, two_updates(manual))
     cfg.train.grad_clip = 0.0
-    unclipped = two_updates(step_lib.make_optimizer(cfg.train))
+    unclipped = two_updates(optim.make_optimizer(cfg.train))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), unclipped,
                  two_updates(optax.adamw(0.1, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01)))
     assert not np.allclose(unclipped["w"], ours["w"])
     # decoupled weight decay: a zero gradient still shrinks the weights by lr * wd * w
-    wd = step_lib.make_optimizer(U.make_cfg(lr=0.1, weight_decay=0.5, grad_clip=0.0).train)
+    wd = optim.make_optimizer(U.make_cfg(lr=0.1, weight_decay=0.5, grad_clip=0.0).train)
     zero = jax.tree.map(jnp.zeros_like, params)
     np.testing.assert_allclose(wd.update(zero, wd.init(params), params)[0]["w"], -0.1 * 0.5 * params["w"], rtol=1e-6)
 
@@ -290,7 +293,7 @@ def test_abstract_state_is_what_create_places():
     cfg = U.make_cfg()
     mesh = sharding.make_mesh(U.MESHES["fsdp2_tensor2_expert2"])
     graphdef, tx, rules, state = U.build(cfg, mesh)
-    mcfg = hf_io.model_config(U.TINY_HF, **step_lib.model_runtime(cfg))
+    mcfg = hf_io.model_config(U.TINY_HF, **runtime.model_runtime(cfg))
     _, params = hf_io.abstract_model(U.TINY_HF, mcfg)
     shardings = sharding.param_shardings(params, mesh, rules)
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params, shardings,
@@ -307,8 +310,8 @@ def test_abstract_state_is_what_create_places():
 def test_model_runtime_carries_the_moe_dispatch():
     cfg = U.make_cfg()
     cfg.model.moe_impl, cfg.model.moe_tile = "dense", 16
-    runtime = step_lib.model_runtime(cfg)
-    assert (runtime["moe_impl"], runtime["moe_tile"]) == ("dense", 16)
+    rt = runtime.model_runtime(cfg)
+    assert (rt["moe_impl"], rt["moe_tile"]) == ("dense", 16)
     from cisjax.models import hf_io
 
-    assert hf_io.model_config(U.TINY_HF, **runtime).moe_impl == "dense"
+    assert hf_io.model_config(U.TINY_HF, **rt).moe_impl == "dense"

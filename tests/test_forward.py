@@ -1,0 +1,80 @@
+"""The one trainer forward: the rescoring, the step's loss, `cisjax score`'s packed rows and the canary agree."""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cisjax import forward, rows, runtime, score, sharding
+from cisjax.train import step as step_lib
+from tests.train import steputil as U
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = U.make_cfg()
+    mesh = U.mesh_for("single")
+    graphdef, _, rules, state = U.build(cfg, mesh)
+    return cfg, mesh, rules, graphdef, state.params
+
+
+def _seqs(batch):
+    """The (prompt, response) of every row of a steputil.host_batch, read back from its arrays."""
+    out = []
+    for tok, tgt, mask in zip(batch.tokens_MxBxT.reshape(-1, U.T), batch.targets_MxBxT.reshape(-1, U.T),
+                              batch.loss_mask_MxBxT.reshape(-1, U.T)):
+        first, n = int(np.argmax(mask)), int(mask.sum())
+        out.append(rows.Seq(tok[: first + 1].tolist(), tgt[first : first + n].tolist()))
+    return out
+
+
+def test_packed_scoring_equals_the_rescoring(tiny):
+    """`cisjax score`'s packed rows (several sequences per row, other positions) give the logprobs the loop's
+    proximal rescoring gives the same sequences one per row, to fp32 round-off."""
+    cfg, mesh, rules, graphdef, params = tiny
+    batch = U.host_batch()
+    rescored = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)))
+    model = nnx.merge(graphdef, params)
+    seqs = _seqs(batch)
+    got = score.score_items(model, seqs, mesh, rules, temperature=cfg.logprobs.temperature, row_tokens=32, rows_per_call=2,
+                            chunk_size=cfg.logprobs.chunk_size, progress=False)
+    mask = batch.loss_mask_MxBxT.reshape(-1, U.T)
+    for i, s in enumerate(seqs):
+        want = rescored.reshape(-1, U.T)[i][mask[i]]
+        assert len(got[i]["logprobs"]) == len(s.response_ids) == len(want)
+        np.testing.assert_allclose(got[i]["logprobs"], want, rtol=1e-5, atol=1e-5)
+    packed = rows.pack(seqs, 32)
+    assert max(len(r) for r in packed) > 1  # the test really packs
+
+
+def test_step_loss_uses_the_same_forward(tiny):
+    """The step's loss at ratio 1 (prox = the rescoring) with advantage -1 on every token is the token-mean logprob:
+    the step's forward and the rescoring are one function."""
+    cfg, mesh, rules, graphdef, params = tiny
+    batch = U.host_batch()
+    placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
+    prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, placed)
+    mask = np.asarray(batch.loss_mask_MxBxT)
+    placed = placed._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=prox,
+                             advantages_MxBxT=jnp.asarray(-np.ones(mask.shape, np.float32)))
+    loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
+    mb = jax.tree.map(lambda x: x[0], placed)
+    loss, aux = loss_fn(params, mb, jnp.sum(mask[0]).astype(jnp.float32))
+    # ratio exp(logp - prox) = 1, weight 1: the surrogate is -A * ratio summed / tokens = 1 exactly
+    np.testing.assert_allclose(float(loss), 1.0, rtol=1e-6)
+    assert float(aux["tokens"]) == mask[0].sum()
+
+
+def test_round_params_and_the_canary_side(tiny):
+    cfg, mesh, rules, graphdef, params = tiny
+    x = {"w": jnp.asarray([1.0 + 2.0**-10, 3.0], jnp.float32), "ids": jnp.asarray([3, 4], jnp.int32)}
+    r = forward.round_params(x, "bfloat16")
+    np.testing.assert_array_equal(np.asarray(r["w"]), [1.0, 3.0])  # 1 + 2^-10 is below bf16's 8 mantissa bits
+    assert r["w"].dtype == jnp.float32 and r["ids"] is x["ids"]
+    batch = sharding.place(U.host_batch(m=1), mesh, rules, sharding.BATCH_AXES)
+    kw = dict(precision=runtime.resolve_precision(cfg), temperature=1.0, chunk_size=cfg.logprobs.chunk_size)
+    canary = forward.make_batch_logprobs(graphdef, mesh, rules, round_to=jnp.bfloat16, **kw)(params, batch)
+    plain = forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(forward.round_params(params, jnp.bfloat16), batch)
+    np.testing.assert_array_equal(np.asarray(canary), np.asarray(plain))
+    assert not np.array_equal(np.asarray(canary), np.asarray(forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(params, batch)))
