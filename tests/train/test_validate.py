@@ -212,3 +212,14 @@ def test_check_touches_no_device():
     env = dict(os.environ, JAX_PLATFORMS="no_such_platform", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_train_checks_before_creating_anything(tmp_path):
+    """loop.train refuses a bad config before the run directory, the model or the server."""
+    from cisjax.train import loop
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(f"--config.run.dir={run_dir}", "--config.rollout.temperature=0.7", "--config.publish.mode=nfs")
+    with pytest.raises(errors.UserError, match=r"2 problems in the config:(.|\n)*rollout.temperature=0.7(.|\n)*publish.mode"):
+        loop.train(cfg)
+    assert not run_dir.exists()
