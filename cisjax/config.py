@@ -37,8 +37,18 @@ def load_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _parse_value(text: str, current):
-    """Convert an override string to the type of the field it replaces."""
+NONE_WORDS = ("None", "none", "null")
+
+
+def _parse_value(text: str, current, field_type: type | None = None):
+    """Convert an override string to the type of the field it replaces.
+
+    `field_type` is given for a typed field that may hold None (an ml_collections placeholder, e.g. correction.low):
+    None/none/null set it to None, anything else is parsed as that type, whatever the field holds now."""
+    if field_type is not None and field_type is not str:
+        if text.strip() in NONE_WORDS:
+            return None
+        current = field_type()  # a sample of the type: 0.0, 0, False
     if isinstance(current, bool):
         low = text.lower()
         if low in ("true", "1", "yes"):
@@ -79,10 +89,20 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
             node[leaf] = _parse_value(text, None)
             continue
         try:
-            node[leaf] = _parse_value(text, node[leaf])
+            node[leaf] = _parse_value(text, node[leaf], _nullable_type(node, leaf))
         except (TypeError, ValueError) as err:
             raise errors.UserError(f"bad value for {key!r}: {err}") from None
     return cfg
+
+
+def _nullable_type(node: ml_collections.ConfigDict, leaf: str) -> type | None:
+    """The declared type of a field that may hold None (a FieldReference, e.g. `config_dict.placeholder(float)`),
+    else None (a plain field, typed by its value)."""
+    ref = dict(node.items(preserve_field_references=True))[leaf]
+    if not isinstance(ref, ml_collections.FieldReference):
+        return None
+    kind = ref.get_type()
+    return kind if isinstance(kind, type) and kind is not type(None) else None
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:

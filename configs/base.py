@@ -1,6 +1,7 @@
 """Base config: every field of cisjax, commented. Experiment files override a few of them."""
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -42,8 +43,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.correction.lam = 2.3  # CIS: slope lambda of the cap 1 + lam * max(1 - p, kappa)
     c.correction.kappa = 5e-3  # CIS: floor kappa of 1 - p in the cap
     c.correction.cap = 2.0  # TIS / Seq-TIS: C in min(k, C)
-    c.correction.low = 0.0  # IcePop / Seq-MIS lower bound; 0 = the method's default (0.5 / 0.5)
-    c.correction.high = 0.0  # IcePop / Seq-MIS upper bound; 0 = the method's default (5 / 2)
+    c.correction.low = config_dict.placeholder(float)  # IcePop / Seq-MIS lower bound (0 is a bound); None = the method's default (0.5 / 0.5)
+    c.correction.high = config_dict.placeholder(float)  # IcePop / Seq-MIS upper bound; None = the method's default (5 / 2)
     c.correction.threshold = 2.0  # KPop: phi, the bound on the larger binary KL
 
     # --- advantages (cisjax.rl.advantages) ---------------------------------------------------

@@ -97,12 +97,14 @@ def bench(args) -> dict:
     from cisjax.rl import loss as loss_lib
     from cisjax.train import optim, state as state_lib
     from cisjax.train import step as step_lib
+    from cisjax.train.validate import check
 
     cfg = config_lib.load(None)
     cfg.train.precision = args.precision
     cfg.logprobs.chunk_size = args.chunk_size
     cfg.train.lr = 1e-5
     cfg.model.moe_impl = args.moe_impl
+    check(cfg, inputs=False)  # the model and the batch are made here: no model.path, no data
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     res = dict(config={k: v for k, v in vars(args).items() if k != "json"}, backend=jax.default_backend(),

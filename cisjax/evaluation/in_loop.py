@@ -6,8 +6,6 @@ import logging
 import time
 from pathlib import Path
 
-from cisjax import errors
-
 log = logging.getLogger(__name__)
 
 __all__ = ["LoopEval"]
@@ -25,9 +23,7 @@ class LoopEval:
         from cisjax.evaluation.grading import POOL_FN
         from cisjax.rl.rewards import RewardPool
 
-        e = cfg.eval
-        if e.every < 0:
-            raise errors.UserError(f"eval.every must be >= 0, got {e.every}")
+        e = cfg.eval  # validated with the whole config (cisjax.train.validate) before the loop builds this
         default, per_set = sets_lib.parse_data(e.data)
         self.sets = [sets_lib.load_set(name, default, per_set, limit=e.limit) for name in sets_lib.parse_sets(e.sets)]
         # the run's training prompt by default: its instruction and chat template

@@ -42,7 +42,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     from cisjax.train import step as step_lib
     from cisjax.train.checkpoint import Checkpointer, abstract_state
     from cisjax.train.publish import Publisher
+    from cisjax.train.validate import check
 
+    check(cfg)  # every problem of the config at once, before the run directory, the model and the server
     run_dir = Path(cfg.run.dir or "runs/default").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0

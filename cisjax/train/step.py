@@ -42,8 +42,9 @@ def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None):
 
 def correction_kwargs(cfg) -> dict:
     c = cfg.correction
-    return dict(lam=float(c.lam), kappa=float(c.kappa), cap=float(c.cap), low=float(c.low) or None,
-                high=float(c.high) or None, threshold=float(c.threshold))
+    bound = lambda x: None if x is None else float(x)  # noqa: E731  (None = the method's default; 0 is a bound)
+    return dict(lam=float(c.lam), kappa=float(c.kappa), cap=float(c.cap), low=bound(c.low), high=bound(c.high),
+                threshold=float(c.threshold))
 
 
 def _loss_kwargs(cfg) -> dict:
@@ -104,7 +105,7 @@ def make_train_step(graphdef, tx, cfg, mesh, rules, state_shardings) -> TrainSte
     tokens), lr (the learning rate of this update), tokens, skipped, and every correction and loss metric combined
     over micro-batches (token-weighted means; keys ending "_max" by max).
 
-    Config: correction.method picks the operator (low/high 0 = the method's default); "gspo" switches the loss to
+    Config: correction.method picks the operator (low/high None = the method's default); "gspo" switches the loss to
     the sequence surrogate; "fp16" has weight 1 and forces precision fp16 (runtime.resolve_precision). The model's
     compute dtype comes from the graphdef (build it with runtime.model_runtime(cfg)); the step refuses fp32/fp16
     precision on a model built for another compute dtype.
