@@ -323,26 +323,19 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     import jax
     import jax.numpy as jnp
 
-    from cisjax import runtime, sharding
+    from cisjax import sharding
     from cisjax.data import PromptFormatter
     from cisjax.models import hf_io
-    from cisjax.train import optim, state as state_lib
-    from cisjax.train import step as step_lib
+    from cisjax.train.build import build
 
     formatter = PromptFormatter(model_dir, instruction=TRAIN_INSTRUCTION)
     arrays = sft_arrays(formatter, train_rows)
     # the closing style of each example is drawn per use: the model learns both, neither tied to a problem
     plain = sft_arrays(formatter, train_rows, boxed=False) if boxed_fraction < 1 else None
     style_rng = np.random.default_rng([seed, 3])
-    mesh = sharding.make_mesh({}, jax.devices()[:1])
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
-    tx = optim.make_optimizer(cfg.train)
-    graphdef, state = state_lib.create(model, tx, mesh=mesh)
-    del model
-    shardings = state_lib.shardings(state)
-    train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, shardings)
-    logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules, shardings.params)
+    run = build(cfg, model_dir=model_dir, mesh=sharding.make_mesh({}, jax.devices()[:1]), inputs=False)
+    mesh, rules, graphdef, state = run.mesh, run.rules, run.graphdef, run.state
+    train_step, logprobs_fn = run.train_step, run.rescore
     sampler = make_sampler(graphdef, max_new_tokens)
     eval_rows = list(eval_rows)[:eval_size]
 
@@ -388,7 +381,7 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     train_s, train_cpu_s = time.monotonic() - t0, time.process_time() - cpu0
     curve = [float(x) for x in curve]
     after = measure(state.params, "after the warm-up") if eval_size else None
-    hf_io.save((graphdef, state.params), model_dir, hf)
+    hf_io.save((graphdef, state.params), model_dir, run.hf_config)
     return dict(steps=steps, batch_size=batch_size, loss_curve=curve, warmup_s=train_s, warmup_cpu_s=train_cpu_s,
                 before=before, after=after)
 

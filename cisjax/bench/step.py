@@ -91,52 +91,50 @@ def bench(args) -> dict:
     import numpy as np
 
     from cisjax import config as config_lib
-    from cisjax import runtime, sharding
-    from cisjax.models import hf_io
+    from cisjax import sharding
     from cisjax.models import moe as moe_lib
     from cisjax.rl import loss as loss_lib
-    from cisjax.train import optim, state as state_lib
     from cisjax.train import step as step_lib
-    from cisjax.train.validate import check
+    from cisjax.train.build import build
 
     cfg = config_lib.load(None)
     cfg.train.precision = args.precision
     cfg.logprobs.chunk_size = args.chunk_size
     cfg.train.lr = 1e-5
     cfg.model.moe_impl = args.moe_impl
-    check(cfg, inputs=False)  # the model and the batch are made here: no model.path, no data
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     res = dict(config={k: v for k, v in vars(args).items() if k != "json"}, backend=jax.default_backend(),
                devices=len(jax.devices()), tokens_per_step=args.micro_batches * args.batch * args.seq)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
         _save_model(args, model_dir)
-        model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))  # model.moe_impl set above
+        # --- the full optimizer step, CIS vs none: two runs built as `cisjax train` builds one (each state is donated)
+        runs = {}
+        for method in ("cis", "none"):
+            run_cfg = copy.deepcopy(cfg)
+            run_cfg.correction.method = method
+            runs[method] = build(run_cfg, model_dir=model_dir, mesh=mesh, inputs=False)  # the model and batch are made here
+        run = runs["none"]
+        graphdef, rules = run.graphdef, run.rules
+        params = jax.tree.map(lambda x: x.copy(), run.state.params)  # for the fwd+bwd below: the steps donate theirs
+        mcfg = nnx.merge(graphdef, params).cfg
         res["jax_moe_impl"] = moe_lib.default_impl() if mcfg.moe_impl == "auto" else mcfg.moe_impl
         host = _host_batch(args, mcfg.vocab_size)
-        graphdef, params = nnx.split(model, nnx.Param)
-        prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, sharding.place(host, mesh, rules, sharding.BATCH_AXES))
-        prox = np.asarray(prox)
+        prox = np.asarray(run.rescore(params, sharding.place(host, mesh, rules, sharding.BATCH_AXES)))
         noise = 0.3 * np.random.default_rng(args.seed + 1).standard_normal(prox.shape)
         host = host._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32))
         batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
 
-        # --- the full optimizer step, CIS vs none, interleaved call by call
         steps, states, compile_s = {}, {}, {}
         for method in ("cis", "none"):
-            run_cfg = copy.deepcopy(cfg)
-            run_cfg.correction.method = method
-            tx = optim.make_optimizer(run_cfg.train)
-            fresh = jax.tree.map(lambda x: x.copy(), params)  # each state is donated: its own buffers
-            _, state = state_lib.create(nnx.merge(graphdef, fresh), tx, mesh=mesh)
-            steps[method] = step_lib.make_train_step(graphdef, tx, run_cfg, mesh, rules, state_lib.shardings(state))
+            steps[method] = runs[method].train_step
             t0 = time.perf_counter()
-            state, met = steps[method](state, batch)
+            state, met = steps[method](runs[method].state, batch)
             jax.block_until_ready(met)
             compile_s[method] = time.perf_counter() - t0
             states[method] = state
+        del runs, run
         times = {"cis": [], "none": []}
         metrics = {}
         for _ in range(args.repeats):

@@ -33,13 +33,14 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     """
     import jax
 
-    from cisjax import runtime, sharding
+    from cisjax import sharding
     from cisjax.models import hf_io
     from cisjax.rollout.client import SamplingParams
     from cisjax.rl import corrections
     from cisjax.train import metrics as metrics_lib, rollouts as rollouts_lib
-    from cisjax.train import optim, state as state_lib
+    from cisjax.train import state as state_lib
     from cisjax.train import step as step_lib
+    from cisjax.train.build import build
     from cisjax.train.checkpoint import Checkpointer, abstract_state
     from cisjax.train.publish import Publisher
     from cisjax.train.validate import check
@@ -51,13 +52,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     if lead:
         (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
 
-    # --- model, mesh, state -------------------------------------------------------------------
-    mesh = sharding.make_mesh(cfg.mesh.to_dict())
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    model, _, hf = hf_io.load(cfg.model.path, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
-    tx = optim.make_optimizer(cfg.train)
-    graphdef, state = state_lib.create(model, tx, mesh=mesh)
-    del model
+    # --- mesh, model, optimizer, state, the jitted step and rescoring ----------------------------
+    run = build(cfg)
+    mesh, rules, state, train_step, rescore = run.mesh, run.rules, run.state, run.train_step, run.rescore
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every,
                         metadata={"model": str(cfg.model.path)})
     data_state = None
@@ -67,10 +64,6 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         state = ckpt.restore(abstract_state=abstract_state(state))
         data_state = ckpt.metadata().get("data_state")
     start = int(state.step)
-    state_sh = state_lib.shardings(state)
-    train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh)
-    rescore = step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params)
-    rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
 
     # --- data, rewards, rollout service (process 0 talks to the server) ----------------------
     stream, formatter, pool, server, client, producer = None, None, None, None, None, None
@@ -100,8 +93,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         if total > available:  # found now, not when the prompts run out mid-run
             raise errors.UserError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
                              f"{cfg.data.prompts_per_step}, data.epochs={cfg.data.epochs}); raise data.epochs or lower run.steps")
-        publisher = Publisher(graphdef=graphdef, hf_config=hf, cfg=cfg, client=client, mesh=mesh, rules=rules,
-                              run_dir=str(run_dir))
+        publisher = Publisher.for_run(run, client, run_dir=str(run_dir))
         if start > 0:  # resumed: the (fresh) server holds the initial weights, version 0; send the state's own
             if lead and publisher.root is not None:
                 _drop_exports_from(publisher.root, start)
@@ -150,7 +142,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             ro = producer.get(s) if lead else None
             wait_s = time.monotonic() - t0
             # 2. the batch (process 0 builds it; every process holds the same host copy)
-            host, info, versions_rows = _host_batch(ro, cfg, rows_multiple) if lead else (None, None, None)
+            host, info, versions_rows = _host_batch(ro, cfg, run.rows_multiple) if lead else (None, None, None)
             host, versions_rows, roll_metrics = _share(host, versions_rows, _rollout_metrics(ro, s) if lead else None)
             batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
             # 3. proximal rescoring with the params of this step

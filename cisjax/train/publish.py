@@ -207,6 +207,11 @@ class Publisher:
             host = TrainBatch(*(x[None] for x in built[:4]), built.response_RxT[None], zeros, zeros, zeros)
             self._batch = sharding.place(host, mesh, self.rules, sharding.BATCH_AXES)
 
+    @classmethod
+    def for_run(cls, run, client, *, root=None, run_dir=None) -> Publisher:
+        """The publisher of a train.build.Run (its graphdef, HF config, config, mesh and rules)."""
+        return cls(run.graphdef, run.hf_config, run.cfg, client, run.mesh, run.rules, root=root, run_dir=run_dir)
+
     # ------------------------------------------------------------------ the canary's two sides
 
     def trainer_logprobs(self, params) -> list[list[float]]:

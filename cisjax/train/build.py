@@ -1,0 +1,54 @@
+"""A train run built once from a validated config: mesh, rules, model, optimizer, state and the jitted programs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cisjax.train.step import TrainStep
+
+
+@dataclass
+class Run:
+    """Everything the loop, the publisher, the demo's warm-up and the benches take from the config, built once.
+
+    `state` is the freshly initialised TrainState (the loop replaces it with a restored one on resume: the shapes and
+    shardings, hence the programs, are the same)."""
+
+    cfg: Any  # the validated ConfigDict
+    mesh: Any  # jax.sharding.Mesh
+    rules: dict  # logical axis -> mesh axes
+    graphdef: Any  # the model's nnx graph definition
+    hf_config: dict  # the model's HF config.json (what an export writes)
+    tx: Any  # the optax optimizer
+    state: Any  # TrainState
+    state_shardings: Any  # TrainState of NamedShardings
+    train_step: TrainStep  # (state, batch) -> (state, metrics), state donated
+    rescore: Callable  # (params, batch) -> logprobs_MxBxT: the proximal rescoring
+    rows_multiple: int  # a batch's rows must be a multiple of this (the "batch" mesh axes)
+
+
+def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
+    """Validate `cfg` (train.validate.check: one error naming every bad field), then build the run: the mesh
+    (cfg.mesh, or `mesh`), the model from `model_dir` (default cfg.model.path) with the runtime the config asks for,
+    the optimizer, the state on the mesh, the train step and the rescoring. inputs=False: a bench or the demo's
+    warm-up, which give the model directory and make their own batches."""
+    from cisjax import runtime, sharding
+    from cisjax.models import hf_io
+    from cisjax.train import optim, validate
+    from cisjax.train import state as state_lib
+    from cisjax.train import step as step_lib
+
+    validate.check(cfg, inputs=inputs)
+    mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh.to_dict())
+    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
+    model, _, hf = hf_io.load(model_dir or cfg.model.path, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    tx = optim.make_optimizer(cfg.train)
+    graphdef, state = state_lib.create(model, tx, mesh=mesh)
+    del model
+    state_sh = state_lib.shardings(state)
+    return Run(cfg=cfg, mesh=mesh, rules=rules, graphdef=graphdef, hf_config=hf, tx=tx, state=state,
+               state_shardings=state_sh, train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
+               rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params),
+               rows_multiple=sharding.axis_multiple(mesh, rules, "batch"))
