@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from typing import Any
 import cisjax
 from cisjax import errors
 from cisjax.models.hf_config import CheckpointError
+from cisjax.rollout import manifest as manifest_lib
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ __all__ = ["ExportError", "export", "read_manifest", "verify", "latest", "versio
 #   root/LATEST              the name of the newest announced version directory ("v000012\n")
 #   root/.tmp-*              a version (or LATEST) being written; renamed into place only when complete
 #   root/.del-*              a pruned version being deleted (renamed away first: no half-deleted vNNNNNN)
-FORMAT = "cisjax-export/1"
-MANIFEST = "manifest.json"
+FORMAT = manifest_lib.FORMAT
+MANIFEST = manifest_lib.NAME
 LATEST = "LATEST"
 TMP_PREFIX = ".tmp-"
 DEL_PREFIX = ".del-"
@@ -39,7 +39,6 @@ STALE_AFTER_S = 900.0  # a .tmp-* not written to for this long is a crashed writ
 _VERSION_RE = re.compile(r"v(\d{6,})")
 # .tmp-<what>-<random>-<pid>@<host>: the pid and host let a later writer on the same host see a dead writer at once
 _TMP_RE = re.compile(r"\.tmp-(?P<what>[^-]+)-(?P<rand>[0-9a-f]+)-(?P<pid>\d+)@(?P<host>.+)")
-_CHUNK = 8 << 20
 
 
 class ExportError(CheckpointError):
@@ -81,48 +80,25 @@ def _pointer(root: Path) -> str | None:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of an export directory (not checked against the files: see `verify`)."""
-    path = Path(path)
-    file = path / MANIFEST
-    if not path.is_dir():
-        raise ExportError(f"{path}: no such export directory")
-    if not file.is_file():
-        raise ExportError(f"{path}: not a complete export (no {MANIFEST})")
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{file}: unreadable manifest: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ExportError(f"{file}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"size", "sha256"} <= v.keys() for v in files.values()):
-        raise ExportError(f"{file}: malformed 'files' table")
-    return manifest
+        return manifest_lib.read(path)
+    except manifest_lib.ManifestError as e:
+        raise ExportError(str(e)) from None
 
 
 def verify(path: str | os.PathLike) -> dict:
     """Check an export directory against its manifest: the same set of files, each of the recorded
-    size and sha256 (every byte is read). Returns the manifest; raises ExportError naming the first
-    file that is missing, unexpected, truncated or different."""
+    size and sha256 (every byte is read), and its version that of the directory's name. Returns the
+    manifest; raises ExportError naming the first file that is missing, unexpected, truncated or different."""
     path = Path(path)
     manifest = read_manifest(path)
     m = _VERSION_RE.fullmatch(path.name)
     if m and int(m.group(1)) != manifest.get("version"):
         raise ExportError(f"{path}: manifest says version {manifest.get('version')}, the directory name {int(m.group(1))}")
-    want = manifest["files"]
-    have = {p.name for p in path.iterdir() if p.name != MANIFEST}
-    if missing := sorted(want.keys() - have):
-        raise ExportError(f"{path}: file {missing[0]} is missing (listed in {MANIFEST}){f'; also {missing[1:]}' if len(missing) > 1 else ''}")
-    if extra := sorted(have - want.keys()):
-        raise ExportError(f"{path}: unexpected file {extra[0]} (not in {MANIFEST}){f'; also {extra[1:]}' if len(extra) > 1 else ''}")
-    for name in sorted(want):
-        file = path / name
-        size = file.stat().st_size
-        if size != want[name]["size"]:
-            raise ExportError(f"{file}: size {size} bytes, the manifest says {want[name]['size']} (truncated or rewritten)")
-        digest = _sha256(file)
-        if digest != want[name]["sha256"]:
-            raise ExportError(f"{file}: sha256 {digest} differs from the manifest's {want[name]['sha256']} (corrupted)")
-    return manifest
+    try:
+        return manifest_lib.verify(path)
+    except manifest_lib.ManifestError as e:
+        raise ExportError(str(e)) from None
 
 
 def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
@@ -142,14 +118,6 @@ def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
         log.warning("%s: LATEST names %s, which is not a complete export; using the newest complete one", root, name)
     complete = [(v, p) for v, p in versions(root).items() if (p / MANIFEST).is_file()]
     return complete[-1] if complete else None
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -247,17 +215,12 @@ def _check_int(value, what: str, minimum: int) -> int:
 
 
 def _agree(error: BaseException | None, stage: str) -> None:
-    """Raise `error` on process 0 and, when there are several processes, a matching error on the
-    others (collective: every process calls it at the same point)."""
-    import jax
+    """Raise `error` on process 0 and a matching error on the others (collective: every process calls it at the
+    same point)."""
+    from cisjax import distributed
 
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-        if failed and error is None:
-            raise ExportError(f"export failed on process 0 ({stage}); see its log")
+    if distributed.agree(int(error is not None)) and error is None:
+        raise ExportError(f"export failed on process 0 ({stage}); see its log")
     if error is not None:
         raise error
 
@@ -287,25 +250,9 @@ def _fsync_path(path: Path) -> None:
 def _write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None) -> dict:
     """Hash (unless hashed while written: `digests`) and fsync every file hf_io.save wrote, write
     manifest.json (fsynced), fsync the directory."""
-    files = {}
-    for file in sorted(tmp.iterdir()):
-        if not file.is_file() or file.is_symlink():
-            raise ExportError(f"{file}: not a regular file in an export")
-        if digests and file.name in digests:  # written and fsynced by hf_io.save, hashed on the way
-            files[file.name] = {"size": file.stat().st_size, "sha256": digests[file.name]}
-            continue
-        h = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-            os.fsync(f.fileno())
-            size = f.tell()
-        files[file.name] = {"size": size, "sha256": h.hexdigest()}
-        os.utime(tmp)  # heartbeat: a long hashing pass is not mistaken for a crashed writer
     config = json.loads((tmp / "config.json").read_text())
     now = time.time()
-    manifest = {
-        "format": FORMAT,
+    fields = {
         "version": version,
         "cisjax_version": cisjax.__version__,
         "dtype": config.get("dtype"),
@@ -313,9 +260,12 @@ def _write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: 
         "created_unix": now,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "metadata": json.loads(json.dumps(dict(metadata or {}), default=str)),
-        "files": files,
     }
-    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    try:
+        # heartbeat: a long hashing pass is not mistaken for a crashed writer
+        manifest = manifest_lib.write(tmp, fields, digests=digests, heartbeat=lambda: os.utime(tmp))
+    except manifest_lib.ManifestError as e:
+        raise ExportError(str(e)) from None
     _fsync_path(tmp)
     return manifest
 

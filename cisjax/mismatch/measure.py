@@ -124,8 +124,8 @@ class Servers:
         self._export_root = None
 
     def client(self, backend: str):
+        from cisjax.rollout import launch
         from cisjax.rollout.client import RolloutClient
-        from cisjax.train.server_proc import EmbeddedServer
 
         if backend in self.clients:
             return self.clients[backend]
@@ -136,9 +136,9 @@ class Servers:
         else:
             if self._export_root is None:
                 self._export_root = tempfile.mkdtemp(prefix="cisjax-measure-")  # no weight updates: an empty root
-            server = EmbeddedServer(backend=backend, model_dir=str(self.model_dir), export_root=self._export_root,
-                                    dtype=self.args.engine_dtype, log_path=self.out / "servers" / f"{backend}.log",
-                                    startup_s=self.args.startup_s)
+            server = launch.ChildServer(backend=backend, model_dir=str(self.model_dir), export_root=self._export_root,
+                                        dtype=self.args.engine_dtype, log_path=self.out / "servers" / f"{backend}.log",
+                                        startup_s=self.args.startup_s, restart=True)
             self.children.append(server)
             client = RolloutClient(server.target)
             server.wait_ready(client)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from cisjax import sharding
+from cisjax import distributed, sharding
 from cisjax.models.hf_config import CheckpointError, dtype_of
 
 log = logging.getLogger(__name__)
@@ -367,7 +367,7 @@ def _iter_plan(flat: dict, plan) -> Iterator[tuple[str, np.ndarray]]:
             held = None  # drop the previous parameter before fetching the next one
             # cast and transpose where the data lives: XLA's conversion and tiled transposes are far faster
             # than numpy's strided copies, and a narrower dtype halves the transfer
-            held = (row.path, to_host(_hf_layout(flat[row.path][...], np.dtype(spec.dtype), row.kind != "id")))
+            held = (row.path, distributed.to_host(_hf_layout(flat[row.path][...], np.dtype(spec.dtype), row.kind != "id")))
         arr = held[1]
         arr = arr[e] if row.kind == "experts_T" else arr  # stacked experts are [E, out, in] after the layout
         yield spec.name, np.ascontiguousarray(arr, dtype=spec.dtype)
@@ -492,10 +492,3 @@ def _hf_layout(x: jax.Array, dtype, transpose: bool) -> jax.Array:
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole of a global array on this process (a collective when x spans processes: every process calls it)."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

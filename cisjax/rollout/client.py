@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from cisjax import errors
+from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout import protos
 
 log = logging.getLogger("cisjax.rollout.client")
@@ -255,7 +255,7 @@ class RolloutClient:
         (same filesystem) — those recorded in its manifest.json when it is a `cisjax export` — a dict = given
         manifest, False = none. Retried on UNAVAILABLE (a directory can be sent again). Returns the new version."""
         rp = self.pb.rollout_pb2
-        manifest = (recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
+        manifest = (manifest_lib.recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
 
         def send(version=version):
             req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
@@ -308,28 +308,10 @@ class RolloutClient:
             raise RolloutError(f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()) from None
 
 
-def recorded_checksums(path: str | Path) -> dict | None:
-    """The sha256 of every file as `cisjax export` recorded them in manifest.json at write time
-    (so the server checks the files against what was written, and nobody re-reads them here), or
-    None for a directory without a manifest."""
-    try:
-        files = json.loads((Path(path) / "manifest.json").read_text())["files"]
-        return {name: entry["sha256"] for name, entry in files.items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def sha256_manifest(path: str | Path) -> dict:
+    """{relative path: sha256} of every file under `path` (a directory without a manifest)."""
     root = Path(path)
-    out = {}
-    for f in sorted(root.rglob("*")):
-        if f.is_file():
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            out[str(f.relative_to(root))] = h.hexdigest()
-    return out
+    return {str(f.relative_to(root)): manifest_lib.sha256_file(f)[0] for f in sorted(root.rglob("*")) if f.is_file()}
 
 
 def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:

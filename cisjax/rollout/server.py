@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import hmac
 import logging
 import math
@@ -19,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from cisjax import console, errors
+from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout import protos
 
 log = logging.getLogger("cisjax.serve")
@@ -202,46 +202,29 @@ def confined(path: str, export_root: Path | None) -> Path:
     return real
 
 
-EXPORT_MANIFEST = "manifest.json"  # written last by `cisjax export` (cisjax/export.py), before the atomic rename
-
-
 def check_export(root: Path) -> None:
     """Refuse what is not a complete export: a writer's temp directory (`.tmp-*`, in progress or
     abandoned by a killed writer) and a directory whose manifest.json disagrees with its files (by
     size here; every byte when the caller sends checksums). A plain HF directory without a manifest
     is accepted."""
-    import json
-
     if root.name.startswith(".tmp-"):
         raise RequestError(f"{root.name} is an export being written (or abandoned by a killed writer), not a complete export",
                            grpc.StatusCode.FAILED_PRECONDITION)
-    manifest = root / EXPORT_MANIFEST
-    if not manifest.is_file():
-        return
     try:
-        files = json.loads(manifest.read_text())["files"]
-        sizes = {name: int(entry["size"]) for name, entry in files.items()}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise RequestError(f"{root.name}: unreadable {EXPORT_MANIFEST}: {err}", grpc.StatusCode.DATA_LOSS) from None
-    for name, size in sizes.items():
-        f = root / name
-        if not f.is_file() or f.stat().st_size != size:
-            raise RequestError(f"{root.name}: {name} is missing or not the {size} bytes its {EXPORT_MANIFEST} lists (incomplete export)",
-                               grpc.StatusCode.DATA_LOSS)
+        manifest_lib.check_sizes(root)
+    except manifest_lib.ManifestError as err:
+        raise RequestError(str(err), grpc.StatusCode.DATA_LOSS) from None
 
 
 def check_manifest(root: Path, sha256: dict) -> None:
+    """Every file `sha256` names (file name -> hex digest, as the client sends them) lies in `root` and has that digest."""
     for name, digest in sha256.items():
         f = Path(os.path.realpath(root / name))
         if root not in f.parents:
             raise RequestError(f"checksum manifest names {name!r}, outside the weights directory")
         if not f.is_file():
             raise RequestError(f"checksum manifest names {name!r}, which is missing", grpc.StatusCode.NOT_FOUND)
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        if h.hexdigest() != digest.lower():
+        if manifest_lib.sha256_file(f)[0] != digest.lower():
             raise RequestError(f"checksum mismatch for {name!r}: the export is incomplete or corrupt", grpc.StatusCode.DATA_LOSS)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cisjax import console, errors
+from cisjax import console, distributed, errors
 
 log = logging.getLogger("cisjax.train")
 
@@ -34,7 +34,6 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     import jax
 
     from cisjax import sharding
-    from cisjax.models import hf_io
     from cisjax.rollout.client import SamplingParams
     from cisjax.rl import corrections
     from cisjax.train import metrics as metrics_lib, rollouts as rollouts_lib
@@ -88,7 +87,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
 
                 evaluator = LoopEval(cfg, run_dir, cfg.data.tokenizer or cfg.model.path)
             server, client = _rollout_service(cfg, run_dir)
-        available = _steps_in_data(cfg, stream)
+        available = distributed.broadcast(stream.total_steps if lead else None)
         total = int(cfg.run.steps) or available
         if total > available:  # found now, not when the prompts run out mid-run
             raise errors.UserError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
@@ -132,7 +131,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         last: dict = {}
         stopped = False
         for s in range(start, total):
-            if _stop_requested(stop_event):
+            # on any process, answered alike on all: they leave at the same step, wherever the signal landed first
+            if distributed.any_process(stop_event is not None and stop_event.is_set()):
                 log.info("stop requested: leaving after step %d", s)
                 stopped = True
                 break
@@ -143,7 +143,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             wait_s = time.monotonic() - t0
             # 2. the batch (process 0 builds it; every process holds the same host copy)
             host, info, versions_rows = _host_batch(ro, cfg, run.rows_multiple) if lead else (None, None, None)
-            host, versions_rows, roll_metrics = _share(host, versions_rows, _rollout_metrics(ro, s) if lead else None)
+            host, versions_rows, roll_metrics = distributed.broadcast((host, versions_rows, _rollout_metrics(ro, s)) if lead else None)
             batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
             # 3. proximal rescoring with the params of this step
             t0 = time.monotonic()
@@ -153,7 +153,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             rescore_s = time.monotonic() - t0
             # dump before the step donates the params (the batch and prox are not donated)
             if cfg.run.dump_every and s % cfg.run.dump_every == 0:
-                prox_host = hf_io.to_host(prox)  # collective when prox spans processes
+                prox_host = distributed.to_host(prox)  # collective when prox spans processes
                 if lead:
                     _dump(run_dir, s, cfg, host, prox_host, versions_rows, corrections, corr_kw)
             # 4. the update
@@ -235,17 +235,6 @@ def _drop_exports_from(root, version: int) -> None:
         pointer.unlink()  # re-pointed by the next export
 
 
-def _steps_in_data(cfg, stream) -> int:
-    import jax
-
-    n = stream.total_steps if stream is not None else 0
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        n = int(multihost_utils.broadcast_one_to_all(np.asarray(n, np.int64)))
-    return n
-
-
 def _host_batch(ro, cfg, rows_multiple):
     """Process 0: the TrainBatch of a step's rollouts and the per-token rollout version [M*B, T]."""
     from cisjax.train import batching
@@ -286,48 +275,6 @@ def _rollout_metrics(ro, step: int) -> dict:
 def prompts_handed_out(data_state: dict) -> int:
     """Prompts a stream in `data_state` (PromptStream.state()) has handed out over all its epochs."""
     return int(data_state["epoch"]) * int(data_state["size"]) + int(data_state["position"])
-
-
-def _share(host, versions, metrics):
-    """Multi-process: process 0's host batch, token versions and metrics, broadcast to every process."""
-    import jax
-
-    if jax.process_count() == 1:
-        return host, versions, metrics
-    from jax.experimental import multihost_utils
-
-    from cisjax.records import TrainBatch
-
-    lead = jax.process_index() == 0
-    shape = multihost_utils.broadcast_one_to_all(np.asarray(host.tokens_MxBxT.shape if lead else (0, 0, 0), np.int64))
-    m, b, t = (int(x) for x in shape)
-    if not lead:
-        host = TrainBatch(*(np.zeros((m, b, t), dt) for dt in (np.int32, np.int32, np.int32, np.int32, bool, np.float32, np.float32, np.float32)))
-        versions = np.zeros((m * b, t), np.int64)
-    # the metric names travel too (newline-joined bytes): no list here to keep in step with _rollout_metrics
-    keys = sorted(metrics) if lead else None
-    names = np.frombuffer("\n".join(keys).encode(), np.uint8) if lead else None
-    values = np.asarray([metrics[k] for k in keys], np.float64) if lead else None
-    n_values, n_names = (int(x) for x in multihost_utils.broadcast_one_to_all(
-        np.asarray((len(values), len(names)) if lead else (0, 0), np.int64)))
-    if not lead:
-        values, names = np.zeros(n_values, np.float64), np.zeros(n_names, np.uint8)
-    host, versions, values, names = multihost_utils.broadcast_one_to_all((host, versions, values, names))
-    keys = bytes(np.asarray(names, np.uint8)).decode().split("\n")
-    return TrainBatch(*(np.asarray(x) for x in host)), np.asarray(versions), dict(zip(keys, (float(v) for v in values)))
-
-
-def _stop_requested(stop_event) -> bool:
-    """Whether stop_event is set; multi-process: on any process, answered alike on all (collective), so that they
-    leave the loop at the same step even when the signal reaches them at different times."""
-    import jax
-
-    stop = stop_event is not None and stop_event.is_set()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
-    return stop
 
 
 def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr_kw) -> None:

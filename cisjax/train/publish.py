@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cisjax import errors, forward, runtime, sharding
+from cisjax import distributed, errors, forward, runtime, sharding
 from cisjax import export as export_lib
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
@@ -109,13 +109,6 @@ class _TimedTensors:
                 pass
 
 
-def _agree(code: int) -> int:
-    """Process 0's status code on every process (collective when there are several processes)."""
-    if jax.process_count() == 1:
-        return int(code)
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
 
 
 def canary_shape(cfg, mesh, rules) -> tuple[int, int]:
@@ -216,7 +209,7 @@ class Publisher:
 
     def trainer_logprobs(self, params) -> list[list[float]]:
         """The trainer's logprobs of each canary sequence's response tokens under `params` (collective)."""
-        lp = hf_io.to_host(self._logprobs_fn(params, self._batch))[0]
+        lp = distributed.to_host(self._logprobs_fn(params, self._batch))[0]
         return [lp[i, len(p) - 1 : len(p) + len(r) - 1].tolist() for i, (p, r) in enumerate(self.sequences)]
 
     def canary_due(self) -> bool:
@@ -263,7 +256,7 @@ class Publisher:
             reload_s = time.perf_counter() - t0 - export_s
         if error is None and self.is_writer and served != version:
             error = PublishError(f"the server reports version {served} after publishing version {version}")
-        if _agree(int(error is not None)):
+        if distributed.agree(int(error is not None)):
             if error is None:
                 raise PublishError(f"publishing version {version} failed on process 0; see its log")
             if isinstance(error, PublishError):
@@ -299,7 +292,7 @@ class Publisher:
             except Exception as e:
                 code, error = _ERROR, e
                 message = f"weight canary: scoring on the server failed: {type(e).__name__}: {e}"
-        code = _agree(code)
+        code = distributed.agree(code)
         if code == _OK:
             return report
         families = None

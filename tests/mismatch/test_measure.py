@@ -18,7 +18,6 @@ from tests.train import looputil  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
-ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
 
 
@@ -26,19 +25,16 @@ N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
 def servers(tmp_path_factory):
     """The tiny MoE, and a vLLM and a transformers server on it (fp32: the engines agree to ~1e-5), once per module."""
     from cisjax.rollout.client import RolloutClient
-    from cisjax.train.server_proc import EmbeddedServer
+    from cisjax.rollout.launch import ChildServer
 
-    mp = pytest.MonkeyPatch()
-    for k, v in ENV.items():
-        mp.setenv(k, v)
     root = tmp_path_factory.mktemp("measure")
     prepared = looputil.prepare(root / "demo")
     (root / "exports").mkdir()
     started = []
     try:
         for backend in ("vllm", "transformers"):
-            s = EmbeddedServer(backend=backend, model_dir=str(prepared / "model"), export_root=str(root / "exports"), dtype="float32",
-                               log_path=root / f"{backend}.log", startup_s=300)
+            s = ChildServer(backend=backend, model_dir=str(prepared / "model"), export_root=str(root / "exports"), dtype="float32",
+                            log_path=root / f"{backend}.log", startup_s=300)
             started.append(s)
         for s in started:
             with RolloutClient(s.target) as c:
@@ -48,7 +44,6 @@ def servers(tmp_path_factory):
     finally:
         for s in started:
             s.stop()
-        mp.undo()
 
 
 def _args(servers, out, **kw):
@@ -158,10 +153,8 @@ def test_bad_inputs_are_named(servers, tmp_path):
     assert not (tmp_path / "e" / "xla-vllm").exists()
 
 
-def test_child_servers_and_the_other_pairs(servers, tmp_path, monkeypatch):
+def test_child_servers_and_the_other_pairs(servers, tmp_path):
     """No --server: measure starts (and stops) its own vLLM and transformers servers, bf16 as the paper's engines."""
-    for k, v in ENV.items():
-        monkeypatch.setenv(k, v)
     args = _args(servers, tmp_path / "out", pairs="vllm-transformers,xla_bf16-xla_fp32", routing=True, num_prompts=2)
     args.server = args.transformers_server = None
     assert command.run(args, []) == 0

@@ -9,6 +9,7 @@ import flax.nnx as nnx
 import numpy as np
 import pytest
 
+from cisjax import distributed
 from cisjax.models import hf_io
 from tests.helpers import hf_forward, save_tiny_hf
 
@@ -265,8 +266,8 @@ def test_iter_tensors_is_lazy_and_equals_the_files(src, monkeypatch):
     model, _, hf = hf_io.load(src)
     want = tensors(src)
     fetched = []
-    to_host = hf_io.to_host
-    monkeypatch.setattr(hf_io, "to_host", lambda x: fetched.append(x.shape) or to_host(x))
+    to_host = distributed.to_host
+    monkeypatch.setattr(distributed, "to_host", lambda x: fetched.append(x.shape) or to_host(x))
 
     specs = hf_io.tensor_specs(model, hf, "bfloat16")
     assert sorted(s.name for s in specs) == sorted(want) and fetched == []

@@ -35,7 +35,7 @@ from cisjax import export as ex  # noqa: E402
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
 from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
-from tests.rollout.test_rollout_vllm import ENV, TINY as QWEN2_MOE, _items, _perturbed  # noqa: E402
+from tests.rollout.test_rollout_vllm import TINY as QWEN2_MOE, _items, _perturbed  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -90,7 +90,7 @@ class _Server:
     def __init__(self, model_dir, export_root=None, dtype="float32"):
         port = serverutil.free_port()
         self.target = f"127.0.0.1:{port}"
-        self.proc = serverutil.start("vllm", model_dir, port, export_root=export_root, env=ENV, dtype=dtype)
+        self.proc = serverutil.start("vllm", model_dir, port, export_root=export_root, dtype=dtype)
         serverutil.wait_serving(self.proc, self.target, timeout=300.0, poll=0.5)
 
     def stop(self):

@@ -4,7 +4,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from cisjax import export as export_lib
+from cisjax.rollout.launch import free_port
 from cisjax.train.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,12 +21,6 @@ TIMEOUT_S = 420
 STEPS = 4  # the two-process run is stopped after 3 (a checkpoint) and resumed for the 4th
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ class _Run:
     """The worker processes of one `train` call (one per jax process), their logs under `tmp`."""
 
     def __init__(self, tmp: Path, name: str, processes: int, prepared: Path, run_dir: Path, steps: int, mode: str):
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # 2 CI cores shared by up to 3 trainers and 2 servers
         self.name, self.procs, self.logs, self.outs = name, [], [], []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cisjax.rollout.launch import free_port
 from tests.train import steputil as U
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two jax.distributed processes
@@ -20,14 +20,8 @@ MESH = "data2_fsdp2_tensor2"
 TIMEOUT_S = 90
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = []
     for pid in range(2):

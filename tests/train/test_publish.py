@@ -27,7 +27,6 @@ TINY = dict(
     num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
     num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128,
 )
-VLLM_ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 EXPERTS_DOWN = "model.layers.*.mlp.experts.*.down_proj.weight"
 
 
@@ -61,7 +60,7 @@ def vllm_server(model_dir, tmp_path_factory):
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
     root = tmp_path_factory.mktemp("vllm_exports")
-    s = _Server("vllm", model_dir, root, env=VLLM_ENV, timeout=300)
+    s = _Server("vllm", model_dir, root, env=None, timeout=300)  # launch sets the vLLM environment
     yield s.target, root
     assert s.stop() == 0
 
