@@ -18,3 +18,28 @@ if engine_env.cpu_build():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """tiny_hf_dir(family, seed=0, dtype="float32", **overrides) -> the directory of a tiny random transformers model of
+    a family in tests.helpers.TINY_FAMILIES (its base config with `overrides`), saved by tests.helpers.save_tiny_hf.
+    Built once per session (one per xdist worker) for each distinct set of arguments and shared by every test that
+    asks for it: read only, copy it to change it."""
+    from tests.helpers import TINY_FAMILIES, save_tiny_hf
+
+    cache: dict[str, str] = {}
+
+    def get(family: str, seed: int = 0, dtype: str = "float32", **overrides) -> str:
+        key = json.dumps([family, seed, dtype, overrides], sort_keys=True)
+        if key not in cache:
+            config_cls, model_cls, base = TINY_FAMILIES[family]
+            path = tmp_path_factory.mktemp(f"tiny_{family}")
+            cache[key] = save_tiny_hf(path, config_cls, model_cls, seed=seed, dtype=dtype, **{**base, **overrides})
+        return cache[key]
+
+    return get
