@@ -43,3 +43,30 @@ def tiny_hf_dir(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one
+# xdist group each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
+ONE_WORKER_MODULES = (
+    "tests/evaluation/test_command.py",
+    "tests/mismatch/test_measure.py",
+    "tests/rollout/test_rollout_transformers.py",
+    "tests/rollout/test_rollout_vllm.py",
+    "tests/rollout/test_rollout_vllm_batching.py",
+    "tests/rollout/test_rollout_vllm_families.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_loop_multiprocess.py",
+    "tests/train/test_loop_robustness.py",
+    "tests/train/test_publish.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", ".")))
+    # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
+    # taken last would keep one worker busy while the other has nothing left to do
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
