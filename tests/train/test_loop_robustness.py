@@ -11,7 +11,8 @@ import pytest
 from cisjax.rl.rewards import RewardPool
 from tests.train import looputil
 
-pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax train subprocesses
+# The `cisjax train` subprocesses are `slow` (not in the fast tier, make test-fast), test by test; the reward pool's own
+# shutdown test stays in it.
 
 STEPS = 6  # the run stops early (Ctrl-C) and a resumed run finishes them (a step: about a second here)
 EXIT_S = 60.0  # from Ctrl-C to exit: the step in flight, the checkpoint, the server's drain
