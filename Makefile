@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# pytest workers: the suite is mostly single-threaded compile/trace work
+# pytest workers: the suite is mostly single-threaded compile/trace work. loadgroup: tests go one at a time to the
+# worker that is free, except the modules tests/conftest.py groups (shared servers), which run on one worker.
 WORKERS ?= 2
+DIST    ?= loadgroup
 
 .PHONY: setup test test-fast demo bench plan clean
 
@@ -20,12 +22,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: setup
-	$(BIN)/pytest -q -n $(WORKERS) --durations=15
+	$(BIN)/pytest -q -n $(WORKERS) --dist $(DIST) --durations=15
 
 # The fast tier while developing: no real vLLM engine, no server or loop subprocesses, no compiles of model cuts
-# (modules marked `slow`). CI runs `make test`, everything.
+# (tests marked `slow`). CI runs `make test`, everything.
 test-fast: setup
-	$(BIN)/pytest -q -n $(WORKERS) -m "not slow" --durations=10
+	$(BIN)/pytest -q -n $(WORKERS) --dist $(DIST) -m "not slow" --durations=10
 
 demo: setup
 	bash launchers/cpu_demo.sh

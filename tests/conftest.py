@@ -18,3 +18,55 @@ if engine_env.cpu_build():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """tiny_hf_dir(family, seed=0, dtype="float32", **overrides) -> the directory of a tiny random transformers model of
+    a family in tests.helpers.TINY_FAMILIES (its base config with `overrides`), saved by tests.helpers.save_tiny_hf.
+    Built once per session (one per xdist worker) for each distinct set of arguments and shared by every test that
+    asks for it: read only, copy it to change it."""
+    from tests.helpers import TINY_FAMILIES, save_tiny_hf
+
+    cache: dict[str, str] = {}
+
+    def get(family: str, seed: int = 0, dtype: str = "float32", **overrides) -> str:
+        key = json.dumps([family, seed, dtype, overrides], sort_keys=True)
+        if key not in cache:
+            config_cls, model_cls, base = TINY_FAMILIES[family]
+            path = tmp_path_factory.mktemp(f"tiny_{family}")
+            cache[key] = save_tiny_hf(path, config_cls, model_cls, seed=seed, dtype=dtype, **{**base, **overrides})
+        return cache[key]
+
+    return get
+
+
+# Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one
+# xdist group each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
+ONE_WORKER_MODULES = (
+    "tests/evaluation/test_command.py",
+    "tests/mismatch/test_measure.py",
+    "tests/rollout/test_rollout_transformers.py",
+    "tests/rollout/test_rollout_vllm.py",
+    "tests/rollout/test_rollout_vllm_batching.py",
+    "tests/rollout/test_rollout_vllm_families.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_loop_multiprocess.py",
+    "tests/train/test_loop_robustness.py",
+    "tests/train/test_publish.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", ".")))
+    # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
+    # taken last would keep one worker busy while the other has nothing left to do
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

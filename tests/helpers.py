@@ -21,6 +21,42 @@ SHARDABLE_QWEN2_MOE = dict(
     max_position_embeddings=64,
     rope_theta=10000.0,
 )
+# The tiny random models of each family cisjax supports: (transformers config class, model class, base config).
+# Built and saved once per test session (per xdist worker) by the `tiny_hf_dir` fixture (tests/conftest.py), with
+# per-test overrides; a test that needs another shape passes its differences, not a copy of the whole config.
+TINY_FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        architectures=["Qwen2MoeForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24, shared_expert_intermediate_size=48,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=128)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16,  # explicit, != hidden_size // num_attention_heads
+        moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        architectures=["DeepseekV2ForCausalLM"], vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=12, n_shared_experts=2, max_position_embeddings=512)),
+}
+# The Qwen2-MoE the rollout-server tests run on transformers (and `cisjax score`'s tests): its own head and MoE sizes.
+SERVER_QWEN2_MOE = dict(
+    hidden_size=32, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+    norm_topk_prob=False)
+# The vLLM CPU engine's test model: hidden and MoE sizes multiples of 32 (vLLM's CPU MoE kernel pads others), head_dim 32.
+VLLM_QWEN2_MOE = dict(
+    hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32,
+    shared_expert_intermediate_size=64, norm_topk_prob=False)
+
+
+def tiny_hf_config(family: str, **overrides) -> dict:
+    """The HF config dict of a TINY_FAMILIES model with `overrides`."""
+    return {**TINY_FAMILIES[family][2], **overrides}
+
+
 # Mesh shapes the sharded tests run on (8 fake CPU devices, tests/conftest.py).
 MESHES = {
     "fsdp8": {"fsdp": 8},

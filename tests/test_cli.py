@@ -49,8 +49,10 @@ def test_config_command_prints_overrides(capsys):
     [
         ["bench", "moe", "--shapes", "4x2x16", "--tokens", "64", "--hidden", "32", "--repeats", "1", "--slow-repeats", "1"],
         ["bench", "logprobs", "--vocab", "512", "--tokens", "64", "--hidden", "32", "--chunk-size", "16", "--repeats", "1"],
-        ["bench", "step", "--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--experts", "4",
-         "--moe-intermediate", "16", "--shared-intermediate", "16", "--vocab", "64", "--batch", "8", "--seq", "16", "--repeats", "1"],
+        pytest.param(  # compiles train steps (several configurations): `slow`
+            ["bench", "step", "--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--experts", "4",
+             "--moe-intermediate", "16", "--shared-intermediate", "16", "--vocab", "64", "--batch", "8", "--seq", "16",
+             "--repeats", "1"], marks=pytest.mark.slow),
     ],
     ids=["moe", "logprobs", "step"],
 )

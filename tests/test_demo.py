@@ -132,6 +132,7 @@ def test_a1_policy_gradient_is_cross_entropy_gradient(tok_dir):
         np.testing.assert_allclose(a, b, atol=1e-6 + 1e-4 * np.abs(b).max(), rtol=1e-4)
 
 
+@pytest.mark.slow  # `cisjax demo prepare` end to end: warm-up training, then both stacks load the model
 def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     import torch
     import transformers

@@ -26,22 +26,18 @@ from cisjax.models import hf_io
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import CheckpointError, Checkpointer
 from cisjax.train.optim import make_optimizer
-from tests.helpers import hf_forward, save_tiny_hf
+from tests.helpers import hf_forward, tiny_hf_config
 from tests.models.parity import LOGITS_TOL
 from tests.models.parity import run as jax_forward
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-    decoder_sparse_step=2,  # a dense and an MoE layer
-)
+CONFIG = tiny_hf_config("qwen2_moe", decoder_sparse_step=2)  # a dense and an MoE layer
 TOKENS = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 11), dtype=np.int32)
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("src"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **CONFIG)
+def src(tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", decoder_sparse_step=2)
 
 
 @pytest.fixture(scope="module")

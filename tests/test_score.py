@@ -6,19 +6,15 @@ import numpy as np
 import pytest
 
 from cisjax import cli
-from tests.helpers import hf_forward, log_softmax, save_tiny_hf
+from tests.helpers import SERVER_QWEN2_MOE, hf_forward, log_softmax
 
 VOCAB = 97
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_hf(
-        tmp_path_factory.mktemp("qwen2moe"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", architectures=["Qwen2MoeForCausalLM"],
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=False,
-    )
+def model_dir(tiny_hf_dir):
+    """The tiny Qwen2-MoE of the transformers rollout-server tests (vocabulary VOCAB)."""
+    return tiny_hf_dir("qwen2_moe", **SERVER_QWEN2_MOE)
 
 
 def _items(seed=0, n=7):

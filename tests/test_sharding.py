@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from cisjax import sharding
 from cisjax.models import hf_io
 from tests.helpers import MESHES as HELPER_MESHES
-from tests.helpers import SHARDABLE_QWEN2_MOE, save_tiny_hf
+from tests.helpers import SHARDABLE_QWEN2_MOE
 
 TINY = SHARDABLE_QWEN2_MOE
 MESHES = {**HELPER_MESHES, "expert8": {"expert": -1}}
@@ -54,8 +54,8 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("tiny_qwen2_moe"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **TINY)
+def tiny_dir(tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", **TINY)
 
 
 @pytest.fixture(scope="module")

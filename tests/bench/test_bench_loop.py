@@ -8,7 +8,6 @@ import pytest
 from cisjax.bench import loop as bench_loop
 from tests.train import looputil
 
-pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
 
 
 def test_summary_against_hand_values():
@@ -27,6 +26,7 @@ def test_summary_against_hand_values():
     assert contended["meets_target"] and contended["async_over_bound"] == pytest.approx(3.3 / 3.2)
     assert contended["async_over_sync_bound"] == pytest.approx(3.3 / 2.0)  # reported, not the target's ratio
 
+@pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
 def test_bench_loop_tiny(tmp_path):
     prepared = looputil.prepare(tmp_path / "demo")
     out = tmp_path / "bench.json"

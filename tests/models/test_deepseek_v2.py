@@ -6,27 +6,10 @@ import numpy as np
 import pytest
 
 from cisjax.models import deepseek_v2, hf_io
-from tests.helpers import save_tiny_hf
 from tests.models.parity import assert_matches_hf
 
-BASE = dict(
-    architectures=["DeepseekV2ForCausalLM"],
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=40,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=6,
-    n_routed_experts=8,
-    num_experts_per_tok=3,
-    moe_intermediate_size=12,
-    n_shared_experts=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,  # large enough that attention (rope, softmax scale) visibly moves the logits
-)
+# Each config below overrides tests.helpers.TINY_FAMILIES["deepseek_v2"] (hidden 48, 3 layers, kv LoRA 16, 8 routed experts
+# top 3, 2 shared; save_tiny_hf's initializer_range 0.1 is large enough that attention visibly moves the logits).
 YARN = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=128, mscale=0.9, mscale_all_dim=0.7)
 
 CONFIGS = {
@@ -51,8 +34,8 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = save_tiny_hf(tmp_path_factory.mktemp(request.param), "DeepseekV2Config", "DeepseekV2ForCausalLM", seed=1, **{**BASE, **CONFIGS[request.param]})
+def tiny(request, tiny_hf_dir):
+    path = tiny_hf_dir("deepseek_v2", seed=1, **CONFIGS[request.param])
     model, cfg, hf = hf_io.load(path)
     return path, model, cfg, hf
 

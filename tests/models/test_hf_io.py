@@ -11,31 +11,27 @@ import pytest
 
 from cisjax import distributed
 from cisjax.models import hf_io
-from tests.helpers import hf_forward, save_tiny_hf
+from tests.helpers import hf_forward, tiny_hf_config
 
-CONFIG = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-    initializer_range=0.1,
-    decoder_sparse_step=2,  # layer 0 dense MLP, layer 1 MoE: both kinds of rows of the weight table
-)
+SPARSE_STEP2 = dict(decoder_sparse_step=2)  # layer 0 dense MLP, layer 1 MoE: both kinds of rows of the weight table
+CONFIG = tiny_hf_config("qwen2_moe", **SPARSE_STEP2)
 TOKENS = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 11), dtype=np.int32)
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
+def src(tiny_hf_dir):
     """An fp32 checkpoint written by transformers."""
-    return save_tiny_hf(tmp_path_factory.mktemp("fp32"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **CONFIG)
+    return tiny_hf_dir("qwen2_moe", **SPARSE_STEP2)
 
 
 @pytest.fixture(scope="module")
-def src_tied(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("tied"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed=1, **CONFIG, tie_word_embeddings=True, qkv_bias=False)
+def src_tied(tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", seed=1, **SPARSE_STEP2, tie_word_embeddings=True, qkv_bias=False)
 
 
 @pytest.fixture(scope="module")
-def src_bf16(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("bf16"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed=2, dtype="bfloat16", **CONFIG)
+def src_bf16(tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", seed=2, dtype="bfloat16", **SPARSE_STEP2)
 
 
 def tensors(model_dir) -> dict:

@@ -4,33 +4,18 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io
-from tests.helpers import hf_forward, log_softmax, save_tiny_hf
+from tests.helpers import hf_forward, log_softmax
 from tests.models.parity import LOGITS_TOL, LOGPROB_TOL, assert_same_routing, pack, run
 
-# Families under test: (transformers config class, model class, config). Another family joins by
-# adding a row; every test below runs on each.
-FAMILIES = {
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            moe_intermediate_size=24, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-            initializer_range=0.1,  # every layer moves the logits (at 0.02 they are nearly the embedding alone)
-        ),
-    ),
-    "deepseek_v2": (
-        "DeepseekV2Config",
-        "DeepseekV2ForCausalLM",
-        dict(
-            architectures=["DeepseekV2ForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-            num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1, first_k_dense_replace=1,
-            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0, max_position_embeddings=128,
-            rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8),
-            initializer_range=0.1,
-        ),
-    ),
+# Families under test; another joins by adding a row, and every test below runs on each.
+FAMILIES = {  # name -> (tests.helpers.TINY_FAMILIES family, overrides of its base config)
+    "qwen2_moe": ("qwen2_moe", {}),
+    "deepseek_v2": ("deepseek_v2", dict(
+        hidden_size=32, num_hidden_layers=2, q_lora_rank=16, v_head_dim=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        max_position_embeddings=128,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8),
+    )),
 }
 LENGTH = 24
 SEQ_LENS = (5, 9, 3, 12, 4, 5)
@@ -38,9 +23,9 @@ SAME = 1e-6  # real-token outputs that must not move at all (bit-identical up to
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    config_cls, model_cls, config = FAMILIES[request.param]
-    model_dir = save_tiny_hf(tmp_path_factory.mktemp(request.param), config_cls, model_cls, **config)
+def family(request, tiny_hf_dir):
+    family, overrides = FAMILIES[request.param]
+    model_dir = tiny_hf_dir(family, **overrides)
     model, cfg, _ = hf_io.load(model_dir)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, cfg.vocab_size, n, dtype=np.int32) for n in SEQ_LENS]

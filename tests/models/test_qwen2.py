@@ -4,19 +4,10 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io, qwen2
-from tests.helpers import save_tiny_hf
+from tests.helpers import tiny_hf_config
 from tests.models.parity import assert_matches_hf
 
-BASE = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=56,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=128,
-    architectures=["Qwen2ForCausalLM"],
-)
+BASE = tiny_hf_config("qwen2")  # vocab 97, hidden 32, 4 heads, 4 kv heads, 2 layers
 CASES = {
     "untied_mha": dict(),
     "tied_gqa": dict(tie_word_embeddings=True, num_key_value_heads=2),
@@ -28,13 +19,13 @@ LENGTHS = (1, 7, 33)
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tiny_hf_dir):
     """name -> (model_dir, model, cfg), each tiny HF model saved and loaded once."""
     cache = {}
 
     def get(name):
         if name not in cache:
-            model_dir = save_tiny_hf(tmp_path_factory.mktemp(name), "Qwen2Config", "Qwen2ForCausalLM", seed=len(cache), **{**BASE, **CASES[name]})
+            model_dir = tiny_hf_dir("qwen2", seed=list(CASES).index(name), **CASES[name])
             cache[name] = (model_dir, *hf_io.load(model_dir)[:2])
         return cache[name]
 

@@ -7,23 +7,9 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io
-from tests.helpers import hf_forward, save_tiny_hf
+from tests.helpers import hf_forward
 from tests.models.parity import LOGITS_TOL, assert_matches_hf, run
 
-BASE = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    moe_intermediate_size=24,
-    shared_expert_intermediate_size=48,
-    num_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=128,
-    initializer_range=0.1,  # weights large enough that every layer moves the logits (0.02 leaves them ~embedding-only)
-)
 # name -> (HF config overrides, lengths to test). Every length is covered by the base case; the
 # other cases take one length each (each new shape is a compile).
 CASES = {
@@ -40,13 +26,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tiny_hf_dir):
     """name -> (model_dir, model, cfg), each tiny HF model saved and loaded once."""
     cache = {}
 
     def get(name):
         if name not in cache:
-            model_dir = save_tiny_hf(tmp_path_factory.mktemp(name), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed=list(CASES).index(name), **{**BASE, **CASES[name][0]})
+            model_dir = tiny_hf_dir("qwen2_moe", seed=list(CASES).index(name), **CASES[name][0])
             cache[name] = (model_dir, *hf_io.load(model_dir)[:2])
         return cache[name]
 

@@ -4,23 +4,10 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io, qwen3_moe
-from tests.helpers import save_tiny_hf
+from tests.helpers import tiny_hf_config
 from tests.models.parity import assert_matches_hf
 
-BASE = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,  # explicit, != hidden_size // num_attention_heads
-    moe_intermediate_size=24,
-    num_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=128,
-    architectures=["Qwen3MoeForCausalLM"],
-)
+BASE = tiny_hf_config("qwen3_moe")  # head_dim 16 != hidden_size // num_attention_heads
 # name -> (HF config overrides, cisjax runtime options, lengths to test). Every length on two
 # cases; the others take one length each (each new shape is a compile).
 CASES = {
@@ -37,14 +24,14 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tiny_hf_dir):
     """name -> (model_dir, model, cfg), each tiny HF model saved and loaded once."""
     cache = {}
 
     def get(name):
         if name not in cache:
             overrides, runtime, _ = CASES[name]
-            model_dir = save_tiny_hf(tmp_path_factory.mktemp(name), "Qwen3MoeConfig", "Qwen3MoeForCausalLM", seed=len(cache), **{**BASE, **overrides})
+            model_dir = tiny_hf_dir("qwen3_moe", seed=list(CASES).index(name), **overrides)
             cache[name] = (model_dir, *hf_io.load(model_dir, **runtime)[:2])
         return cache[name]
 

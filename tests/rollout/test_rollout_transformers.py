@@ -12,18 +12,15 @@ import numpy as np
 import pytest
 
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams, add_args as generate_add_args, run as generate_run
-from tests.helpers import save_tiny_hf
+from tests.helpers import SERVER_QWEN2_MOE, tiny_hf_config
 from tests.rollout import serverutil, xla
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): server subprocesses
 
 VOCAB = 97
 TOKEN = "s3cret-test-token"
-TINY = dict(
-    architectures=["Qwen2MoeForCausalLM"], vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
-    num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128,
-)
+TINY = tiny_hf_config("qwen2_moe", **SERVER_QWEN2_MOE)
+assert TINY["vocab_size"] == VOCAB
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
 
 
@@ -43,8 +40,8 @@ _stop = serverutil.stop
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    model_dir = save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **TINY)
+def dirs(tmp_path_factory, tiny_hf_dir):
+    model_dir = tiny_hf_dir("qwen2_moe", **SERVER_QWEN2_MOE)
     return model_dir, tmp_path_factory.mktemp("exports")
 
 

@@ -14,18 +14,15 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
-from tests.helpers import save_tiny_hf  # noqa: E402
+from tests.helpers import VLLM_QWEN2_MOE, tiny_hf_config  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
 VOCAB = 97
 # hidden / moe sizes multiples of 32 (vLLM's CPU MoE kernel pads others); head_dim 32
-TINY = dict(
-    architectures=["Qwen2MoeForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
-    num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128,
-)
+TINY = tiny_hf_config("qwen2_moe", **VLLM_QWEN2_MOE)
+assert TINY["vocab_size"] == VOCAB
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
 Q_ATOL = 1e-4  # |log q_vllm - log q_cisjax| (fp32 engines, different kernels)
 
@@ -57,8 +54,8 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    model_dir = save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **TINY)
+def dirs(tmp_path_factory, tiny_hf_dir):
+    model_dir = tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE)
     return model_dir, tmp_path_factory.mktemp("exports")
 
 

@@ -13,7 +13,7 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
-from tests.helpers import save_tiny_hf  # noqa: E402
+from tests.helpers import VLLM_QWEN2_MOE  # noqa: E402
 from tests.rollout import xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import PROMPTS, TINY, _Server  # noqa: E402
 
@@ -23,9 +23,8 @@ CALLS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [93, 2], [38, 4, 6, 2, 
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    model_dir = save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed=3,
-                             **{k: v for k, v in TINY.items() if k != "architectures"})
+def dirs(tmp_path_factory, tiny_hf_dir):
+    model_dir = tiny_hf_dir("qwen2_moe", seed=3, **VLLM_QWEN2_MOE)
     return model_dir, tmp_path_factory.mktemp("exports")
 
 

@@ -17,7 +17,8 @@ from cisjax import config as config_lib  # noqa: E402
 from cisjax.train import loop  # noqa: E402
 from tests.train import looputil  # noqa: E402
 
-pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax train on the real vLLM engine
+# `cisjax train` on the real vLLM engine: `slow` (not in the fast tier, make test-fast), test by test; the config check
+# starts nothing and stays in it.
 
 REPO = str(looputil.REPO)
 ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
@@ -83,6 +84,7 @@ def _check_evals(run_dir, rows, steps):
     assert b"eval/gsm8k/accuracy" in events
 
 
+@pytest.mark.slow
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
     run_dir = tmp_path / "run"
     last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **_eval_cfg(prepared)}))
@@ -121,6 +123,7 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     _check_evals(run_dir, rows, [1, 2, 3])
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
     the current weights, and the run completes every step."""
@@ -156,6 +159,7 @@ def test_bad_config_field_is_named():
         config_lib.load(os.path.join(REPO, "configs", "demo_cpu.py"), ["--config.rollout.group_sizee=3"])
 
 
+@pytest.mark.slow
 def test_more_steps_than_the_data_give_is_named_before_any_step(prepared, tmp_path):
     run_dir = tmp_path / "run"
     # about 64 held-out problems, 8 per step, one epoch: 8 steps

@@ -16,17 +16,13 @@ from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
-from tests.helpers import save_tiny_hf
+from tests.helpers import VLLM_QWEN2_MOE, tiny_hf_config
 from tests.rollout import serverutil
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout servers on both engines
 
 # The vLLM CPU test model of tests/rollout/test_rollout_vllm.py (hidden and MoE sizes multiples of 32).
-TINY = dict(
-    architectures=["Qwen2MoeForCausalLM"], vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
-    num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128,
-)
+TINY = tiny_hf_config("qwen2_moe", **VLLM_QWEN2_MOE)
 EXPERTS_DOWN = "model.layers.*.mlp.experts.*.down_proj.weight"
 
 
@@ -42,8 +38,8 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("model"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **TINY)
+def model_dir(tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE)
 
 
 @pytest.fixture(scope="module")

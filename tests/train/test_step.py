@@ -35,7 +35,12 @@ def _fresh(name: str = "single"):
 # ----------------------------------------------------------------------------- sharded == single device
 
 
-@pytest.mark.parametrize("name", list(U.MESHES))
+# One mesh in the fast tier (make test-fast): data, fsdp and tensor axes at once; the others (a compile of the
+# sharded step each) are `slow`.
+FAST_MESH = "data2_fsdp2_tensor2"
+
+
+@pytest.mark.parametrize("name", [n if n == FAST_MESH else pytest.param(n, marks=pytest.mark.slow) for n in U.MESHES])
 def test_sharded_step_matches_single_device(name):
     ref, out = U.reference("single"), U.reference(name)
     mesh = U.mesh_for(name)
@@ -70,6 +75,7 @@ def test_sharded_step_matches_single_device(name):
 # ----------------------------------------------------------------------------- micro-batching
 
 
+@pytest.mark.slow  # a second compile of the step (M=1); the fast tier has tests/rl/test_loss.py's micro-batch split
 def test_micro_batches_equal_one_big_batch():
     """M=2 x B=8 and M=1 x B=16 on the same 16 rows: same loss (global token mean), metrics and update."""
     ref = U.reference("single")
@@ -147,6 +153,7 @@ def test_non_finite_gradient_skips_the_update_then_training_proceeds():
     np.testing.assert_array_equal(U.replicated_sums(state.params), ref["sums"][0])
 
 
+@pytest.mark.slow  # three more compiles: the fp16 rescoring and step, and an fp32 gradient
 def test_fp16_method_forces_fp16_with_loss_scaling():
     cfg = U.make_cfg()
     cfg.correction.method = "fp16"
