@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 WORKERS ?= 2
 DIST    ?= loadgroup
 
-.PHONY: setup test test-fast demo bench plan clean
+.PHONY: setup test test-fast lint format demo bench plan clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,15 @@ test: setup
 # (tests marked `slow`). CI runs `make test`, everything.
 test-fast: setup
 	$(BIN)/pytest -q -n $(WORKERS) --dist $(DIST) -m "not slow" --durations=10
+
+# ruff (pinned in the test extra; rules in pyproject.toml). tests/test_lint.py runs the same checks in `make test`.
+lint: setup
+	$(BIN)/ruff check cisjax tests configs launchers
+	$(BIN)/ruff format --check cisjax tests configs launchers
+
+format: setup
+	$(BIN)/ruff check --fix cisjax tests configs launchers
+	$(BIN)/ruff format cisjax tests configs launchers
 
 demo: setup
 	bash launchers/cpu_demo.sh

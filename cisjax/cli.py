@@ -13,15 +13,36 @@ from cisjax import console, errors
 # command -> (module, one-line help). Modules define add_args(parser) and run(args, overrides)
 # (or add_<command>_args / run_<command> when one module serves two commands); benches run(args) or run(args, overrides).
 COMMANDS = {
-    "train": ("cisjax.train.loop", "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each step"),
-    "demo": ("cisjax.demo", "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up"),
+    "train": (
+        "cisjax.train.loop",
+        "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each step",
+    ),
+    "demo": (
+        "cisjax.demo",
+        "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up",
+    ),
     "score": ("cisjax.score", "training-side (XLA) logprobs of response tokens: jsonl in, jsonl out"),
     "serve": ("cisjax.rollout.server", "rollout gRPC server (token ids in/out) over an inference engine backend"),
-    "generate": ("cisjax.rollout.client", "sample rollouts from a rollout server: prompts jsonl in, one line per sample out"),
-    "mismatch": ("cisjax.mismatch.command", "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)"),
-    "eval": ("cisjax.evaluation.command", "greedy pass@1 (and avg@K/pass@K) on GSM8K, MATH-500, SVAMP, Minerva Math, OlympiadBench through the rollout service"),
-    "export": ("cisjax.export", "export a train checkpoint's weights as a versioned HF directory for the rollout server"),
-    "plan": ("cisjax.plan.command", "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline"),
+    "generate": (
+        "cisjax.rollout.client",
+        "sample rollouts from a rollout server: prompts jsonl in, one line per sample out",
+    ),
+    "mismatch": (
+        "cisjax.mismatch.command",
+        "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)",
+    ),
+    "eval": (
+        "cisjax.evaluation.command",
+        "greedy pass@1 (and avg@K/pass@K) on GSM8K, MATH-500, SVAMP, Minerva Math, OlympiadBench through the rollout service",
+    ),
+    "export": (
+        "cisjax.export",
+        "export a train checkpoint's weights as a versioned HF directory for the rollout server",
+    ),
+    "plan": (
+        "cisjax.plan.command",
+        "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline",
+    ),
     "info": ("cisjax.info", "describe a Hugging Face model directory as cisjax loads it"),
     "config": ("cisjax.info", "print a config file with --config.x=y overrides applied"),
 }
@@ -29,9 +50,15 @@ BENCHES = {
     "moe": ("cisjax.bench.moe", "MoE layer forward+backward vs a dense MLP of equal active FLOPs"),
     "logprobs": ("cisjax.bench.logprobs", "chunked vs naive logprobs: peak memory, time, equality"),
     "step": ("cisjax.bench.step", "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss"),
-    "export": ("cisjax.bench.export", "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s"),
+    "export": (
+        "cisjax.bench.export",
+        "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s",
+    ),
     "rollout": ("cisjax.bench.rollout", "rollout tokens/s through gRPC vs the same vLLM engine called in-process"),
-    "loop": ("cisjax.bench.loop", "RL loop step time with rollouts ahead of training (async) vs synchronous, same config"),
+    "loop": (
+        "cisjax.bench.loop",
+        "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",
+    ),
 }
 
 
@@ -67,7 +94,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             mod = _module(module)
             mod.add_args(p)
             takes_overrides = len(inspect.signature(mod.run).parameters) > 1  # `bench loop` takes --config.x=y
-            p.set_defaults(_run=lambda args, overrides, run=mod.run, t=takes_overrides: run(args, overrides) if t else run(args))
+            p.set_defaults(
+                _run=lambda args, overrides, run=mod.run, t=takes_overrides: run(args, overrides) if t else run(args)
+            )
     return parser
 
 

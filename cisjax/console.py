@@ -6,7 +6,19 @@ import logging
 import os
 
 # Libraries whose INFO lines drown the step lines (orbax logs ~40 lines per checkpoint through absl)
-LIBRARIES = ("absl", "orbax", "jax", "jax._src", "vllm", "transformers", "grpc", "urllib3", "filelock", "httpx", "tensorboardX")
+LIBRARIES = (
+    "absl",
+    "orbax",
+    "jax",
+    "jax._src",
+    "vllm",
+    "transformers",
+    "grpc",
+    "urllib3",
+    "filelock",
+    "httpx",
+    "tensorboardX",
+)
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 ENV = "CISJAX_VERBOSE"  # set by `cisjax --verbose`, so that child processes (the rollout server) follow
 

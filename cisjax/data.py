@@ -87,7 +87,10 @@ def _minerva(row, i, split):
 def _olympiadbench(row, i, split):
     # final_answer is a list of strings like "$\frac{1}{2 n+2}$": drop the math delimiters. A multiple answer is
     # one string "$90^{\circ}$,$60^{\circ}$": its parts joined by ", " (a set, as math-verify reads it)
-    answers = [re.sub(r"(?<!\\)\$", "", re.sub(r"\$\s*,\s*\$", ", ", a.strip().rstrip(".").strip())).strip() for a in row["final_answer"]]
+    answers = [
+        re.sub(r"(?<!\\)\$", "", re.sub(r"\$\s*,\s*\$", ", ", a.strip().rstrip(".").strip())).strip()
+        for a in row["final_answer"]
+    ]
     question = row["question"] if not row.get("context") else f"{row['context']}\n{row['question']}"
     return Problem(f"olympiadbench/{row.get('id', i)}", question, ", ".join(answers))
 
@@ -103,7 +106,9 @@ KINDS: dict[str, Callable[[Mapping, int, str], Problem]] = {
 }
 
 
-def problems_from_rows(rows: Sequence[Mapping], *, kind: str = "gsm8k", split: str = "train", where: str = "rows") -> list[Problem]:
+def problems_from_rows(
+    rows: Sequence[Mapping], *, kind: str = "gsm8k", split: str = "train", where: str = "rows"
+) -> list[Problem]:
     """Rows (dicts in one of the KINDS layouts) -> Problems; `where` names the source in errors."""
     if kind not in KINDS:
         raise errors.UserError(f"unknown data kind {kind!r}; known: {sorted(KINDS)}")
@@ -152,11 +157,15 @@ def _read_hub(spec: str, split: str) -> list[dict]:
     try:
         import datasets  # optional: only hub sources need it
     except ImportError as e:
-        raise ImportError(f"source 'hf:{spec}' needs the Hugging Face `datasets` package (pip install datasets), or use a local .jsonl") from e
+        raise ImportError(
+            f"source 'hf:{spec}' needs the Hugging Face `datasets` package (pip install datasets), or use a local .jsonl"
+        ) from e
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:  # offline, unknown name or split: say which source failed
-        raise RuntimeError(f"could not load 'hf:{spec}' split {split!r} from the Hugging Face hub (offline? use a local .jsonl path): {e}") from e
+        raise RuntimeError(
+            f"could not load 'hf:{spec}' split {split!r} from the Hugging Face hub (offline? use a local .jsonl path): {e}"
+        ) from e
     return [dict(row) for row in ds]
 
 
@@ -199,13 +208,22 @@ class PromptFormatter:
     as Qwen2.5-Math's evaluation prompt does: a template that has a default one, as Qwen2.5's, adds it).
     `enable_thinking=False` is Qwen3's non-thinking mode, as in the paper; templates without the switch ignore it."""
 
-    def __init__(self, tokenizer_dir: str | os.PathLike, instruction: str = TRAIN_INSTRUCTION, *, chat_template: bool = True,
-                 enable_thinking: bool = False, system: str = ""):
+    def __init__(
+        self,
+        tokenizer_dir: str | os.PathLike,
+        instruction: str = TRAIN_INSTRUCTION,
+        *,
+        chat_template: bool = True,
+        enable_thinking: bool = False,
+        system: str = "",
+    ):
         from transformers import AutoTokenizer  # heavy import: only where prompts are built
 
         self.tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir))
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise errors.UserError(f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt")
+            raise errors.UserError(
+                f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt"
+            )
         self.instruction = instruction
         self.system = system
         self.chat_template = chat_template
@@ -235,8 +253,12 @@ class PromptFormatter:
         message = self.message(question)
         if not self.chat_template:
             return f"{self.system}\n\n{message}" if self.system else message
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": message}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": message}
+        ]
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking
+        )
 
     def encode(self, question: str) -> list[int]:
         """Prompt token ids. The template's text already holds its special tokens: add none."""
@@ -257,10 +279,16 @@ def drop_long_prompts(problems: Sequence[Problem], formatter: PromptFormatter, m
         return list(problems)
     kept = [p for p in problems if len(formatter.encode(p.question)) <= max_tokens]
     if not kept:
-        raise errors.UserError(f"data.max_prompt_tokens={max_tokens}: every one of the {len(problems)} prompts is longer")
+        raise errors.UserError(
+            f"data.max_prompt_tokens={max_tokens}: every one of the {len(problems)} prompts is longer"
+        )
     if len(kept) < len(problems):
-        log.warning("data.max_prompt_tokens=%d: dropped %d of %d problems with longer prompts", max_tokens,
-                    len(problems) - len(kept), len(problems))
+        log.warning(
+            "data.max_prompt_tokens=%d: dropped %d of %d problems with longer prompts",
+            max_tokens,
+            len(problems) - len(kept),
+            len(problems),
+        )
     return kept
 
 
@@ -342,7 +370,13 @@ class PromptStream:
         return self.next_batch()
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.problems), "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "size": len(self.problems),
+            "fingerprint": self.fingerprint,
+        }
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continue from a `state()`; the data set and seed must be the ones it was taken on."""
@@ -355,8 +389,12 @@ class PromptStream:
                 f"this one has {len(self.problems)} problems, fingerprint {self.fingerprint}"
             )
         if int(state["seed"]) != self.seed:
-            raise errors.UserError(f"prompt stream state has seed {state['seed']}, this stream seed {self.seed}: the order would differ")
+            raise errors.UserError(
+                f"prompt stream state has seed {state['seed']}, this stream seed {self.seed}: the order would differ"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self.problems):
-            raise ValueError(f"prompt stream state has epoch {epoch}, position {position}: out of range for {len(self.problems)} problems")
+            raise ValueError(
+                f"prompt stream state has epoch {epoch}, position {position}: out of range for {len(self.problems)} problems"
+            )
         self.epoch, self.position = epoch, position

@@ -127,7 +127,11 @@ def build_tokenizer():
     tok.decoder = decoders.Fuse()  # pieces joined as they are (no spaces added)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=UNK, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
         model_max_length=MAX_POSITIONS,
     )
     hf.chat_template = CHAT_TEMPLATE
@@ -152,12 +156,28 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> dict:
     """A tiny Qwen1.5-MoE layout within vLLM's CPU constraints: hidden and expert sizes multiples of 32, head_dim 32
     (2 heads, 1 kv head), 8 experts top-2 plus the sigmoid-gated shared expert, untied head."""
     return dict(
-        architectures=["Qwen2MoeForCausalLM"], vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        initializer_range=0.02, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
+        architectures=["Qwen2MoeForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
     )
 
 
@@ -205,16 +225,25 @@ def sft_arrays(formatter, rows: Sequence[dict], length: int | None = None, boxed
     from cisjax import rows as rows_lib
 
     im_end = formatter.tokenizer.convert_tokens_to_ids(IM_END)
-    seqs = [rows_lib.Seq(formatter.encode(row["question"]),
-                         formatter.tokenizer.encode(response_text(row, boxed), add_special_tokens=False) + [im_end])
-            for row in rows]
+    seqs = [
+        rows_lib.Seq(
+            formatter.encode(row["question"]),
+            formatter.tokenizer.encode(response_text(row, boxed), add_special_tokens=False) + [im_end],
+        )
+        for row in rows
+    ]
     longest = max(s.positions for s in seqs)
     t = length or longest
     if t < longest:
         raise ValueError(f"length={t} < the longest sequence ({longest} positions)")
     built = rows_lib.build(seqs, rows_lib.one_per_row(len(seqs)), t)
-    return dict(tokens=built.tokens_RxT, targets=built.targets_RxT, positions=built.positions_RxT,
-                segments=built.segments_RxT, mask=built.response_RxT)
+    return dict(
+        tokens=built.tokens_RxT,
+        targets=built.targets_RxT,
+        positions=built.positions_RxT,
+        segments=built.segments_RxT,
+        mask=built.response_RxT,
+    )
 
 
 def mix_styles(boxed: dict, plain: dict, use_boxed: np.ndarray) -> dict:
@@ -233,8 +262,9 @@ def sft_batch(arrays: dict, index: np.ndarray, logprobs_MxBxT=None):
     pick = lambda k: arrays[k][index][None]  # noqa: E731
     mask = pick("mask")
     lp = np.zeros(mask.shape, np.float32) if logprobs_MxBxT is None else logprobs_MxBxT
-    return TrainBatch(pick("tokens"), pick("positions"), pick("segments"), pick("targets"), mask, lp, lp,
-                      mask.astype(np.float32))
+    return TrainBatch(
+        pick("tokens"), pick("positions"), pick("segments"), pick("targets"), mask, lp, lp, mask.astype(np.float32)
+    )
 
 
 # ----------------------------------------------------------------------------- sampling (the measurement)
@@ -269,8 +299,17 @@ def make_sampler(graphdef, max_new_tokens: int):
     return jax.jit(sample)
 
 
-def evaluate(sampler, params, formatter, rows: Sequence[dict], *, temperature: float, seed: int, max_new_tokens: int,
-             batch_size: int = 128) -> dict:
+def evaluate(
+    sampler,
+    params,
+    formatter,
+    rows: Sequence[dict],
+    *,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int,
+    batch_size: int = 128,
+) -> dict:
     """Accuracy of sampled responses on `rows` (reward as in the RL phase: math-verify on the last \\boxed{} vs the
     reference; exact match of the box content when not in the main thread, where math-verify cannot time out) and
     the format rate (a \\boxed{} followed by <|im_end|>). Returns dict(accuracy, format, examples)."""
@@ -308,15 +347,29 @@ def evaluate(sampler, params, formatter, rows: Sequence[dict], *, temperature: f
             correct += score
             formatted += int(end is not None and box is not None)
             if len(examples) < 4:
-                examples.append({"question": rows[lo + r]["question"], "response": text, "reference": ref, "reward": score})
+                examples.append(
+                    {"question": rows[lo + r]["question"], "response": text, "reference": ref, "reward": score}
+                )
     return dict(accuracy=correct / len(rows), format=formatted / len(rows), examples=examples)
 
 
 # ----------------------------------------------------------------------------- the warm-up
 
 
-def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict], cfg, *, steps: int, batch_size: int,
-           seed: int, eval_size: int, boxed_fraction: float = 1.0, max_new_tokens: int = 48, log=print) -> dict:
+def warmup(
+    model_dir: Path,
+    train_rows: Sequence[dict],
+    eval_rows: Sequence[dict],
+    cfg,
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    eval_size: int,
+    boxed_fraction: float = 1.0,
+    max_new_tokens: int = 48,
+    log=print,
+) -> dict:
     """Supervised warm-up of the HF model in `model_dir` with cisjax's own GRPO step (A = 1, ratio 1, weight 1: the
     token-mean cross-entropy gradient), then the warmed-up weights saved back into `model_dir` (fp32; config and
     tokenizer kept). Returns the loss curve, timings and the accuracies before and after on `eval_rows`."""
@@ -342,10 +395,14 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     def measure(params, tag):
         out = {}
         for name, temp in (("greedy", 0.0), ("t1", 1.0)):
-            r = evaluate(sampler, params, formatter, eval_rows, temperature=temp, seed=seed, max_new_tokens=max_new_tokens)
+            r = evaluate(
+                sampler, params, formatter, eval_rows, temperature=temp, seed=seed, max_new_tokens=max_new_tokens
+            )
             out[name] = r
-        log(f"[demo] {tag}: held-out accuracy greedy {out['greedy']['accuracy']:.3f} (format {out['greedy']['format']:.2f}), "
-            f"temperature 1 {out['t1']['accuracy']:.3f} (format {out['t1']['format']:.2f}) on {len(eval_rows)} problems")
+        log(
+            f"[demo] {tag}: held-out accuracy greedy {out['greedy']['accuracy']:.3f} (format {out['greedy']['format']:.2f}), "
+            f"temperature 1 {out['t1']['accuracy']:.3f} (format {out['t1']['format']:.2f}) on {len(eval_rows)} problems"
+        )
         for ex in out["t1"]["examples"][:2]:
             log(f"[demo]   {ex['question']} -> {ex['response']!r} (reward {ex['reward']:.0f})")
         return out
@@ -356,8 +413,10 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
     curve = []  # device scalars until logged: no host sync per step
     ce = jax.jit(lambda lp, m: -jnp.sum(jnp.where(m, lp, 0.0)) / jnp.maximum(jnp.sum(m), 1))
     t0, cpu0 = time.monotonic(), time.process_time()
-    log(f"[demo] warm-up: {steps} steps x {batch_size} problems of {len(train_rows)} (T = {arrays['tokens'].shape[1]}), "
-        f"lr {cfg.train.lr} {cfg.train.schedule}")
+    log(
+        f"[demo] warm-up: {steps} steps x {batch_size} problems of {len(train_rows)} (T = {arrays['tokens'].shape[1]}), "
+        f"lr {cfg.train.lr} {cfg.train.schedule}"
+    )
     for s in range(steps):
         if pos + batch_size > len(order):
             order, pos = rng.permutation(len(train_rows)), 0
@@ -366,9 +425,11 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
         if plain is None:
             host = sft_batch(arrays, index)
         else:
-            pick = lambda a: {k: v[index] for k, v in a.items()}  # noqa: E731
-            host = sft_batch(mix_styles(pick(arrays), pick(plain), style_rng.random(len(index)) < boxed_fraction),
-                             np.arange(len(index)))
+            pick = lambda a, index=index: {k: v[index] for k, v in a.items()}  # noqa: E731
+            host = sft_batch(
+                mix_styles(pick(arrays), pick(plain), style_rng.random(len(index)) < boxed_fraction),
+                np.arange(len(index)),
+            )
         placed = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
         prox = logprobs_fn(state.params, placed)  # the current policy: ratio 1, weight 1
         placed = placed._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=prox)
@@ -376,14 +437,23 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
         state, metrics = train_step(state, placed)
         curve.append(loss)
         if s == 0 or (s + 1) % max(1, steps // 10) == 0 or s + 1 == steps:
-            log(f"[demo] warm-up step {s + 1}/{steps}: cross-entropy {float(loss):.4f} (before the update), "
-                f"grad norm {float(metrics['grad_norm']):.3f}, {time.monotonic() - t0:.0f} s")
+            log(
+                f"[demo] warm-up step {s + 1}/{steps}: cross-entropy {float(loss):.4f} (before the update), "
+                f"grad norm {float(metrics['grad_norm']):.3f}, {time.monotonic() - t0:.0f} s"
+            )
     train_s, train_cpu_s = time.monotonic() - t0, time.process_time() - cpu0
     curve = [float(x) for x in curve]
     after = measure(state.params, "after the warm-up") if eval_size else None
     hf_io.save((graphdef, state.params), model_dir, run.hf_config)
-    return dict(steps=steps, batch_size=batch_size, loss_curve=curve, warmup_s=train_s, warmup_cpu_s=train_cpu_s,
-                before=before, after=after)
+    return dict(
+        steps=steps,
+        batch_size=batch_size,
+        loss_curve=curve,
+        warmup_s=train_s,
+        warmup_cpu_s=train_cpu_s,
+        before=before,
+        after=after,
+    )
 
 
 # ----------------------------------------------------------------------------- the command
@@ -391,42 +461,71 @@ def warmup(model_dir: Path, train_rows: Sequence[dict], eval_rows: Sequence[dict
 
 def add_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="demo_command", metavar="STEP", required=True)
-    q = sub.add_parser("prepare", help="write the synthetic task, the tokenizer and a tiny Qwen2-MoE, warmed up",
-                       description="Write DIR/data/{train,heldout}.jsonl (synthetic two-digit arithmetic, GSM8K format), "
-                       "DIR/model (a character tokenizer with a chat template and a tiny Qwen2-MoE) and warm the model "
-                       "up with a short supervised phase on the train problems (cisjax's own train step), so that the "
-                       "RL phase on the held-out problems starts with a non-zero but imperfect reward. "
-                       "--config FILE / --config.x=y set the warm-up's train config.")
+    q = sub.add_parser(
+        "prepare",
+        help="write the synthetic task, the tokenizer and a tiny Qwen2-MoE, warmed up",
+        description="Write DIR/data/{train,heldout}.jsonl (synthetic two-digit arithmetic, GSM8K format), "
+        "DIR/model (a character tokenizer with a chat template and a tiny Qwen2-MoE) and warm the model "
+        "up with a short supervised phase on the train problems (cisjax's own train step), so that the "
+        "RL phase on the held-out problems starts with a non-zero but imperfect reward. "
+        "--config FILE / --config.x=y set the warm-up's train config.",
+    )
     q.add_argument("--out", required=True, help="output directory (DIR/data, DIR/model, DIR/warmup.json)")
     q.add_argument("--seed", type=int, default=0, help="seed of the split, the init, the batch order and the sampling")
     q.add_argument("--warmup-steps", type=int, default=800, help="supervised steps (0 = keep the random init)")
     q.add_argument("--batch-size", type=int, default=64, help="problems per warm-up step")
     q.add_argument("--heldout", type=int, default=512, help="held-out problems (the RL phase's prompts)")
-    q.add_argument("--eval-size", type=int, default=256, help="held-out problems sampled to measure accuracy (0 = none)")
-    q.add_argument("--boxed-fraction", type=float, default=BOXED_FRACTION,
-                   help="share of warm-up examples that close with \\boxed{answer} as the instruction asks; the others close "
-                   "with 'so the answer is N', which the reward scores 0 (the instruction-following RL has to learn)")
+    q.add_argument(
+        "--eval-size", type=int, default=256, help="held-out problems sampled to measure accuracy (0 = none)"
+    )
+    q.add_argument(
+        "--boxed-fraction",
+        type=float,
+        default=BOXED_FRACTION,
+        help="share of warm-up examples that close with \\boxed{answer} as the instruction asks; the others close "
+        "with 'so the answer is N', which the reward scores 0 (the instruction-following RL has to learn)",
+    )
     q.add_argument("--config", default=None, help="config file (default configs/base.py)")
 
 
 def run(args, overrides: Sequence[str] = ()) -> int:
     if args.demo_command != "prepare":
         raise ValueError(f"unknown demo step {args.demo_command!r}")
-    return prepare(args.out, seed=args.seed, warmup_steps=args.warmup_steps, batch_size=args.batch_size,
-                   heldout=args.heldout, eval_size=args.eval_size, boxed_fraction=args.boxed_fraction,
-                   config_file=args.config, overrides=overrides)
+    return prepare(
+        args.out,
+        seed=args.seed,
+        warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size,
+        heldout=args.heldout,
+        eval_size=args.eval_size,
+        boxed_fraction=args.boxed_fraction,
+        config_file=args.config,
+        overrides=overrides,
+    )
 
 
-def prepare(out, *, seed: int = 0, warmup_steps: int = 800, batch_size: int = 64, heldout: int = 512,
-            eval_size: int = 256, boxed_fraction: float = BOXED_FRACTION, config_file: str | None = None, overrides: Sequence[str] = (),
-            log=print) -> int:
+def prepare(
+    out,
+    *,
+    seed: int = 0,
+    warmup_steps: int = 800,
+    batch_size: int = 64,
+    heldout: int = 512,
+    eval_size: int = 256,
+    boxed_fraction: float = BOXED_FRACTION,
+    config_file: str | None = None,
+    overrides: Sequence[str] = (),
+    log=print,
+) -> int:
     """`cisjax demo prepare`: see add_args."""
     from cisjax.data import PromptFormatter, load_problems
 
     if warmup_steps < 0 or batch_size < 1 or eval_size < 0:
         raise errors.UserError("--warmup-steps and --eval-size must be >= 0, --batch-size >= 1")
     if not 0.0 < boxed_fraction <= 1.0:
-        raise errors.UserError(f"--boxed-fraction={boxed_fraction}: must lie in (0, 1] (0 would leave nothing to reward)")
+        raise errors.UserError(
+            f"--boxed-fraction={boxed_fraction}: must lie in (0, 1] (0 would leave nothing to reward)"
+        )
     cfg = warmup_config(config_file, overrides, warmup_steps)  # config errors before anything is written
     t0 = time.monotonic()
     out = Path(out)
@@ -442,21 +541,48 @@ def prepare(out, *, seed: int = 0, warmup_steps: int = 800, batch_size: int = 64
     hf_kwargs = write_random_model(model_dir, tokenizer, seed)
     formatter = PromptFormatter(model_dir, instruction=TRAIN_INSTRUCTION)
     sample = held_rows[0]
-    check_tokenizer(formatter.tokenizer, [formatter.text(sample["question"]) + response_text(sample) + IM_END,
-                                          CHARS, "".join(SPECIALS)])
+    check_tokenizer(
+        formatter.tokenizer,
+        [formatter.text(sample["question"]) + response_text(sample) + IM_END, CHARS, "".join(SPECIALS)],
+    )
     prompt_len = len(formatter.encode(sample["question"]))
     # the RL phase's max_new_tokens must cover the longest target response and its <|im_end|>
-    response_max = max(len(formatter.tokenizer.encode(response_text(r, boxed), add_special_tokens=False)) + 1
-                       for r in held_rows for boxed in (True, False))
-    log(f"[demo] model: tiny Qwen2-MoE ({hf_kwargs['num_hidden_layers']} layers, hidden {hf_kwargs['hidden_size']}, "
+    response_max = max(
+        len(formatter.tokenizer.encode(response_text(r, boxed), add_special_tokens=False)) + 1
+        for r in held_rows
+        for boxed in (True, False)
+    )
+    log(
+        f"[demo] model: tiny Qwen2-MoE ({hf_kwargs['num_hidden_layers']} layers, hidden {hf_kwargs['hidden_size']}, "
         f"{hf_kwargs['num_experts']} experts top-{hf_kwargs['num_experts_per_tok']}), vocab {len(tokenizer)} "
-        f"(characters), prompts of {prompt_len} tokens, target responses of at most {response_max}, in {model_dir}")
+        f"(characters), prompts of {prompt_len} tokens, target responses of at most {response_max}, in {model_dir}"
+    )
 
-    summary = dict(seed=seed, train_problems=len(train_rows), heldout_problems=len(held_rows), vocab=len(tokenizer),
-                   prompt_tokens=prompt_len, response_tokens_max=response_max, boxed_fraction=boxed_fraction, model=hf_kwargs)
+    summary = dict(
+        seed=seed,
+        train_problems=len(train_rows),
+        heldout_problems=len(held_rows),
+        vocab=len(tokenizer),
+        prompt_tokens=prompt_len,
+        response_tokens_max=response_max,
+        boxed_fraction=boxed_fraction,
+        model=hf_kwargs,
+    )
     if warmup_steps:
-        summary.update(warmup(model_dir, train_rows, held_rows, cfg, steps=warmup_steps, batch_size=batch_size,
-                              seed=seed, eval_size=eval_size, boxed_fraction=boxed_fraction, log=log))
+        summary.update(
+            warmup(
+                model_dir,
+                train_rows,
+                held_rows,
+                cfg,
+                steps=warmup_steps,
+                batch_size=batch_size,
+                seed=seed,
+                eval_size=eval_size,
+                boxed_fraction=boxed_fraction,
+                log=log,
+            )
+        )
     summary["total_s"] = time.monotonic() - t0
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     log(f"[demo] prepared {out} in {summary['total_s']:.0f} s (summary: {out / 'warmup.json'})")

@@ -94,7 +94,9 @@ def verify(path: str | os.PathLike) -> dict:
     manifest = read_manifest(path)
     m = _VERSION_RE.fullmatch(path.name)
     if m and int(m.group(1)) != manifest.get("version"):
-        raise ExportError(f"{path}: manifest says version {manifest.get('version')}, the directory name {int(m.group(1))}")
+        raise ExportError(
+            f"{path}: manifest says version {manifest.get('version')}, the directory name {int(m.group(1))}"
+        )
     try:
         return manifest_lib.verify(path)
     except manifest_lib.ManifestError as e:
@@ -175,7 +177,9 @@ def export(
             _remove_stale(root, stale_after_s)
             newest = _newest_version(root)
             if newest is not None and version <= newest:
-                raise ExportError(f"{root}: version {version} is not newer than the existing {version_name(newest)} (versions must increase)")
+                raise ExportError(
+                    f"{root}: version {version} is not newer than the existing {version_name(newest)} (versions must increase)"
+                )
             tmp = root / _tmp_name(name)
             tmp.mkdir()
         except Exception as e:
@@ -186,7 +190,14 @@ def export(
 
     try:
         digests: dict = {}  # sha256 of the weight files, computed while they were written
-        hf_io.save(model, tmp if writer else final, dict(hf_config), dtype=dtype, max_shard_bytes=max_shard_bytes, digests=digests)
+        hf_io.save(
+            model,
+            tmp if writer else final,
+            dict(hf_config),
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            digests=digests,
+        )
         if writer:
             _write_manifest(tmp, version, metadata, digests)
             _commit(tmp, final)
@@ -310,7 +321,11 @@ def _remove_stale(root: Path, stale_after_s: float) -> None:
 
 def _is_stale(path: Path, now: float, stale_after_s: float) -> bool:
     m = _TMP_RE.fullmatch(path.name)
-    if m and m.group("host") == re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) and not _alive(int(m.group("pid"))):
+    if (
+        m
+        and m.group("host") == re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
+        and not _alive(int(m.group("pid")))
+    ):
         return True
     try:
         newest = max([path.stat().st_mtime] + ([q.stat().st_mtime for q in path.iterdir()] if path.is_dir() else []))
@@ -394,27 +409,41 @@ def restore_params(checkpoint_dir: str | os.PathLike, abstract_params, *, step: 
     try:
         stored = handler.metadata(path).item_metadata
         stored = stored.tree if hasattr(stored, "tree") else stored
-        stored_params = {_keystr(k).removesuffix(".value"): v for k, v in jax.tree_util.tree_flatten_with_path(stored["params"])[0]}
+        stored_params = {
+            _keystr(k).removesuffix(".value"): v for k, v in jax.tree_util.tree_flatten_with_path(stored["params"])[0]
+        }
     except Exception as e:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata (not a cisjax train state?): {e}") from e
     flat = [(".".join(map(str, k)), k, v) for k, v in nnx.to_flat_state(abstract_params)]
     missing = sorted({p for p, _, _ in flat} - stored_params.keys())
     unexpected = sorted(stored_params.keys() - {p for p, _, _ in flat})
-    bad = [f"{p}: saved {tuple(stored_params[p].shape)}, model {tuple(v.shape)}" for p, _, v in flat
-           if p in stored_params and tuple(stored_params[p].shape) != tuple(v.shape)]
+    bad = [
+        f"{p}: saved {tuple(stored_params[p].shape)}, model {tuple(v.shape)}"
+        for p, _, v in flat
+        if p in stored_params and tuple(stored_params[p].shape) != tuple(v.shape)
+    ]
     if missing or unexpected or bad:
-        raise CheckpointError(f"{path}: the checkpoint's params do not fit the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}, shapes {bad[:8]}")
+        raise CheckpointError(
+            f"{path}: the checkpoint's params do not fit the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}, shapes {bad[:8]}"
+        )
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params_target = nnx.from_flat_state(
-        [(k, v.replace(value=jax.ShapeDtypeStruct(v.shape, stored_params[p].dtype, sharding=device))) for p, k, v in flat]
+        [
+            (k, v.replace(value=jax.ShapeDtypeStruct(v.shape, stored_params[p].dtype, sharding=device)))
+            for p, k, v in flat
+        ]
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=device)
     target = {"params": params_target, "step": scalar, "policy_version": scalar, "data_position": scalar}
     try:
-        out = handler.restore(path, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+        out = handler.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            ),
+        )
     except Exception as e:
         raise CheckpointError(f"{path}: corrupt checkpoint (cannot read the params): {e}") from e
     counters = {k: int(out[k]) for k in ("step", "policy_version", "data_position")}
@@ -431,13 +460,23 @@ def _keystr(path) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="train checkpoint directory (cisjax.train.checkpoint)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest committed)")
-    p.add_argument("--model", required=True, help="the run's Hugging Face model directory (config.json: the architecture)")
+    p.add_argument(
+        "--model", required=True, help="the run's Hugging Face model directory (config.json: the architecture)"
+    )
     p.add_argument("--out", required=True, help="export root: versions go to OUT/vNNNNNN, OUT/LATEST names the newest")
-    p.add_argument("--version", type=int, default=None,
-                   help="export version (default: the checkpoint's step, the number of optimizer steps its weights have taken)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="dtype of the exported tensors")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        help="export version (default: the checkpoint's step, the number of optimizer steps its weights have taken)",
+    )
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="dtype of the exported tensors"
+    )
     p.add_argument("--keep", type=int, default=2, help="version directories to keep under OUT (0 = all)")
-    p.add_argument("--max-shard-bytes", type=int, default=4 << 30, help="split the safetensors into files of at most this size")
+    p.add_argument(
+        "--max-shard-bytes", type=int, default=4 << 30, help="split the safetensors into files of at most this size"
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
@@ -450,9 +489,20 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     graphdef, abstract = hf_io.abstract_model(hf, hf_io.model_config(hf))
     params, info = restore_params(args.checkpoint, abstract, step=args.step)
     version = info["step"] if args.version is None else args.version
-    path = export((graphdef, params), hf, args.out, version, dtype=args.dtype, keep=args.keep,
-                  max_shard_bytes=args.max_shard_bytes, metadata={"source": "checkpoint", **info})
-    print(f"{path}  (checkpoint step {info['step']}, policy version {info['policy_version']}, "
-          f"{info['data_position']} prompts seen)", file=sys.stderr)
+    path = export(
+        (graphdef, params),
+        hf,
+        args.out,
+        version,
+        dtype=args.dtype,
+        keep=args.keep,
+        max_shard_bytes=args.max_shard_bytes,
+        metadata={"source": "checkpoint", **info},
+    )
+    print(
+        f"{path}  (checkpoint step {info['step']}, policy version {info['policy_version']}, "
+        f"{info['data_position']} prompts seen)",
+        file=sys.stderr,
+    )
     print(path)
     return 0

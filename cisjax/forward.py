@@ -35,8 +35,14 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
             model = nnx.merge(graphdef, params)
             runtime.check_compute_dtype(model, precision)
             out = model(tokens_BxT, positions_BxT, segments_BxT)
-            stats = logprobs_lib.token_logprobs(out.hidden_BxLxD, model.unembedding_DxV(), targets_BxT,
-                                                temperature=temperature, chunk_size=chunk_size, top_k=top_k)
+            stats = logprobs_lib.token_logprobs(
+                out.hidden_BxLxD,
+                model.unembedding_DxV(),
+                targets_BxT,
+                temperature=temperature,
+                chunk_size=chunk_size,
+                top_k=top_k,
+            )
         return Output(stats, out.expert_ids_XxBxLxK)
 
     return forward
@@ -50,8 +56,9 @@ def round_params(params, dtype):
     return jax.tree.map(lambda x: x.astype(dt).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def make_batch_logprobs(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int,
-                        params_shardings=None, round_to=None):
+def make_batch_logprobs(
+    graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, params_shardings=None, round_to=None
+):
     """Jitted `(params, TrainBatch [M, B, T]) -> logprobs_MxBxT` (fp32), one micro-batch at a time: the proximal
     rescoring at the start of a step and, with `round_to` (the published dtype) at temperature 1, the canary's
     trainer side. `params_shardings` defaults to the params' own."""
@@ -74,5 +81,8 @@ def make_batch_logprobs(graphdef, mesh, rules, *, precision: str, temperature: f
 def make_scorer(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):
     """Jitted `(params, tokens, positions, segments, targets) [B, T] -> Output` over rows placed with
     sharding.place (rows over the "batch" mesh axes): `cisjax score` and the mismatch observatory."""
-    return jax.jit(make_forward(graphdef, mesh, rules, precision=precision, temperature=temperature,
-                                chunk_size=chunk_size, top_k=top_k))
+    return jax.jit(
+        make_forward(
+            graphdef, mesh, rules, precision=precision, temperature=temperature, chunk_size=chunk_size, top_k=top_k
+        )
+    )

@@ -35,7 +35,9 @@ def run_info(args: argparse.Namespace, overrides: list[str] | None = None) -> in
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow")
+    p.add_argument(
+        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
+    )
 
 
 def run_config(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -28,7 +28,9 @@ def _scaled_logits(h_CxD, w_DxV, temperature, compute_dtype):
     dt = jnp.dtype(compute_dtype)
     # An explicit fp32 request means fp32: keep TPU/GPU from lowering the matmul to bf16 passes.
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
-    logits_CxV = jnp.einsum("cd,dv->cv", h_CxD.astype(dt), w_DxV.astype(dt), precision=precision, preferred_element_type=jnp.float32)
+    logits_CxV = jnp.einsum(
+        "cd,dv->cv", h_CxD.astype(dt), w_DxV.astype(dt), precision=precision, preferred_element_type=jnp.float32
+    )
     return logits_CxV / temperature
 
 
@@ -39,7 +41,9 @@ def _stats_from_logits(z_CxV, t_C, top_k: int):
     entropy_C = -jnp.sum(jnp.exp(logp_CxV) * logp_CxV, axis=-1)
     t_C = t_C.astype(jnp.int32)
     z_t_C = jnp.take_along_axis(z_CxV, jnp.clip(t_C, 0, z_CxV.shape[1] - 1)[:, None], axis=-1)[:, 0]
-    logprobs_C = jnp.where((t_C >= 0) & (t_C < z_CxV.shape[1]), z_t_C - lse_C, jnp.nan)  # a bad id gives NaN, never a number
+    logprobs_C = jnp.where(
+        (t_C >= 0) & (t_C < z_CxV.shape[1]), z_t_C - lse_C, jnp.nan
+    )  # a bad id gives NaN, never a number
     out = (logprobs_C, entropy_C, lse_C)
     if top_k:
         # approx_max_k, not lax.top_k: XLA's SPMD partitioner splits its rows over devices, where it gathers all of a
@@ -114,7 +118,9 @@ def _chunked_bwd(c, top_k, compute_dtype, res, cts):
     t_N = t_N.astype(jnp.int32)
     # Bad target ids have NaN logprobs; their (masked-out) cotangent must not reach the gradient through index clipping.
     g_lp_N = jnp.where((t_N >= 0) & (t_N < v), g_lp_N.astype(jnp.float32), 0.0)
-    xs = dict(h=h_NxD, t=jnp.clip(t_N, 0, v - 1), lse=lse_N, ent=entropy_N, g_lp=g_lp_N, g_ent=g_ent_N.astype(jnp.float32))
+    xs = dict(
+        h=h_NxD, t=jnp.clip(t_N, 0, v - 1), lse=lse_N, ent=entropy_N, g_lp=g_lp_N, g_ent=g_ent_N.astype(jnp.float32)
+    )
     if top_k:
         xs.update(ids=topk_ids_NxK, g_topk=cts[3].astype(jnp.float32))
     xs = {k: _to_chunks(x, m, c) for k, x in xs.items()}
@@ -133,7 +139,9 @@ def _chunked_bwd(c, top_k, compute_dtype, res, cts):
             dz_CxV = jax.vmap(lambda row_V, i_K, g_K: row_V.at[i_K].add(g_K))(dz_CxV, x["ids"], x["g_topk"])
         dlogits_CxV = (dz_CxV / temperature).astype(dt)
         dh_CxD = jnp.einsum("cv,dv->cd", dlogits_CxV, w_cd_DxV, precision=precision, preferred_element_type=jnp.float32)
-        dw_DxV = dw_DxV + jnp.einsum("cd,cv->dv", x["h"].astype(dt), dlogits_CxV, precision=precision, preferred_element_type=jnp.float32)
+        dw_DxV = dw_DxV + jnp.einsum(
+            "cd,cv->dv", x["h"].astype(dt), dlogits_CxV, precision=precision, preferred_element_type=jnp.float32
+        )
         return dw_DxV, dh_CxD.astype(h_NxD.dtype)
 
     dw_DxV, dh_MxCxD = lax.scan(body, jnp.zeros((d, v), jnp.float32), xs)
@@ -145,14 +153,28 @@ def _chunked_bwd(c, top_k, compute_dtype, res, cts):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def token_logprobs_backward(hidden_NxD, unembed_DxV, targets_N, lse_N, entropy_N, g_logprobs_N, *, temperature=1.0,
-                            chunk_size: int = 1024, compute_dtype=None):
+def token_logprobs_backward(
+    hidden_NxD,
+    unembed_DxV,
+    targets_N,
+    lse_N,
+    entropy_N,
+    g_logprobs_N,
+    *,
+    temperature=1.0,
+    chunk_size: int = 1024,
+    compute_dtype=None,
+):
     """token_logprobs' backward pass on its own, from the per-token logsumexp and entropy its forward saved:
     (d hidden [N, D], d unembed [D, V]) for the cotangent `g_logprobs_N` of the logprobs (none on the entropy).
     It is the step's backward over the head, recompute included; `cisjax plan` compiles it alone to cost it."""
-    h_NxD, t_N, temperature, compute_dtype, _ = _prepare(hidden_NxD, unembed_DxV, targets_N, temperature, 0, compute_dtype)
+    h_NxD, t_N, temperature, compute_dtype, _ = _prepare(
+        hidden_NxD, unembed_DxV, targets_N, temperature, 0, compute_dtype
+    )
     res = (h_NxD, unembed_DxV, t_N, temperature, lse_N.reshape(-1), entropy_N.reshape(-1), None)
-    dh, dw = _chunked_bwd(chunk_size, 0, compute_dtype, res, (g_logprobs_N.reshape(-1), jnp.zeros_like(entropy_N.reshape(-1))))[:2]
+    dh, dw = _chunked_bwd(
+        chunk_size, 0, compute_dtype, res, (g_logprobs_N.reshape(-1), jnp.zeros_like(entropy_N.reshape(-1)))
+    )[:2]
     return dh.reshape(hidden_NxD.shape), dw
 
 
@@ -178,8 +200,9 @@ def _result(stats, lead: tuple, top_k: int) -> TokenStats:
     return TokenStats(lp, ent, None, None)
 
 
-def token_logprobs(hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk_size: int = 1024, top_k: int = 0,
-                   compute_dtype=None) -> TokenStats:
+def token_logprobs(
+    hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk_size: int = 1024, top_k: int = 0, compute_dtype=None
+) -> TokenStats:
     """log p(target), entropy and optional top-k of softmax(hidden @ unembed / temperature), `chunk_size` tokens at a time.
 
     hidden [..., D] and targets [...] (ids in [0, V); an id outside gives a NaN logprob, so give masked positions any
@@ -198,15 +221,20 @@ def token_logprobs(hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk
     """
     if chunk_size < 1:
         raise errors.UserError(f"chunk_size={chunk_size} must be positive")
-    h_NxD, t_N, temperature, compute_dtype, lead = _prepare(hidden_NxD, unembed_DxV, targets_N, temperature, top_k, compute_dtype)
+    h_NxD, t_N, temperature, compute_dtype, lead = _prepare(
+        hidden_NxD, unembed_DxV, targets_N, temperature, top_k, compute_dtype
+    )
     return _result(_chunked(h_NxD, unembed_DxV, t_N, temperature, chunk_size, top_k, compute_dtype), lead, top_k)
 
 
-def naive_token_logprobs(hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk_size: int = 1024, top_k: int = 0,
-                         compute_dtype=None) -> TokenStats:
+def naive_token_logprobs(
+    hidden_NxD, unembed_DxV, targets_N, *, temperature=1.0, chunk_size: int = 1024, top_k: int = 0, compute_dtype=None
+) -> TokenStats:
     """token_logprobs on the full [N, V] logits at once, differentiated by plain autodiff (chunk_size is ignored):
     the memory/time baseline and the test oracle."""
     del chunk_size
-    h_NxD, t_N, temperature, compute_dtype, lead = _prepare(hidden_NxD, unembed_DxV, targets_N, temperature, top_k, compute_dtype)
+    h_NxD, t_N, temperature, compute_dtype, lead = _prepare(
+        hidden_NxD, unembed_DxV, targets_N, temperature, top_k, compute_dtype
+    )
     stats = _stats_from_logits(_scaled_logits(h_NxD, unembed_DxV, temperature, compute_dtype), t_N, top_k)
     return _result((stats[0], stats[1]) + stats[3:], lead, top_k)

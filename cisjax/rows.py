@@ -57,7 +57,9 @@ def pack(seqs: Sequence[Seq], row_tokens: int) -> list[list[int]]:
     for i in sorted(range(len(seqs)), key=lambda i: -seqs[i].positions):
         need = seqs[i].positions
         if need > row_tokens:
-            raise errors.UserError(f"sequence {i} needs {need} positions, more than a row ({row_tokens}); raise score.row_tokens")
+            raise errors.UserError(
+                f"sequence {i} needs {need} positions, more than a row ({row_tokens}); raise score.row_tokens"
+            )
         for r, space in enumerate(free):
             if space >= need:
                 rows[r].append(i)

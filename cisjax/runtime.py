@@ -27,8 +27,13 @@ def model_runtime(cfg) -> dict:
     """
     precision = resolve_precision(cfg)
     dtype = {"bf16": cfg.model.dtype, "fp32": "float32", "fp16": "float16"}[precision]
-    return dict(dtype=dtype, param_dtype=cfg.model.param_dtype, router_dtype=cfg.model.router_dtype,
-                moe_impl=cfg.model.moe_impl, moe_tile=int(cfg.model.moe_tile) or None)
+    return dict(
+        dtype=dtype,
+        param_dtype=cfg.model.param_dtype,
+        router_dtype=cfg.model.router_dtype,
+        moe_impl=cfg.model.moe_impl,
+        moe_tile=int(cfg.model.moe_tile) or None,
+    )
 
 
 def check_compute_dtype(model, precision: str) -> None:
@@ -36,8 +41,10 @@ def check_compute_dtype(model, precision: str) -> None:
     want = {"fp32": jnp.float32, "fp16": jnp.float16}.get(precision)
     have = jnp.dtype(model.cfg.dtype)
     if want is not None and have != jnp.dtype(want):
-        raise ValueError(f"train.precision={precision} but the model computes in {have.name}: build it with "
-                         f"cisjax.runtime.model_runtime(cfg)")
+        raise ValueError(
+            f"train.precision={precision} but the model computes in {have.name}: build it with "
+            f"cisjax.runtime.model_runtime(cfg)"
+        )
 
 
 def precision_of(dtype) -> str:

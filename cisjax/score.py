@@ -32,11 +32,15 @@ def read_items(path: str | Path, vocab_size: int) -> list[rows_lib.Seq]:
             ids = {}
             for key in ("prompt_ids", "response_ids"):
                 value = obj.get(key)
-                if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                if not isinstance(value, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in value
+                ):
                     raise errors.UserError(f"{path}:{n}: {key!r} must be a list of token ids")
                 bad = [t for t in value if not 0 <= t < vocab_size]
                 if bad:
-                    raise errors.UserError(f"{path}:{n}: {key!r} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                    raise errors.UserError(
+                        f"{path}:{n}: {key!r} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+                    )
                 ids[key] = value
             if not ids["prompt_ids"]:
                 raise errors.UserError(f"{path}:{n}: 'prompt_ids' is empty (the first response token needs a context)")
@@ -48,14 +52,31 @@ class Scorer:
     """The trainer forward (forward.make_scorer) over packed rows of `row_tokens` positions, `rows_per_call` rows per
     call (rounded up to the mesh's batch shards; empty rows pad the last call)."""
 
-    def __init__(self, model, mesh, rules, *, temperature: float, chunk_size: int, top_k: int, row_tokens: int,
-                 rows_per_call: int):
+    def __init__(
+        self,
+        model,
+        mesh,
+        rules,
+        *,
+        temperature: float,
+        chunk_size: int,
+        top_k: int,
+        row_tokens: int,
+        rows_per_call: int,
+    ):
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.rules, self.top_k, self.row_tokens = mesh, rules, int(top_k), int(row_tokens)
         multiple = sharding.axis_multiple(mesh, rules, "batch")
         self.rows_per_call = -(-int(rows_per_call) // multiple) * multiple
-        self.fn = forward.make_scorer(self.graphdef, mesh, rules, precision=runtime.precision_of(model.cfg.dtype),
-                                      temperature=temperature, chunk_size=chunk_size, top_k=top_k)
+        self.fn = forward.make_scorer(
+            self.graphdef,
+            mesh,
+            rules,
+            precision=runtime.precision_of(model.cfg.dtype),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            top_k=top_k,
+        )
 
     def prepare(self, seqs: list[rows_lib.Seq]) -> list[rows_lib.Rows]:
         """The host rows of every call (packing first-fit-decreasing; row_tokens 0 = the longest, rounded to 128)."""
@@ -88,13 +109,32 @@ class Scorer:
                 results[i] = res
 
 
-def score_items(model, items: list[rows_lib.Seq], mesh, rules, *, temperature=1.0, chunk_size=1024, top_k=0,
-                row_tokens=0, rows_per_call=8, progress=True) -> list[dict]:
+def score_items(
+    model,
+    items: list[rows_lib.Seq],
+    mesh,
+    rules,
+    *,
+    temperature=1.0,
+    chunk_size=1024,
+    top_k=0,
+    row_tokens=0,
+    rows_per_call=8,
+    progress=True,
+) -> list[dict]:
     """Per item: logprobs (and entropy, top-k, routing) of its response tokens, in input order."""
     if not items:
         return []
-    scorer = Scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=top_k,
-                    row_tokens=row_tokens, rows_per_call=rows_per_call)
+    scorer = Scorer(
+        model,
+        mesh,
+        rules,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        top_k=top_k,
+        row_tokens=row_tokens,
+        rows_per_call=rows_per_call,
+    )
     prepared = scorer.prepare(items)
     results: list[dict | None] = [None] * len(items)
     bar = None
@@ -119,12 +159,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--input", required=True, help='jsonl with {"prompt_ids": [...], "response_ids": [...]} per line')
     p.add_argument("--output", required=True, help='jsonl written line for line: {"logprobs": [...], ...}')
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="parameter and compute dtype (default bfloat16, as the rollout engine)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature of the rollouts (default: config logprobs.temperature)")
-    p.add_argument("--top-k", type=int, default=None, help="also write top-k ids/logprobs per token (default: config logprobs.top_k)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="parameter and compute dtype (default bfloat16, as the rollout engine)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature of the rollouts (default: config logprobs.temperature)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="also write top-k ids/logprobs per token (default: config logprobs.top_k)",
+    )
     p.add_argument("--entropy", action="store_true", help="also write the per-token entropy")
-    p.add_argument("--routing", action="store_true", help="also write selected expert ids per MoE layer ([token][layer][k])")
-    p.add_argument("--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow")
+    p.add_argument(
+        "--routing", action="store_true", help="also write selected expert ids per MoE layer ([token][layer][k])"
+    )
+    p.add_argument(
+        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -135,8 +194,14 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     model, mcfg, _ = hf_io.load(
-        args.model, mesh=mesh, rules=rules, dtype=args.dtype, param_dtype=args.dtype,
-        router_dtype=cfg.model.router_dtype, moe_impl=cfg.model.moe_impl, moe_tile=cfg.model.moe_tile or None,
+        args.model,
+        mesh=mesh,
+        rules=rules,
+        dtype=args.dtype,
+        param_dtype=args.dtype,
+        router_dtype=cfg.model.router_dtype,
+        moe_impl=cfg.model.moe_impl,
+        moe_tile=cfg.model.moe_tile or None,
     )
     items = read_items(args.input, mcfg.vocab_size)
     top_k = cfg.logprobs.top_k if args.top_k is None else args.top_k
@@ -144,10 +209,25 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     if temperature <= 0:
         raise errors.UserError("--temperature must be > 0 (greedy rollouts: score at temperature 1)")
     results = score_items(
-        model, items, mesh, rules, temperature=temperature, chunk_size=cfg.logprobs.chunk_size, top_k=top_k,
-        row_tokens=cfg.score.row_tokens, rows_per_call=cfg.score.rows, progress=not args.no_progress,
+        model,
+        items,
+        mesh,
+        rules,
+        temperature=temperature,
+        chunk_size=cfg.logprobs.chunk_size,
+        top_k=top_k,
+        row_tokens=cfg.score.row_tokens,
+        rows_per_call=cfg.score.rows,
+        progress=not args.no_progress,
     )
-    keys = ["logprobs"] + (["entropy"] if args.entropy else []) + (["topk_ids", "topk_logprobs"] if top_k else []) + (["routing"] if args.routing else [])
+    keys = (
+        ["logprobs"]
+        + (["entropy"] if args.entropy else [])
+        + (["topk_ids", "topk_logprobs"] if top_k else [])
+        + (["routing"] if args.routing else [])
+    )
     files.write_jsonl_atomic(args.output, results, keys)
-    print(f"scored {len(items)} sequences, {sum(len(it.response_ids) for it in items)} response tokens -> {args.output}")
+    print(
+        f"scored {len(items)} sequences, {sum(len(it.response_ids) for it in items)} response tokens -> {args.output}"
+    )
     return 0

@@ -55,7 +55,9 @@ def rules_from_config(overrides: Mapping | None = None) -> dict:
         axes = (target,) if isinstance(target, str) or target is None else target
         for axis in axes:
             if axis is not None and axis not in MESH_AXES:
-                raise errors.UserError(f"sharding rule {name!r} -> unknown mesh axis {axis!r}; mesh axes are {MESH_AXES}")
+                raise errors.UserError(
+                    f"sharding rule {name!r} -> unknown mesh axis {axis!r}; mesh axes are {MESH_AXES}"
+                )
         if len(set(axes)) != len(axes):
             raise errors.UserError(f"sharding rule {name!r} -> {target!r} names a mesh axis twice")
     return rules
@@ -78,12 +80,16 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> Mesh
             raise errors.UserError(f"mesh {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices")
         sizes[sizes.index(-1)] = len(devices) // rest
     if math.prod(sizes) != len(devices):
-        raise errors.UserError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}")
+        raise errors.UserError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
+        )
     arr = np.asarray(devices).reshape(sizes)
     return Mesh(arr, MESH_AXES)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry the logical names `axes`."""
     used: set[str] = set()
     out = []

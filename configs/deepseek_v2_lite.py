@@ -8,7 +8,9 @@ import qwen15_moe_a27b
 def get_config():
     c = qwen15_moe_a27b.get_config()  # the same recipe; vLLM rollouts, weights reloaded from disk every step
     c.model.path = ""  # a local copy of deepseek-ai/DeepSeek-V2-Lite (set with --config.model.path=DIR)
-    c.model.hf_config = os.path.join(os.path.dirname(__file__), "models", "deepseek_v2_lite.json")  # the architecture, no weights (cisjax plan)
+    c.model.hf_config = os.path.join(
+        os.path.dirname(__file__), "models", "deepseek_v2_lite.json"
+    )  # the architecture, no weights (cisjax plan)
     c.publish.mode = "disk"
     # The paper kept the optimizer states in bf16 for this model; cisjax keeps fp32 moments (model.param_dtype).
     c.run.dir = "runs/deepseek_v2_lite"

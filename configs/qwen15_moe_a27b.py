@@ -8,7 +8,9 @@ import base
 def get_config():
     c = base.get_config()
     c.model.path = ""  # a local copy of Qwen/Qwen1.5-MoE-A2.7B (set with --config.model.path=DIR)
-    c.model.hf_config = os.path.join(os.path.dirname(__file__), "models", "qwen15_moe_a27b.json")  # the architecture, no weights (cisjax plan)
+    c.model.hf_config = os.path.join(
+        os.path.dirname(__file__), "models", "qwen15_moe_a27b.json"
+    )  # the architecture, no weights (cisjax plan)
     c.data.source = "hf:openai/gsm8k:main"  # or a local GSM8K train.jsonl
     c.data.kind = "gsm8k"
     # the recipe: lr 3e-6, weight decay 0.01, clip (0.2, 0.28), no KL, 4 samples per prompt at T = 1,

@@ -8,7 +8,9 @@ import qwen15_moe_a27b
 def get_config():
     c = qwen15_moe_a27b.get_config()
     c.model.path = ""  # a local copy of Qwen/Qwen3-30B-A3B (set with --config.model.path=DIR)
-    c.model.hf_config = os.path.join(os.path.dirname(__file__), "models", "qwen3_30b_a3b.json")  # the architecture, no weights (cisjax plan)
+    c.model.hf_config = os.path.join(
+        os.path.dirname(__file__), "models", "qwen3_30b_a3b.json"
+    )  # the architecture, no weights (cisjax plan)
     c.publish.mode = "disk"  # weights reloaded from disk after every step, as in the paper
     c.mesh.fsdp, c.mesh.expert = -1, 1  # raise mesh.expert on a pod slice (128 experts)
     # Thinking mode off in training and evaluation: cisjax.data.PromptFormatter passes enable_thinking=False.

@@ -66,7 +66,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("::")[0]
         if module in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", ".")))
+            item.add_marker(
+                pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", "."))
+            )
     # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
     # taken last would keep one worker busy while the other has nothing left to do
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

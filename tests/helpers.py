@@ -25,31 +25,96 @@ SHARDABLE_QWEN2_MOE = dict(
 # Built and saved once per test session (per xdist worker) by the `tiny_hf_dir` fixture (tests/conftest.py), with
 # per-test overrides; a test that needs another shape passes its differences, not a copy of the whole config.
 TINY_FAMILIES = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        architectures=["Qwen2MoeForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24, shared_expert_intermediate_size=48,
-        num_experts=8, num_experts_per_tok=2, max_position_embeddings=128)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16,  # explicit, != hidden_size // num_attention_heads
-        moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128)),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        architectures=["DeepseekV2ForCausalLM"], vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
-        num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8,
-        num_experts_per_tok=3, moe_intermediate_size=12, n_shared_experts=2, max_position_embeddings=512)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=56,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=128,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,  # explicit, != hidden_size // num_attention_heads
+            moe_intermediate_size=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+        ),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            architectures=["DeepseekV2ForCausalLM"],
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=6,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=12,
+            n_shared_experts=2,
+            max_position_embeddings=512,
+        ),
+    ),
 }
 # The Qwen2-MoE the rollout-server tests run on transformers (and `cisjax score`'s tests): its own head and MoE sizes.
 SERVER_QWEN2_MOE = dict(
-    hidden_size=32, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-    norm_topk_prob=False)
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    norm_topk_prob=False,
+)
 # The vLLM CPU engine's test model: hidden and MoE sizes multiples of 32 (vLLM's CPU MoE kernel pads others), head_dim 32.
 VLLM_QWEN2_MOE = dict(
-    hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=32,
-    shared_expert_intermediate_size=64, norm_topk_prob=False)
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    norm_topk_prob=False,
+)
 
 
 def tiny_hf_config(family: str, **overrides) -> dict:
@@ -65,7 +130,9 @@ MESHES = {
 }
 
 
-def save_tiny_hf(path, config_cls_name: str, model_cls_name: str, seed: int = 0, dtype: str = "float32", **config) -> str:
+def save_tiny_hf(
+    path, config_cls_name: str, model_cls_name: str, seed: int = 0, dtype: str = "float32", **config
+) -> str:
     """Build a tiny random transformers model, save_pretrained it to `path`, return the path."""
     import torch
     import transformers
@@ -91,13 +158,17 @@ def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, posi
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     captured = []
 
     def hook(_module, _inputs, output):
         captured.append(output[2].detach().numpy())
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    handles = [
+        m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")
+    ]
     kwargs = {}
     if attention_mask is not None:
         kwargs["attention_mask"] = torch.as_tensor(attention_mask)

@@ -9,7 +9,9 @@ from cisjax import cli
 
 
 def _help(*args):
-    return subprocess.run([sys.executable, "-m", "cisjax.cli", *args, "--help"], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cisjax.cli", *args, "--help"], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_top_level_help_lists_commands():
@@ -47,12 +49,63 @@ def test_config_command_prints_overrides(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "moe", "--shapes", "4x2x16", "--tokens", "64", "--hidden", "32", "--repeats", "1", "--slow-repeats", "1"],
-        ["bench", "logprobs", "--vocab", "512", "--tokens", "64", "--hidden", "32", "--chunk-size", "16", "--repeats", "1"],
+        [
+            "bench",
+            "moe",
+            "--shapes",
+            "4x2x16",
+            "--tokens",
+            "64",
+            "--hidden",
+            "32",
+            "--repeats",
+            "1",
+            "--slow-repeats",
+            "1",
+        ],
+        [
+            "bench",
+            "logprobs",
+            "--vocab",
+            "512",
+            "--tokens",
+            "64",
+            "--hidden",
+            "32",
+            "--chunk-size",
+            "16",
+            "--repeats",
+            "1",
+        ],
         pytest.param(  # compiles train steps (several configurations): `slow`
-            ["bench", "step", "--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--experts", "4",
-             "--moe-intermediate", "16", "--shared-intermediate", "16", "--vocab", "64", "--batch", "8", "--seq", "16",
-             "--repeats", "1"], marks=pytest.mark.slow),
+            [
+                "bench",
+                "step",
+                "--hidden",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--experts",
+                "4",
+                "--moe-intermediate",
+                "16",
+                "--shared-intermediate",
+                "16",
+                "--vocab",
+                "64",
+                "--batch",
+                "8",
+                "--seq",
+                "16",
+                "--repeats",
+                "1",
+            ],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["moe", "logprobs", "step"],
 )
@@ -67,8 +120,10 @@ def test_bench_runs_tiny_and_writes_json(argv, tmp_path, capsys):
 
 def test_command_imports_only_its_own_module():
     """`cisjax serve` must not import the trainer side (jax) into the server process."""
-    code = ("import sys; from cisjax import cli; cli.build_parser(['serve', '--help']); "
-            "print('jax' in sys.modules, 'cisjax.score' in sys.modules)")
+    code = (
+        "import sys; from cisjax import cli; cli.build_parser(['serve', '--help']); "
+        "print('jax' in sys.modules, 'cisjax.score' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "False"]

@@ -6,8 +6,16 @@ from cisjax import config, errors
 
 
 def test_base_loads_and_overrides_typed():
-    c = config.load(None, ["--config.mesh.fsdp=2", "--config.model.dtype=float32", "--config.logprobs.temperature=0.5",
-                          "--config.sharding.rules.embed=none", "--config.sharding.rules.batch=('data','fsdp')"])
+    c = config.load(
+        None,
+        [
+            "--config.mesh.fsdp=2",
+            "--config.model.dtype=float32",
+            "--config.logprobs.temperature=0.5",
+            "--config.sharding.rules.embed=none",
+            "--config.sharding.rules.batch=('data','fsdp')",
+        ],
+    )
     assert c.mesh.fsdp == 2 and isinstance(c.mesh.fsdp, int)
     assert c.model.dtype == "float32"
     assert c.logprobs.temperature == 0.5
@@ -37,11 +45,13 @@ def _flag_config():
 
 def test_experiment_file_builds_on_base(tmp_path):
     exp = tmp_path / "exp.py"
-    exp.write_text("from cisjax.config import default_config_path, load_file\n"
-                   "def get_config():\n"
-                   "    c = load_file(default_config_path())\n"
-                   "    c.mesh.tensor = 2\n"
-                   "    return c\n")
+    exp.write_text(
+        "from cisjax.config import default_config_path, load_file\n"
+        "def get_config():\n"
+        "    c = load_file(default_config_path())\n"
+        "    c.mesh.tensor = 2\n"
+        "    return c\n"
+    )
     c = config.load(exp, ["--config.seed=3"])
     assert c.mesh.tensor == 2 and c.seed == 3
 

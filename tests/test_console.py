@@ -28,7 +28,9 @@ def test_quiet_by_default():
 
 
 def test_verbose_flag_anywhere_turns_library_info_back_on(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "build_parser", lambda rest: pytest.fail(f"parsed {rest}") if "--verbose" in rest else _Stop())
+    monkeypatch.setattr(
+        cli, "build_parser", lambda rest: pytest.fail(f"parsed {rest}") if "--verbose" in rest else _Stop()
+    )
     with pytest.raises(_Done):
         cli.main(["config", "--verbose"])
     import os

@@ -43,7 +43,12 @@ def test_gsm8k_file_and_directory():
     [
         ("math500", "test/precalculus/807.json", "Convert the point $(0,3)$", "\\left( 3, \\frac{\\pi}{2} \\right)"),
         ("dapo_math_17k", "dapo/0", "In triangle $ABC$", "34"),
-        ("svamp", "chal-777", "There are 87 oranges and 290 bananas in Philip's collection. If the bananas are organized into 2 groups and oranges are organized into 93 groups. How big", "145"),
+        (
+            "svamp",
+            "chal-777",
+            "There are 87 oranges and 290 bananas in Philip's collection. If the bananas are organized into 2 groups and oranges are organized into 93 groups. How big",
+            "145",
+        ),
         ("minerva_math", "minerva/0", "Each of the two Magellan telescopes", "1.6"),
         ("olympiadbench", "olympiadbench/1606", "Xenia and Sergey play the following game.", "2"),
     ],
@@ -56,13 +61,17 @@ def test_eval_kinds(kind, first_id, question_start, answer):
 
 
 def test_olympiadbench_strips_math_delimiters():
-    assert load_problems(FIXTURES / "eval" / "olympiadbench.jsonl", kind="olympiadbench")[1].answer == "\\frac{1}{2 n+2}"
+    assert (
+        load_problems(FIXTURES / "eval" / "olympiadbench.jsonl", kind="olympiadbench")[1].answer == "\\frac{1}{2 n+2}"
+    )
 
 
 def test_olympiadbench_multiple_answers_in_one_string(tmp_path):
     # the shapes of OlympiadBench's final_answer for several answers (ids 2498, 1803, 2021 of the Qwen2.5-Math file)
-    rows = [{"question": "q", "final_answer": [a]} for a in ("$90^{\\circ}$,$60^{\\circ}$", "$a=2$, $a=-6-4 \\sqrt{2}$",
-                                                            "$(-\\infty, 0) \\cup\\{1\\}$.", "$\\$5$")]
+    rows = [
+        {"question": "q", "final_answer": [a]}
+        for a in ("$90^{\\circ}$,$60^{\\circ}$", "$a=2$, $a=-6-4 \\sqrt{2}$", "$(-\\infty, 0) \\cup\\{1\\}$.", "$\\$5$")
+    ]
     path = _write(tmp_path / "o.jsonl", [json.dumps(r) for r in rows])
     answers = [p.answer for p in load_problems(path, kind="olympiadbench")]
     assert answers == ["90^{\\circ}, 60^{\\circ}", "a=2, a=-6-4 \\sqrt{2}", "(-\\infty, 0) \\cup\\{1\\}", "\\$5"]
@@ -157,13 +166,17 @@ def test_qwen25_chat_template(qwen25):
     ids = qwen25.encode(QUESTION)
     assert ids[:3] == [151644, 8948, 198]  # <|im_start|> system \n
     assert ids[-3:] == [151644, 77091, 198]  # <|im_start|> assistant \n
-    hf = qwen25.tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}], tokenize=True, add_generation_prompt=True)
+    hf = qwen25.tokenizer.apply_chat_template(
+        [{"role": "user", "content": MESSAGE}], tokenize=True, add_generation_prompt=True
+    )
     assert ids == list(hf["input_ids"])
     assert qwen25.stop_token_ids == (151643, 151645)  # <|endoftext|>, <|im_end|>
 
 
 def test_qwen3_chat_template_thinking_off(qwen3):
-    assert qwen3.text(QUESTION) == f"<|im_start|>user\n{MESSAGE}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert (
+        qwen3.text(QUESTION) == f"<|im_start|>user\n{MESSAGE}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     ids = qwen3.encode(QUESTION)
     assert ids[:3] == [151644, 872, 198]  # <|im_start|> user \n: no system message
     assert ids[-4:] == [151667, 271, 151668, 271]  # <think> \n\n </think> \n\n: the empty thought
@@ -174,8 +187,10 @@ def test_qwen3_chat_template_thinking_off(qwen3):
 def test_system_message(qwen25):
     fmt = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", instruction="", system="Reason, then box.")
     # the given system message replaces the template's default one; the user message is the bare question
-    assert fmt.text(QUESTION) == ("<|im_start|>system\nReason, then box.<|im_end|>\n"
-                                  f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert fmt.text(QUESTION) == (
+        "<|im_start|>system\nReason, then box.<|im_end|>\n"
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     plain = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", chat_template=False, system="Reason, then box.")
     assert plain.text(QUESTION) == f"Reason, then box.\n\n{MESSAGE}"
 
@@ -183,7 +198,9 @@ def test_system_message(qwen25):
 def test_plain_prompt_and_bad_question(qwen25):
     plain = PromptFormatter(TOKENIZERS / "qwen2.5-instruct", chat_template=False)
     assert plain.text(QUESTION) == MESSAGE
-    assert plain.encode_batch([Problem("a", QUESTION, "2")]) == [qwen25.tokenizer.encode(MESSAGE, add_special_tokens=False)]
+    assert plain.encode_batch([Problem("a", QUESTION, "2")]) == [
+        qwen25.tokenizer.encode(MESSAGE, add_special_tokens=False)
+    ]
     with pytest.raises(ValueError, match="non-empty string"):
         qwen25.encode("  ")
 

@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from cisjax import runtime
-from cisjax import demo, sharding
+from cisjax import demo, runtime, sharding
 from cisjax.data import TRAIN_INSTRUCTION, PromptFormatter, load_problems
 from cisjax.models import hf_io
 from cisjax.train import step as step_lib
@@ -29,12 +28,19 @@ def test_tokenizer_round_trip_and_chat_template(tok_dir):
     tok = AutoTokenizer.from_pretrained(tok_dir)
     assert len(tok) == len(demo.CHARS) + len(demo.SPECIALS) == 100
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    for text in ["What is 23 + 45?", "  two  spaces\n\nand \\boxed{-7}.", demo.CHARS, "<|im_start|>a<|im_end|>\n<|endoftext|>"]:
+    for text in [
+        "What is 23 + 45?",
+        "  two  spaces\n\nand \\boxed{-7}.",
+        demo.CHARS,
+        "<|im_start|>a<|im_end|>\n<|endoftext|>",
+    ]:
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.encode("ab", add_special_tokens=False) == [demo.CHARS.index("a"), demo.CHARS.index("b")]
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [tok.eos_token_id]
-    assert tok.decode(tok.encode("é", add_special_tokens=False), skip_special_tokens=True) == ""  # <unk>, a special token
+    assert (
+        tok.decode(tok.encode("é", add_special_tokens=False), skip_special_tokens=True) == ""
+    )  # <unk>, a special token
 
     message = "What is 23 + 45? " + TRAIN_INSTRUCTION
     text = tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
@@ -44,7 +50,10 @@ def test_tokenizer_round_trip_and_chat_template(tok_dir):
     assert tok.decode(ids, skip_special_tokens=False) == text
 
     fmt = PromptFormatter(tok_dir)  # the RL loop's prompts
-    assert fmt.text("What is 1 + 2?") == f"<|im_start|>user\nWhat is 1 + 2?\n{TRAIN_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        fmt.text("What is 1 + 2?")
+        == f"<|im_start|>user\nWhat is 1 + 2?\n{TRAIN_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert set(fmt.stop_token_ids) == {tok.eos_token_id, tok.pad_token_id}
     assert fmt.decode(fmt.tokenizer.encode("\\boxed{68}<|im_end|>", add_special_tokens=False)) == "\\boxed{68}"
 
@@ -58,7 +67,7 @@ def test_task_deterministic_and_disjoint(tmp_path):
     assert len(questions) == len(train) and not questions & {r["question"] for r in held}
     assert len(train) + len(held) == 90 * 90 + 90 * 91 // 2  # every addition, every subtraction with a >= b
     for r in held:
-        a, op, b = r["question"][len("What is "):-1].split()
+        a, op, b = r["question"][len("What is ") : -1].split()
         assert f"What is {b} {op} {a}?" not in questions
         assert int(r["answer"].rsplit("#### ", 1)[1]) == demo.solve(int(a), op, int(b)) >= 0
     demo.write_jsonl(tmp_path / "heldout.jsonl", held)
@@ -109,7 +118,10 @@ def test_a1_policy_gradient_is_cross_entropy_gradient(tok_dir):
     batch = demo.sft_batch(arrays, np.arange(6))
     prox = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, batch))
     batch = demo.sft_batch(arrays, np.arange(6), prox)
-    assert np.allclose(batch.prox_logprobs_MxBxT, batch.infer_logprobs_MxBxT) and batch.advantages_MxBxT.sum() == batch.loss_mask_MxBxT.sum()
+    assert (
+        np.allclose(batch.prox_logprobs_MxBxT, batch.infer_logprobs_MxBxT)
+        and batch.advantages_MxBxT.sum() == batch.loss_mask_MxBxT.sum()
+    )
     mb = type(batch)(*(x[0] for x in batch))  # the [B, T] micro-batch the step's loss sees
     loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
     denominator = float(mb.loss_mask_MxBxT.sum())
@@ -138,8 +150,22 @@ def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     import transformers
 
     out = tmp_path / "demo"
-    argv = ["prepare", "--out", str(out), "--seed", "1", "--warmup-steps", "3", "--batch-size", "8", "--heldout", "16",
-            "--eval-size", "4", "--config.train.lr=1e-3"]
+    argv = [
+        "prepare",
+        "--out",
+        str(out),
+        "--seed",
+        "1",
+        "--warmup-steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--heldout",
+        "16",
+        "--eval-size",
+        "4",
+        "--config.train.lr=1e-3",
+    ]
     assert demo.main(argv) == 0
     summary = json.loads((out / "warmup.json").read_text())
     assert len(summary["loss_curve"]) == 3 and 0 <= summary["after"]["greedy"]["accuracy"] <= 1
@@ -148,7 +174,9 @@ def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     assert len(load_problems(out / "data", "heldout")) in (16, 17)
     model_dir = out / "model"
     fmt = PromptFormatter(model_dir)
-    ids = np.array([fmt.encode("What is 12 + 34?") + fmt.tokenizer.encode("\\boxed{46}<|im_end|>", add_special_tokens=False)])
+    ids = np.array(
+        [fmt.encode("What is 12 + 34?") + fmt.tokenizer.encode("\\boxed{46}<|im_end|>", add_special_tokens=False)]
+    )
 
     model, _, hf = hf_io.load(model_dir, dtype="float32")
     ours = np.asarray(model.logits(model(jnp.asarray(ids)).hidden_BxLxD))

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cisjax import distributed
 
@@ -25,8 +26,12 @@ def test_single_process_answers_are_this_process_values():
 
 
 def test_broadcast_returns_process_zero_value_unchanged():
-    tree = (Pair(np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False])),
-            np.array([2**40 + 1], np.int64), {"reward/mean": 0.125, "name": "x"}, None)
+    tree = (
+        Pair(np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False])),
+        np.array([2**40 + 1], np.int64),
+        {"reward/mean": 0.125, "name": "x"},
+        None,
+    )
     out = distributed.broadcast(tree)
     assert out is tree  # one process: nothing travels
     assert distributed.broadcast(7) == 7
@@ -63,7 +68,11 @@ class _TwoProcesses:
         monkeypatch.setattr(jax, "process_index", lambda: self.index)
         monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", self._broadcast)
         self.flags = [None, None]  # the other process's any_process flag
-        monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([np.asarray(x), np.asarray(self.flags[1 - self.index])]))
+        monkeypatch.setattr(
+            multihost_utils,
+            "process_allgather",
+            lambda x: np.stack([np.asarray(x), np.asarray(self.flags[1 - self.index])]),
+        )
 
     def _broadcast(self, x):
         x = np.asarray(x)
@@ -81,9 +90,13 @@ class _TwoProcesses:
 
 def test_broadcast_between_two_processes_is_exact(monkeypatch):
     procs = _TwoProcesses(monkeypatch)
-    value = (Pair(np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False])),
-             np.array([2**40 + 1, -3], np.int64), np.array([1.5, -0.0, np.inf], ml_dtypes.bfloat16),
-             {"reward/mean": 0.1, "name": "é"}, None)
+    value = (
+        Pair(np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False])),
+        np.array([2**40 + 1, -3], np.int64),
+        np.array([1.5, -0.0, np.inf], ml_dtypes.bfloat16),
+        {"reward/mean": 0.1, "name": "é"},
+        None,
+    )
     assert procs.run(0, distributed.broadcast, value) is not None
     got = procs.run(1, distributed.broadcast, None)
     assert procs.sent == []  # process 1 took part in every broadcast process 0 did

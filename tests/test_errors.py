@@ -35,7 +35,9 @@ def test_the_classes():
     assert issubclass(CheckpointError, errors.UserError)  # a model or checkpoint directory that does not fit
 
 
-@pytest.mark.parametrize("exc", [errors.UserError("--thing 3: must be even"), errors.MissingInput("--thing 3: must be even")])
+@pytest.mark.parametrize(
+    "exc", [errors.UserError("--thing 3: must be even"), errors.MissingInput("--thing 3: must be even")]
+)
 def test_a_user_error_is_one_line_and_exit_code_2(monkeypatch, capsys, exc):
     _fake_command(monkeypatch, _raise(exc))
     assert cli.main(["fake"]) == 2
@@ -43,7 +45,9 @@ def test_a_user_error_is_one_line_and_exit_code_2(monkeypatch, capsys, exc):
     assert err == "cisjax fake: error: --thing 3: must be even\n" and out == ""
 
 
-@pytest.mark.parametrize("exc", [ValueError("shapes (2, 3) and (4,) differ"), KeyError("layers.0.wq"), FileNotFoundError("/tmp/x")])
+@pytest.mark.parametrize(
+    "exc", [ValueError("shapes (2, 3) and (4,) differ"), KeyError("layers.0.wq"), FileNotFoundError("/tmp/x")]
+)
 def test_any_other_error_is_a_bug_and_propagates(monkeypatch, capsys, exc):
     _fake_command(monkeypatch, _raise(exc))
     with pytest.raises(type(exc)) as raised:
@@ -78,6 +82,14 @@ def test_unknown_plan_topology(capsys):
 
 
 def test_missing_score_input(tmp_path, capsys):
-    argv = ["score", "--model", str(tmp_path), "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    argv = [
+        "score",
+        "--model",
+        str(tmp_path),
+        "--input",
+        str(tmp_path / "nope.jsonl"),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+    ]
     assert cli.main(argv) == 2
     assert _one_line_error(capsys, "score") == f"cisjax score: error: --input {tmp_path / 'nope.jsonl'}: no such file"

@@ -24,7 +24,7 @@ from cisjax import config as config_lib
 from cisjax import export as ex
 from cisjax.models import hf_io
 from cisjax.train import state as state_lib
-from cisjax.train.checkpoint import CheckpointError, Checkpointer
+from cisjax.train.checkpoint import Checkpointer, CheckpointError
 from cisjax.train.optim import make_optimizer
 from tests.helpers import hf_forward, tiny_hf_config
 from tests.models.parity import LOGITS_TOL
@@ -91,7 +91,11 @@ def test_fp32_export_loads_in_transformers(loaded, exported, src):
     assert names(path) == ["config.json", "manifest.json", "model.safetensors"]
     manifest = ex.verify(path)
     assert manifest["version"] == 1 and manifest["dtype"] == "float32" and manifest["format"] == ex.FORMAT
-    assert manifest["cisjax_version"] and manifest["created"].endswith("Z") and manifest["architecture"] == "Qwen2MoeForCausalLM"
+    assert (
+        manifest["cisjax_version"]
+        and manifest["created"].endswith("Z")
+        and manifest["architecture"] == "Qwen2MoeForCausalLM"
+    )
     for name in ("config.json", "model.safetensors"):
         data = (path / name).read_bytes()
         assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -146,8 +150,14 @@ DAMAGE = {
     "flipped_byte": (_flip, ["model.safetensors", "sha256"]),
     "truncated": (_truncate, ["model.safetensors", "size"]),
     "missing": (lambda p: (p / "config.json").unlink(), ["config.json", "missing"]),
-    "unexpected": (lambda p: (p / "model-00002-of-00002.safetensors").write_bytes(b"x"), ["model-00002-of-00002.safetensors", "unexpected"]),
-    "edited_config": (lambda p: (p / "config.json").write_text((p / "config.json").read_text().replace("97", "98")), ["config.json"]),
+    "unexpected": (
+        lambda p: (p / "model-00002-of-00002.safetensors").write_bytes(b"x"),
+        ["model-00002-of-00002.safetensors", "unexpected"],
+    ),
+    "edited_config": (
+        lambda p: (p / "config.json").write_text((p / "config.json").read_text().replace("97", "98")),
+        ["config.json"],
+    ),
     "no_manifest": (lambda p: (p / "manifest.json").unlink(), ["no manifest.json"]),
 }
 
@@ -219,7 +229,9 @@ def test_stale_tmp_dirs(loaded, tmp_path):
     writer's young tmp dir stays."""
     model, hf = loaded
     host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     made = {
         f".tmp-v000002-aaaa-{dead}@{host}": False,  # dead pid here
         f".tmp-v000002-bbbb-{os.getppid()}@{host}": True,  # alive here
@@ -231,7 +243,10 @@ def test_stale_tmp_dirs(loaded, tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"partial")
     past = time.time() - 3600
-    for p in [tmp_path / ".tmp-v000002-dddd-1@elsewhere.old", tmp_path / ".tmp-v000002-dddd-1@elsewhere.old" / "model.safetensors"]:
+    for p in [
+        tmp_path / ".tmp-v000002-dddd-1@elsewhere.old",
+        tmp_path / ".tmp-v000002-dddd-1@elsewhere.old" / "model.safetensors",
+    ]:
         os.utime(p, (past, past))
     ex.export(model, hf, tmp_path, 1)
     assert names(tmp_path) == sorted(["LATEST", "v000001"] + [n for n, kept in made.items() if kept])
@@ -274,7 +289,9 @@ WORKER = textwrap.dedent(
 def test_sigkilled_writer(src, loaded, tmp_path, where):
     model, hf = loaded
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.run([sys.executable, "-c", WORKER, src, str(tmp_path), where], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, src, str(tmp_path), where], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert (tmp_path / "LATEST").read_text() == "v000001\n"
     assert ex.latest(tmp_path) == (1, tmp_path / "v000001")
@@ -282,7 +299,11 @@ def test_sigkilled_writer(src, loaded, tmp_path, where):
     if where == "mid_files":
         (tmp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-v000002-")]
         shards = sorted(f.name for f in tmp.iterdir())
-        assert len(shards) == 2 and shards[0].startswith("model-00001-of-") and (tmp / shards[1]).read_bytes() == b"partial"
+        assert (
+            len(shards) == 2
+            and shards[0].startswith("model-00001-of-")
+            and (tmp / shards[1]).read_bytes() == b"partial"
+        )
         next_version = 2
     else:
         ex.verify(tmp_path / "v000002")  # complete, only not announced
@@ -333,7 +354,21 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
         ckpt.save(state._replace(step=jnp.int32(9)))
     out = tmp_path / "out"
 
-    assert _cli("--checkpoint", str(tmp_path / "ckpt"), "--step", "7", "--model", src, "--out", str(out), "--dtype", "float32") == 0
+    assert (
+        _cli(
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--step",
+            "7",
+            "--model",
+            src,
+            "--out",
+            str(out),
+            "--dtype",
+            "float32",
+        )
+        == 0
+    )
     path = out / "v000007"
     printed = capsys.readouterr()
     assert printed.out.strip() == str(path)
@@ -350,7 +385,9 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
     logits, _ = hf_forward(str(path), TOKENS)
     ours, _ = jax_forward(nnx.merge(graphdef, moved), TOKENS)
     assert np.abs(ours - logits).max() <= LOGITS_TOL
-    assert np.abs(logits - hf_forward(src, TOKENS)[0]).max() > 10 * LOGITS_TOL  # the checkpoint's params, not the source's
+    assert (
+        np.abs(logits - hf_forward(src, TOKENS)[0]).max() > 10 * LOGITS_TOL
+    )  # the checkpoint's params, not the source's
 
     # default version: the latest step; then a refused older version, a missing step, a checkpoint of another model
     assert _cli("--checkpoint", str(tmp_path / "ckpt"), "--model", src, "--out", str(out)) == 0

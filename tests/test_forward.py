@@ -22,8 +22,11 @@ def tiny():
 def _seqs(batch):
     """The (prompt, response) of every row of a steputil.host_batch, read back from its arrays."""
     out = []
-    for tok, tgt, mask in zip(batch.tokens_MxBxT.reshape(-1, U.T), batch.targets_MxBxT.reshape(-1, U.T),
-                              batch.loss_mask_MxBxT.reshape(-1, U.T)):
+    for tok, tgt, mask in zip(
+        batch.tokens_MxBxT.reshape(-1, U.T),
+        batch.targets_MxBxT.reshape(-1, U.T),
+        batch.loss_mask_MxBxT.reshape(-1, U.T),
+    ):
         first, n = int(np.argmax(mask)), int(mask.sum())
         out.append(rows.Seq(tok[: first + 1].tolist(), tgt[first : first + n].tolist()))
     return out
@@ -34,11 +37,24 @@ def test_packed_scoring_equals_the_rescoring(tiny):
     proximal rescoring gives the same sequences one per row, to fp32 round-off."""
     cfg, mesh, rules, graphdef, params = tiny
     batch = U.host_batch()
-    rescored = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)))
+    rescored = np.asarray(
+        step_lib.make_rescore(graphdef, cfg, mesh, rules)(
+            params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
+        )
+    )
     model = nnx.merge(graphdef, params)
     seqs = _seqs(batch)
-    got = score.score_items(model, seqs, mesh, rules, temperature=cfg.logprobs.temperature, row_tokens=32, rows_per_call=2,
-                            chunk_size=cfg.logprobs.chunk_size, progress=False)
+    got = score.score_items(
+        model,
+        seqs,
+        mesh,
+        rules,
+        temperature=cfg.logprobs.temperature,
+        row_tokens=32,
+        rows_per_call=2,
+        chunk_size=cfg.logprobs.chunk_size,
+        progress=False,
+    )
     mask = batch.loss_mask_MxBxT.reshape(-1, U.T)
     for i, s in enumerate(seqs):
         want = rescored.reshape(-1, U.T)[i][mask[i]]
@@ -56,8 +72,11 @@ def test_step_loss_uses_the_same_forward(tiny):
     placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
     prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, placed)
     mask = np.asarray(batch.loss_mask_MxBxT)
-    placed = placed._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=prox,
-                             advantages_MxBxT=jnp.asarray(-np.ones(mask.shape, np.float32)))
+    placed = placed._replace(
+        prox_logprobs_MxBxT=prox,
+        infer_logprobs_MxBxT=prox,
+        advantages_MxBxT=jnp.asarray(-np.ones(mask.shape, np.float32)),
+    )
     loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
     mb = jax.tree.map(lambda x: x[0], placed)
     loss, aux = loss_fn(params, mb, jnp.sum(mask[0]).astype(jnp.float32))
@@ -77,4 +96,6 @@ def test_round_params_and_the_canary_side(tiny):
     canary = forward.make_batch_logprobs(graphdef, mesh, rules, round_to=jnp.bfloat16, **kw)(params, batch)
     plain = forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(forward.round_params(params, jnp.bfloat16), batch)
     np.testing.assert_array_equal(np.asarray(canary), np.asarray(plain))
-    assert not np.array_equal(np.asarray(canary), np.asarray(forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(params, batch)))
+    assert not np.array_equal(
+        np.asarray(canary), np.asarray(forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(params, batch))
+    )

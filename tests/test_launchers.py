@@ -87,7 +87,7 @@ def _check_commands(lines: list[str], where: str) -> int:
         words = m.group(1).split()
         path, options = _command_options(words)
         assert path and path[0] in (*cli.COMMANDS, "bench"), f"{where}: no cisjax command {words[0]!r}: {line.strip()}"
-        rest = code[m.end(1):]
+        rest = code[m.end(1) :]
         rest += " ".join(arrays.get(name, "") for name in _ARRAY_USE.findall(rest))
         flags = set(_FLAG.findall(rest))
         unknown = sorted(f for f in flags if f not in options and not f.startswith("--config."))
@@ -103,7 +103,9 @@ def _assert_fields_exist(fields: set[str], where: str) -> None:
         for i, part in enumerate(parts):
             if ".".join(parts[:i]) in config_lib.OPEN_FIELDS:
                 break
-            assert hasattr(node, "keys") and part in node, f"{where}: --config.{field} is not a field of configs/base.py"
+            assert hasattr(node, "keys") and part in node, (
+                f"{where}: --config.{field} is not a field of configs/base.py"
+            )
             node = node[part]
 
 
@@ -132,7 +134,7 @@ def _check_launcher_calls(lines: list[str], where: str) -> int:
         command = line[: m.start()].rsplit("&&", 1)[-1]  # the settings of this command, not of one before it
         for name in re.findall(r"(?:^|[\s\"])([A-Z][A-Z0-9_]*)=", command):
             assert re.search(rf"\b{name}\b", text), f"{where}: {script.name} does not read {name}: {line.strip()}"
-        args = [a for a in _FLAG.findall(line[m.end():]) + re.findall(r"--config\.[\w.]+", line[m.end():])]
+        args = [a for a in _FLAG.findall(line[m.end() :]) + re.findall(r"--config\.[\w.]+", line[m.end() :])]
         bad = [a for a in args if not (a.startswith("--config.") or a in ("--resume", "--help"))]
         assert not bad, f"{where}: {script.name} does not take {bad}: {line.strip()}"
         checked += 1
@@ -151,7 +153,7 @@ def test_the_checks_catch_a_made_up_flag():
     with pytest.raises(AssertionError, match="--gpu-memory-fraction"):
         _check_commands(['"$BIN/cisjax" serve --backend vllm --gpu-memory-fraction 0.5'], "x")
     with pytest.raises(AssertionError, match="--gpu-memory-utilization"):
-        _check_commands(['opts=(--gpu-memory-utilization 0.5)', '"$BIN/cisjax" train --config c.py "${opts[@]}"'], "x")
+        _check_commands(["opts=(--gpu-memory-utilization 0.5)", '"$BIN/cisjax" train --config c.py "${opts[@]}"'], "x")
     with pytest.raises(AssertionError, match="no cisjax command"):
         _check_commands(["cisjax trian --config c.py"], "x")
     with pytest.raises(AssertionError, match="rollout.sever"):
@@ -172,7 +174,9 @@ def test_launcher_usage_on_bad_input(script):
     r = subprocess.run(["bash", str(REPO / "launchers" / script), "--help"], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "CONFIG=configs/FILE.py" in r.stdout
     env.update(CONFIG="configs/demo_cpu.py", ROLLOUT="127.0.0.1:1")
-    r = subprocess.run(["bash", str(REPO / "launchers" / script), "--resume", "--steps=3"], env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(REPO / "launchers" / script), "--resume", "--steps=3"], env=env, capture_output=True, text=True
+    )
     assert r.returncode == 2 and "'--steps=3' is not an argument of cisjax train" in r.stderr, r
 
 
@@ -192,7 +196,7 @@ def test_distributed_is_opt_in(monkeypatch):
     monkeypatch.setenv("CISJAX_DISTRIBUTED", "1")
     loop._init_distributed()
     assert calls == [((), {})]  # arguments auto-detected (TPU VM metadata, SLURM, Open MPI)
-    assert 'CISJAX_DISTRIBUTED=${CISJAX_DISTRIBUTED:-1}' in (REPO / "launchers" / "tpu_pod.sh").read_text()
+    assert "CISJAX_DISTRIBUTED=${CISJAX_DISTRIBUTED:-1}" in (REPO / "launchers" / "tpu_pod.sh").read_text()
 
 
 # ----------------------------------------------------------------------------- end to end on CPU
@@ -209,10 +213,21 @@ def env(tmp_path_factory):
 
 
 def _small(prepared, steps=2):
-    kw = {"model.path": prepared / "model", "data.source": prepared / "data" / "heldout.jsonl", "run.steps": steps,
-          "run.progress": "off", "run.tensorboard": "false", "run.dump_every": 0, "data.prompts_per_step": 4,
-          "rollout.group_size": 2, "rollout.max_new_tokens": 8, "publish.dtype": "float32", "reward.workers": 1,
-          "publish.canary.num_sequences": 2, "publish.canary.response_len": 8}
+    kw = {
+        "model.path": prepared / "model",
+        "data.source": prepared / "data" / "heldout.jsonl",
+        "run.steps": steps,
+        "run.progress": "off",
+        "run.tensorboard": "false",
+        "run.dump_every": 0,
+        "data.prompts_per_step": 4,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 8,
+        "publish.dtype": "float32",
+        "reward.workers": 1,
+        "publish.canary.num_sequences": 2,
+        "publish.canary.response_len": 8,
+    }
     return [f"--config.{k}={v}" for k, v in kw.items()]
 
 
@@ -222,8 +237,15 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
     group: the script and the trainer) ends the trainer after its step with a checkpoint, then the script stops the
     server."""
     run_dir, log_path, steps = tmp_path / "run", tmp_path / "launcher.log", 8
-    env = dict(env, CONFIG="configs/demo_cpu.py", BACKEND="transformers", DTYPE="float32", RUN=str(run_dir),
-               PORT=str(free_port()), STARTUP_S="300")
+    env = dict(
+        env,
+        CONFIG="configs/demo_cpu.py",
+        BACKEND="transformers",
+        DTYPE="float32",
+        RUN=str(run_dir),
+        PORT=str(free_port()),
+        STARTUP_S="300",
+    )
     argv = ["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared, steps), "--config.checkpoint.every=0"]
     proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env, timeout_s=400)
     try:
@@ -254,13 +276,35 @@ def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp
     """A pod slice of one host, without jax.distributed: the command line the workers run, against a server started
     apart (weights streamed: no shared directory)."""
     run_dir, port = tmp_path / "run", free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cisjax.rollout.server", "--backend", "transformers", "--model",
-                               str(prepared / "model"), "--port", str(port), "--dtype", "float32"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cisjax.rollout.server",
+            "--backend",
+            "transformers",
+            "--model",
+            str(prepared / "model"),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        env = dict(env, CONFIG="configs/demo_cpu.py", ROLLOUT=f"127.0.0.1:{port}", RUN=str(run_dir), CISJAX_DISTRIBUTED="0")
-        r = subprocess.run(["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared)], env=env,
-                           capture_output=True, text=True, timeout=400)
+        env = dict(
+            env, CONFIG="configs/demo_cpu.py", ROLLOUT=f"127.0.0.1:{port}", RUN=str(run_dir), CISJAX_DISTRIBUTED="0"
+        )
+        r = subprocess.run(
+            ["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         server.terminate()

@@ -93,7 +93,11 @@ def test_chunked_equals_naive_fp32_values_and_gradients(n, chunk, k):
     d, v, temp = 24, 211, 0.8
     h, w, t = _inputs(n, d, v, seed=3 + n)
     rng = np.random.default_rng(n)
-    cts = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32), rng.normal(size=(n, k)).astype(np.float32)
+    cts = (
+        rng.normal(size=n).astype(np.float32),
+        rng.normal(size=n).astype(np.float32),
+        rng.normal(size=(n, k)).astype(np.float32),
+    )
     a = token_logprobs(h, w, t, temperature=temp, chunk_size=chunk, top_k=k)
     b = naive_token_logprobs(h, w, t, temperature=temp, top_k=k)
     for x, y in zip(a, b):
@@ -112,14 +116,20 @@ def test_gradients_match_float64_finite_differences():
     h, w, t = _inputs(n, d, v, seed=5)
     rng = np.random.default_rng(5)
     cts = rng.normal(size=n), rng.normal(size=n), rng.normal(size=(n, k))
-    g_h, g_w = jax.jit(jax.grad(_objective(token_logprobs, t, temp, k, *(c.astype(np.float32) for c in cts), chunk_size=chunk),
-                                argnums=(0, 1)))(h, w)
+    g_h, g_w = jax.jit(
+        jax.grad(
+            _objective(token_logprobs, t, temp, k, *(c.astype(np.float32) for c in cts), chunk_size=chunk),
+            argnums=(0, 1),
+        )
+    )(h, w)
     eps = 1e-5
     for _ in range(4):
         dh, dw = rng.normal(size=h.shape), rng.normal(size=w.shape)
         h64, w64 = h.astype(np.float64), w.astype(np.float64)
-        fd = (_np_objective(h64 + eps * dh, w64 + eps * dw, t, temp, k, *cts)
-              - _np_objective(h64 - eps * dh, w64 - eps * dw, t, temp, k, *cts)) / (2 * eps)
+        fd = (
+            _np_objective(h64 + eps * dh, w64 + eps * dw, t, temp, k, *cts)
+            - _np_objective(h64 - eps * dh, w64 - eps * dw, t, temp, k, *cts)
+        ) / (2 * eps)
         ad = float(np.sum(np.asarray(g_h, np.float64) * dh) + np.sum(np.asarray(g_w, np.float64) * dw))
         assert ad == pytest.approx(fd, rel=2e-4, abs=1e-4)
 
@@ -129,7 +139,11 @@ def test_bf16_gradients_close_to_naive():
     h, w, t = _inputs(n, d, v, seed=6)
     h_bf, w_bf = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     rng = np.random.default_rng(6)
-    cts = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32), rng.normal(size=(n, k)).astype(np.float32)
+    cts = (
+        rng.normal(size=n).astype(np.float32),
+        rng.normal(size=n).astype(np.float32),
+        rng.normal(size=(n, k)).astype(np.float32),
+    )
     ga = jax.jit(jax.grad(_objective(token_logprobs, t, temp, k, *cts, chunk_size=chunk), argnums=(0, 1)))(h_bf, w_bf)
     gb = jax.jit(jax.grad(_objective(naive_token_logprobs, t, temp, k, *cts), argnums=(0, 1)))(h_bf, w_bf)
     for x, y in zip(ga, gb):
@@ -147,7 +161,9 @@ def test_bad_target_is_nan_and_masking_keeps_gradients_finite():
     assert np.isnan(s.logprobs_N[2]) and np.isnan(s.logprobs_N[5])
     ok = np.ones(n, bool)
     ok[[2, 5]] = False
-    np.testing.assert_allclose(np.asarray(s.logprobs_N)[ok], _np_stats(h, w, np.where(ok, t, 0), 1.0, 0)[0][ok], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(s.logprobs_N)[ok], _np_stats(h, w, np.where(ok, t, 0), 1.0, 0)[0][ok], rtol=1e-5, atol=1e-5
+    )
 
     def masked(h_NxD):
         lp = token_logprobs(h_NxD, w, t, chunk_size=4).logprobs_N
@@ -179,9 +195,15 @@ def _fwd_bwd(fn, chunk):
 def test_chunked_temp_memory_far_below_naive():
     """XLA's own buffer plan for values + gradients: the chunked version never holds a [N, V] fp32 matrix."""
     n, d, v, chunk = 1024, 64, 32768, 128
-    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32))
-    temp = {name: jax.jit(_fwd_bwd(fn, chunk)).lower(*args).compile().memory_analysis().temp_size_in_bytes
-            for name, fn in (("chunked", token_logprobs), ("naive", naive_token_logprobs))}
+    args = (
+        jax.ShapeDtypeStruct((n, d), jnp.float32),
+        jax.ShapeDtypeStruct((d, v), jnp.float32),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    temp = {
+        name: jax.jit(_fwd_bwd(fn, chunk)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        for name, fn in (("chunked", token_logprobs), ("naive", naive_token_logprobs))
+    }
     full_logits = n * v * 4
     assert temp["naive"] >= full_logits  # the baseline does materialise the logits
     assert temp["chunked"] < full_logits / 2

@@ -35,9 +35,25 @@ def test_score_matches_reference(model_dir, tmp_path):
     items = _items()
     inp = _write(tmp_path / "in.jsonl", items)
     out = tmp_path / "out.jsonl"
-    argv = ["score", "--model", model_dir, "--input", inp, "--output", str(out), "--dtype", "float32", "--entropy",
-            "--routing", "--top-k", "3", "--no-progress", "--config.score.row_tokens=32", "--config.score.rows=2",
-            "--config.logprobs.chunk_size=16"]
+    argv = [
+        "score",
+        "--model",
+        model_dir,
+        "--input",
+        inp,
+        "--output",
+        str(out),
+        "--dtype",
+        "float32",
+        "--entropy",
+        "--routing",
+        "--top-k",
+        "3",
+        "--no-progress",
+        "--config.score.row_tokens=32",
+        "--config.score.rows=2",
+        "--config.logprobs.chunk_size=16",
+    ]
     assert cli.main(argv) == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == len(items)
@@ -64,7 +80,25 @@ def test_score_temperature(model_dir, tmp_path):
     items = _items(seed=1, n=3)
     inp = _write(tmp_path / "in.jsonl", items)
     out = tmp_path / "out.jsonl"
-    assert cli.main(["score", "--model", model_dir, "--input", inp, "--output", str(out), "--dtype", "float32", "--temperature", "0.7", "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "score",
+                "--model",
+                model_dir,
+                "--input",
+                inp,
+                "--output",
+                str(out),
+                "--dtype",
+                "float32",
+                "--temperature",
+                "0.7",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     for it, got in zip(items, map(json.loads, out.read_text().splitlines())):
         seq = np.array([it["prompt_ids"] + it["response_ids"]])
         logits, _ = hf_forward(model_dir, seq)
@@ -79,7 +113,12 @@ def test_score_bf16_close_to_fp32(model_dir, tmp_path):
     res = {}
     for dt in ("float32", "bfloat16"):
         out = tmp_path / f"{dt}.jsonl"
-        assert cli.main(["score", "--model", model_dir, "--input", inp, "--output", str(out), "--dtype", dt, "--no-progress"]) == 0
+        assert (
+            cli.main(
+                ["score", "--model", model_dir, "--input", inp, "--output", str(out), "--dtype", dt, "--no-progress"]
+            )
+            == 0
+        )
         res[dt] = np.concatenate([json.loads(x)["logprobs"] for x in out.read_text().splitlines()])
     diff = np.abs(res["float32"] - res["bfloat16"])
     assert 0 < diff.max() < 0.2  # bf16 really ran (differs) and is close
@@ -107,5 +146,10 @@ def test_score_bad_input(model_dir, tmp_path, capsys, line, message):
 def test_score_missing_model(tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
-    assert cli.main(["score", "--model", str(tmp_path / "nope"), "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert (
+        cli.main(
+            ["score", "--model", str(tmp_path / "nope"), "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]
+        )
+        == 2
+    )
     assert "config.json" in capsys.readouterr().err

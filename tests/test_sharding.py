@@ -125,7 +125,10 @@ def test_rules_from_config_overrides():
 
 @pytest.mark.parametrize(
     "override, message",
-    [({"embed": "model"}, "'embed' -> unknown mesh axis 'model'"), ({"batch": ["data", "data"]}, "names a mesh axis twice")],
+    [
+        ({"embed": "model"}, "'embed' -> unknown mesh axis 'model'"),
+        ({"batch": ["data", "data"]}, "names a mesh axis twice"),
+    ],
 )
 def test_rules_from_config_errors(override, message):
     with pytest.raises(ValueError, match=message):
@@ -232,7 +235,10 @@ def _check_param_shardings(model, mesh, rules, reference_params):
         assert isinstance(arr.sharding, NamedSharding) and arr.sharding.mesh == mesh, path
         assert arr.sharding.spec == want, (path, axes, arr.sharding.spec, want)
         shard_shape = arr.addressable_shards[0].data.shape
-        assert shard_shape == tuple(d // math.prod(mesh.shape[a] for a in _axes_of(s)) for d, s in zip(arr.shape, list(want) + [None] * arr.ndim))
+        assert shard_shape == tuple(
+            d // math.prod(mesh.shape[a] for a in _axes_of(s))
+            for d, s in zip(arr.shape, list(want) + [None] * arr.ndim)
+        )
         n_split += math.prod(shard_shape) < arr.size
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(reference_params[path][...]), err_msg=path)
     return n_split

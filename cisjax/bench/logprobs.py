@@ -16,11 +16,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens N (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=1024, help="model width D (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="storage and compute dtype of hidden and unembedding (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="storage and compute dtype of hidden and unembedding (default: %(default)s)",
+    )
     parser.add_argument("--top-k", type=int, default=0, help="also compute top-k logprobs (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per candidate after the first (default: %(default)s)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed calls per candidate after the first (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
 
@@ -76,8 +82,18 @@ def _fwd_bwd(fn, *, temperature: float, chunk_size: int, top_k: int):
     return run
 
 
-def bench(*, vocab: int, tokens: int, hidden: int, chunk_size: int, dtype_name: str, top_k: int, temperature: float,
-          repeats: int, seed: int) -> dict:
+def bench(
+    *,
+    vocab: int,
+    tokens: int,
+    hidden: int,
+    chunk_size: int,
+    dtype_name: str,
+    top_k: int,
+    temperature: float,
+    repeats: int,
+    seed: int,
+) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -94,7 +110,9 @@ def bench(*, vocab: int, tokens: int, hidden: int, chunk_size: int, dtype_name: 
     rows, values = [], {}
     for name, fn in (("chunked", token_logprobs), ("naive", naive_token_logprobs)):
         t0 = time.perf_counter()
-        compiled = jax.jit(_fwd_bwd(fn, temperature=temperature, chunk_size=chunk_size, top_k=top_k)).lower(*args).compile()
+        compiled = (
+            jax.jit(_fwd_bwd(fn, temperature=temperature, chunk_size=chunk_size, top_k=top_k)).lower(*args).compile()
+        )
         compile_s = time.perf_counter() - t0
         m = compiled.memory_analysis()
         times = []
@@ -111,15 +129,31 @@ def bench(*, vocab: int, tokens: int, hidden: int, chunk_size: int, dtype_name: 
         if not repeats:
             out = compiled(*args)
         (lp, ent, topk), (dh, dw) = out
-        values[name] = dict(logprobs=np.asarray(lp), entropy=np.asarray(ent), topk_logprobs=None if topk is None else np.asarray(topk),
-                            grad_hidden=np.asarray(dh, np.float32), grad_unembed=np.asarray(dw, np.float32))
+        values[name] = dict(
+            logprobs=np.asarray(lp),
+            entropy=np.asarray(ent),
+            topk_logprobs=None if topk is None else np.asarray(topk),
+            grad_hidden=np.asarray(dh, np.float32),
+            grad_unembed=np.asarray(dw, np.float32),
+        )
         del out, lp, ent, topk, dh, dw
         peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-        rows.append(dict(candidate=name, xla_temp_bytes=m.temp_size_in_bytes, xla_argument_bytes=m.argument_size_in_bytes,
-                         xla_output_bytes=m.output_size_in_bytes, xla_alias_bytes=m.alias_size_in_bytes, xla_peak_bytes=peak,
-                         rss_peak_delta_bytes=rss.delta, compile_s=compile_s, first_call_s=first_s,
-                         median_s=statistics.median(times) if times else first_s, min_s=min(times) if times else first_s,
-                         repeats=len(times)))
+        rows.append(
+            dict(
+                candidate=name,
+                xla_temp_bytes=m.temp_size_in_bytes,
+                xla_argument_bytes=m.argument_size_in_bytes,
+                xla_output_bytes=m.output_size_in_bytes,
+                xla_alias_bytes=m.alias_size_in_bytes,
+                xla_peak_bytes=peak,
+                rss_peak_delta_bytes=rss.delta,
+                compile_s=compile_s,
+                first_call_s=first_s,
+                median_s=statistics.median(times) if times else first_s,
+                min_s=min(times) if times else first_s,
+                repeats=len(times),
+            )
+        )
 
     c, n = values["chunked"], values["naive"]
     diffs = {}
@@ -130,12 +164,28 @@ def bench(*, vocab: int, tokens: int, hidden: int, chunk_size: int, dtype_name: 
         err = float(np.max(np.abs(c[key].astype(np.float64) - n[key].astype(np.float64))))
         diffs[key] = dict(max_abs_diff=err, max_abs_naive=scale, max_rel_diff=err / scale if scale else err)
     ch, nv = rows
-    ratios = dict(xla_peak=ch["xla_peak_bytes"] / nv["xla_peak_bytes"], xla_temp=ch["xla_temp_bytes"] / nv["xla_temp_bytes"],
-                  rss_peak_delta=ch["rss_peak_delta_bytes"] / nv["rss_peak_delta_bytes"] if nv["rss_peak_delta_bytes"] > 0 else None,
-                  median_time=ch["median_s"] / nv["median_s"])
-    return dict(V=vocab, N=tokens, D=hidden, chunk_size=chunk_size, dtype=dtype_name, top_k=top_k, temperature=temperature,
-                rows=rows, ratios=ratios, diffs=diffs, target_peak_ratio=TARGET_PEAK_RATIO,
-                meets_target=ratios["xla_peak"] <= TARGET_PEAK_RATIO)
+    ratios = dict(
+        xla_peak=ch["xla_peak_bytes"] / nv["xla_peak_bytes"],
+        xla_temp=ch["xla_temp_bytes"] / nv["xla_temp_bytes"],
+        rss_peak_delta=ch["rss_peak_delta_bytes"] / nv["rss_peak_delta_bytes"]
+        if nv["rss_peak_delta_bytes"] > 0
+        else None,
+        median_time=ch["median_s"] / nv["median_s"],
+    )
+    return dict(
+        V=vocab,
+        N=tokens,
+        D=hidden,
+        chunk_size=chunk_size,
+        dtype=dtype_name,
+        top_k=top_k,
+        temperature=temperature,
+        rows=rows,
+        ratios=ratios,
+        diffs=diffs,
+        target_peak_ratio=TARGET_PEAK_RATIO,
+        meets_target=ratios["xla_peak"] <= TARGET_PEAK_RATIO,
+    )
 
 
 def _print(res: dict) -> None:
@@ -143,19 +193,40 @@ def _print(res: dict) -> None:
     from rich.table import Table
 
     gib = 2.0**30
-    t = Table(title=(f"token logprobs fwd+bwd: V={res['V']} N={res['N']} D={res['D']} chunk={res['chunk_size']} "
-                     f"{res['dtype']} top_k={res['top_k']} T={res['temperature']} (memory in GiB; peak = temp + args + outs)"))
+    t = Table(
+        title=(
+            f"token logprobs fwd+bwd: V={res['V']} N={res['N']} D={res['D']} chunk={res['chunk_size']} "
+            f"{res['dtype']} top_k={res['top_k']} T={res['temperature']} (memory in GiB; peak = temp + args + outs)"
+        )
+    )
     cols = ("candidate", "XLA temp", "args", "outs", "XLA peak", "RSS peak Δ", "median s", "min s", "compile s")
     for col in cols:
         t.add_column(col, justify="left" if col == "candidate" else "right")
     for r in res["rows"]:
-        t.add_row(r["candidate"], f"{r['xla_temp_bytes'] / gib:.2f}", f"{r['xla_argument_bytes'] / gib:.2f}",
-                  f"{r['xla_output_bytes'] / gib:.2f}", f"{r['xla_peak_bytes'] / gib:.2f}", f"{r['rss_peak_delta_bytes'] / gib:.2f}",
-                  f"{r['median_s']:.2f}", f"{r['min_s']:.2f}", f"{r['compile_s']:.1f}")
+        t.add_row(
+            r["candidate"],
+            f"{r['xla_temp_bytes'] / gib:.2f}",
+            f"{r['xla_argument_bytes'] / gib:.2f}",
+            f"{r['xla_output_bytes'] / gib:.2f}",
+            f"{r['xla_peak_bytes'] / gib:.2f}",
+            f"{r['rss_peak_delta_bytes'] / gib:.2f}",
+            f"{r['median_s']:.2f}",
+            f"{r['min_s']:.2f}",
+            f"{r['compile_s']:.1f}",
+        )
     q = res["ratios"]
     colour = "green" if res["meets_target"] else "red"
-    t.add_row("ratio", f"{q['xla_temp']:.3f}x", "", "", f"[{colour}]{q['xla_peak']:.3f}x[/]",
-              "n/a" if q["rss_peak_delta"] is None else f"{q['rss_peak_delta']:.3f}x", f"{q['median_time']:.2f}x", "", "")
+    t.add_row(
+        "ratio",
+        f"{q['xla_temp']:.3f}x",
+        "",
+        "",
+        f"[{colour}]{q['xla_peak']:.3f}x[/]",
+        "n/a" if q["rss_peak_delta"] is None else f"{q['rss_peak_delta']:.3f}x",
+        f"{q['median_time']:.2f}x",
+        "",
+        "",
+    )
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 120)
@@ -166,8 +237,10 @@ def _print(res: dict) -> None:
     for key, v in res["diffs"].items():
         d.add_row(key, f"{v['max_abs_diff']:.3g}", f"{v['max_abs_naive']:.3g}", f"{v['max_rel_diff']:.3g}")
     console.print(d)
-    console.print(f"target: XLA peak (temp + arguments + outputs) ratio <= {res['target_peak_ratio']}: "
-                  f"[{colour}]{'met' if res['meets_target'] else 'NOT met'}[/]")
+    console.print(
+        f"target: XLA peak (temp + arguments + outputs) ratio <= {res['target_peak_ratio']}: "
+        f"[{colour}]{'met' if res['meets_target'] else 'NOT met'}[/]"
+    )
 
 
 def run(args) -> int:
@@ -175,8 +248,17 @@ def run(args) -> int:
 
     if args.chunk_size < 1 or args.tokens < 1 or args.vocab < 1 or args.hidden < 1 or args.repeats < 0:
         raise SystemExit("--vocab, --tokens, --hidden and --chunk-size must be positive, --repeats non-negative")
-    res = bench(vocab=args.vocab, tokens=args.tokens, hidden=args.hidden, chunk_size=args.chunk_size, dtype_name=args.dtype,
-                top_k=args.top_k, temperature=args.temperature, repeats=args.repeats, seed=args.seed)
+    res = bench(
+        vocab=args.vocab,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        chunk_size=args.chunk_size,
+        dtype_name=args.dtype,
+        top_k=args.top_k,
+        temperature=args.temperature,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
     _print(res)
     if args.json:
         with open(args.json, "w") as fh:

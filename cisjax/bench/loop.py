@@ -15,12 +15,21 @@ TARGET = 1.2  # async step time / max(rollout time, train time) once warmed up
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="configs/demo_cpu.py",
-                        help="train config file; --config.x=y overrides apply to both modes (default: %(default)s)")
+    parser.add_argument(
+        "--config",
+        default="configs/demo_cpu.py",
+        help="train config file; --config.x=y overrides apply to both modes (default: %(default)s)",
+    )
     parser.add_argument("--steps", type=int, default=12, help="steps per mode (default: %(default)s)")
-    parser.add_argument("--skip", type=int, default=3,
-                        help="first steps of each mode left out of the statistics (compilation, first rollouts) (default: %(default)s)")
-    parser.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness of the async mode (default: %(default)s)")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=3,
+        help="first steps of each mode left out of the statistics (compilation, first rollouts) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--staleness", type=int, default=1, help="rollout.max_staleness of the async mode (default: %(default)s)"
+    )
     parser.add_argument("--dir", default=None, help="run directories go here (default: a temporary directory, removed)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
 
@@ -47,9 +56,17 @@ def summarize(sync: dict, async_: dict) -> dict:
     bound_sync = max(sync["rollout_s"], sync["train_s"])
     bound_async = max(async_["rollout_s"], async_["train_s"])
     ratio = async_["step_s"] / bound_async
-    return {"sync": sync, "async": async_, "bound_sync_s": bound_sync, "bound_async_s": bound_async,
-            "async_over_bound": ratio, "async_over_sync_bound": async_["step_s"] / bound_sync,
-            "async_over_sync": async_["step_s"] / sync["step_s"], "target": TARGET, "meets_target": ratio <= TARGET}
+    return {
+        "sync": sync,
+        "async": async_,
+        "bound_sync_s": bound_sync,
+        "bound_async_s": bound_async,
+        "async_over_bound": ratio,
+        "async_over_sync_bound": async_["step_s"] / bound_sync,
+        "async_over_sync": async_["step_s"] / sync["step_s"],
+        "target": TARGET,
+        "meets_target": ratio <= TARGET,
+    }
 
 
 def run(args, overrides=()) -> int:
@@ -66,26 +83,40 @@ def run(args, overrides=()) -> int:
     try:
         for name, staleness in (("sync", 0), ("async", args.staleness)):
             run_dir = root / name
-            cfg = config_lib.load(args.config, [*overrides, f"--config.rollout.max_staleness={staleness}",
-                                                f"--config.run.steps={args.steps}", f"--config.run.dir={run_dir}",
-                                                "--config.run.progress=off", "--config.checkpoint.every=0"])
+            cfg = config_lib.load(
+                args.config,
+                [
+                    *overrides,
+                    f"--config.rollout.max_staleness={staleness}",
+                    f"--config.run.steps={args.steps}",
+                    f"--config.run.dir={run_dir}",
+                    "--config.run.progress=off",
+                    "--config.checkpoint.every=0",
+                ],
+            )
             t0 = time.monotonic()
             loop.train(cfg)
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            modes[name] = dict(phase_times(rows[args.skip:]), wall_s=time.monotonic() - t0)
+            modes[name] = dict(phase_times(rows[args.skip :]), wall_s=time.monotonic() - t0)
     finally:
         if tmp is not None:
             tmp.cleanup()
     res = summarize(modes["sync"], modes["async"])
-    res.update(config=args.config, overrides=list(overrides), steps=args.steps, skip=args.skip, staleness=args.staleness)
+    res.update(
+        config=args.config, overrides=list(overrides), steps=args.steps, skip=args.skip, staleness=args.staleness
+    )
     s, a = res["sync"], res["async"]
-    print(f"\n{'mode':<6} {'step s':>7} {'rollout s':>9} {'train s':>8} {'wait s':>7}   (medians over steps {args.skip}..{args.steps - 1})")
+    print(
+        f"\n{'mode':<6} {'step s':>7} {'rollout s':>9} {'train s':>8} {'wait s':>7}   (medians over steps {args.skip}..{args.steps - 1})"
+    )
     for name, m in (("sync", s), ("async", a)):
         print(f"{name:<6} {m['step_s']:>7.2f} {m['rollout_s']:>9.2f} {m['train_s']:>8.2f} {m['wait_s']:>7.2f}")
-    print(f"async step / max(rollout, train) of the async run = {a['step_s']:.2f} / {res['bound_async_s']:.2f} = "
-          f"{res['async_over_bound']:.2f} (target <= {TARGET}: {'met' if res['meets_target'] else 'NOT met'}); "
-          f"against the sync run's uncontended phases {a['step_s']:.2f} / {res['bound_sync_s']:.2f} = "
-          f"{res['async_over_sync_bound']:.2f}; async / sync = {res['async_over_sync']:.2f}")
+    print(
+        f"async step / max(rollout, train) of the async run = {a['step_s']:.2f} / {res['bound_async_s']:.2f} = "
+        f"{res['async_over_bound']:.2f} (target <= {TARGET}: {'met' if res['meets_target'] else 'NOT met'}); "
+        f"against the sync run's uncontended phases {a['step_s']:.2f} / {res['bound_sync_s']:.2f} = "
+        f"{res['async_over_sync_bound']:.2f}; async / sync = {res['async_over_sync']:.2f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -17,18 +17,38 @@ SLOW_FOLD = 8  # on CPU, impls doing E/k-fold work (dense; ragged lowers to it) 
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="ExKxF",
-                        help="experts x top-k x expert width, one entry per shape (default: %(default)s)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(DEFAULT_SHAPES),
+        metavar="ExKxF",
+        help="experts x top-k x expert width, one entry per shape (default: %(default)s)",
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens N (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=512, help="model width D (default: %(default)s)")
-    parser.add_argument("--impls", nargs="+", default=None, metavar="IMPL",
-                        help="moe impls to time (default: tiled ragged dense; on CPU ragged and dense only where E/k <= "
-                        f"{SLOW_FOLD}, as they do E/k-fold work there; naming them here forces them)")
-    parser.add_argument("--tile", type=int, default=None, help="largest tile for the tiled impl (default: moe.choose_tile)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="activation and weight dtype, MoE and dense alike (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed calls per candidate, interleaved (default: %(default)s)")
-    parser.add_argument("--slow-repeats", type=int, default=2, help="timed calls for the E/k-fold impls (default: %(default)s)")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=None,
+        metavar="IMPL",
+        help="moe impls to time (default: tiled ragged dense; on CPU ragged and dense only where E/k <= "
+        f"{SLOW_FOLD}, as they do E/k-fold work there; naming them here forces them)",
+    )
+    parser.add_argument(
+        "--tile", type=int, default=None, help="largest tile for the tiled impl (default: moe.choose_tile)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="activation and weight dtype, MoE and dense alike (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed calls per candidate, interleaved (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--slow-repeats", type=int, default=2, help="timed calls for the E/k-fold impls (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
 
@@ -80,7 +100,10 @@ def _candidates(e: int, k: int, f: int, n: int, d: int, dtype, impls, tile, seed
 
     cands = {"dense_mlp": (jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2, 3))), (x_NxD, *mlp))}
     for impl in impls:
-        cands[f"moe_{impl}"] = (jax.jit(jax.grad(moe_loss(impl), argnums=(0, 1, 2, 3, 4))), (x_NxD, router_DxE, *experts))
+        cands[f"moe_{impl}"] = (
+            jax.jit(jax.grad(moe_loss(impl), argnums=(0, 1, 2, 3, 4))),
+            (x_NxD, router_DxE, *experts),
+        )
     cands["routing_only"] = (jax.jit(jax.grad(route_loss, argnums=(0, 1))), (x_NxD, router_DxE))
     return cands
 
@@ -117,26 +140,44 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
             wall[name].append(time.perf_counter() - t0)
             cpu_s[name].append(time.process_time() - c0)
 
-    base, base_min, base_cpu = statistics.median(wall["dense_mlp"]), min(wall["dense_mlp"]), statistics.median(cpu_s["dense_mlp"])
+    base, base_min, base_cpu = (
+        statistics.median(wall["dense_mlp"]),
+        min(wall["dense_mlp"]),
+        statistics.median(cpu_s["dense_mlp"]),
+    )
     rows = []
     for name in cands:
         med = statistics.median(wall[name])
-        rows.append(dict(
-            candidate=name,
-            impl=resolved.get(name[4:], name),
-            ms=med * 1e3,
-            min_ms=min(wall[name]) * 1e3,
-            ratio=med / base,
-            ratio_min=min(wall[name]) / base_min,
-            cpu_ratio=statistics.median(cpu_s[name]) / base_cpu,
-            repeats=len(wall[name]),
-            first_call_s=first_call_s[name],
-        ))
-    rows += [dict(candidate=f"moe_{impl}", impl=resolved[impl], skipped=f"E/k = {e / k:g} > {SLOW_FOLD}-fold work on CPU; --impls {impl} forces it")
-             for impl in skipped]
+        rows.append(
+            dict(
+                candidate=name,
+                impl=resolved.get(name[4:], name),
+                ms=med * 1e3,
+                min_ms=min(wall[name]) * 1e3,
+                ratio=med / base,
+                ratio_min=min(wall[name]) / base_min,
+                cpu_ratio=statistics.median(cpu_s[name]) / base_cpu,
+                repeats=len(wall[name]),
+                first_call_s=first_call_s[name],
+            )
+        )
+    rows += [
+        dict(
+            candidate=f"moe_{impl}",
+            impl=resolved[impl],
+            skipped=f"E/k = {e / k:g} > {SLOW_FOLD}-fold work on CPU; --impls {impl} forces it",
+        )
+        for impl in skipped
+    ]
     default = next((r for r in rows if r["impl"] == moe.default_impl() and "ratio" in r), None)
     return dict(
-        E=e, k=k, F=f, N=n, D=d, dense_width=k * f, dtype=dtype_name,
+        E=e,
+        k=k,
+        F=f,
+        N=n,
+        D=d,
+        dense_width=k * f,
+        dtype=dtype_name,
         tile=moe.tile_sizes(min(tile or moe.choose_tile(n * k, e), n * k)),
         default_impl=moe.default_impl(),
         default_ratio=default["ratio"] if default else None,
@@ -149,8 +190,10 @@ def _print(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = (f"E={res['E']} k={res['k']} F={res['F']}, N={res['N']} D={res['D']} {res['dtype']}, "
-             f"dense MLP width {res['dense_width']}, tiles {','.join(map(str, res['tile']))}")
+    title = (
+        f"E={res['E']} k={res['k']} F={res['F']}, N={res['N']} D={res['D']} {res['dtype']}, "
+        f"dense MLP width {res['dense_width']}, tiles {','.join(map(str, res['tile']))}"
+    )
     notes = ["fwd+bwd of <y, ct>; ratio: median / dense_mlp median (min: min / min, cpu: process CPU time)"]
     table = Table(title=title, caption_justify="left")
     for col in ("candidate", "ms", "min ms", "ratio", "min", "cpu", "n", "1st s"):
@@ -164,8 +207,16 @@ def _print(res: dict) -> None:
         if row["candidate"].startswith("moe_") and row["impl"] == res["default_impl"]:
             name += " (default)"
             ratio = f"[{'green' if row['ratio'] <= TARGET_RATIO else 'red'}]{ratio}[/]"
-        table.add_row(name, f"{row['ms']:.1f}", f"{row['min_ms']:.1f}", ratio, f"{row['ratio_min']:.2f}x",
-                      f"{row['cpu_ratio']:.2f}x", str(row["repeats"]), f"{row['first_call_s']:.1f}")
+        table.add_row(
+            name,
+            f"{row['ms']:.1f}",
+            f"{row['min_ms']:.1f}",
+            ratio,
+            f"{row['ratio_min']:.2f}x",
+            f"{row['cpu_ratio']:.2f}x",
+            str(row["repeats"]),
+            f"{row['first_call_s']:.1f}",
+        )
     table.caption = "\n".join(notes)
     Console().print(table)
 
@@ -182,17 +233,43 @@ def run(args) -> int:
             raise errors.UserError(f"unknown impl {impl!r}; one of {moe.IMPLS}")
     results = []
     for e, k, f in shapes:
-        results.append(bench_shape(e, k, f, n=args.tokens, d=args.hidden, impls=impls, forced=set(args.impls or ()), tile=args.tile,
-                                   dtype_name=args.dtype, repeats=args.repeats, slow_repeats=args.slow_repeats, seed=args.seed))
+        results.append(
+            bench_shape(
+                e,
+                k,
+                f,
+                n=args.tokens,
+                d=args.hidden,
+                impls=impls,
+                forced=set(args.impls or ()),
+                tile=args.tile,
+                dtype_name=args.dtype,
+                repeats=args.repeats,
+                slow_repeats=args.slow_repeats,
+                seed=args.seed,
+            )
+        )
         _print(results[-1])
     verdicts = [f"E={r['E']} k={r['k']}: {r['default_ratio']:.2f}x" for r in results if r["default_ratio"] is not None]
     met = all(r["target_met"] for r in results if r["target_met"] is not None)
-    print(f"default impl {moe.default_impl()!r} vs dense MLP (target <= {TARGET_RATIO:g}x): {', '.join(verdicts)} -> "
-          f"{'target met' if met else 'TARGET MISSED'}")
+    print(
+        f"default impl {moe.default_impl()!r} vs dense MLP (target <= {TARGET_RATIO:g}x): {', '.join(verdicts)} -> "
+        f"{'target met' if met else 'TARGET MISSED'}"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(bench="moe", backend=jax.default_backend(), device=str(jax.devices()[0]), target_ratio=TARGET_RATIO,
-                           repeats=args.repeats, shapes=results), fh, indent=2)
+            json.dump(
+                dict(
+                    bench="moe",
+                    backend=jax.default_backend(),
+                    device=str(jax.devices()[0]),
+                    target_ratio=TARGET_RATIO,
+                    repeats=args.repeats,
+                    shapes=results,
+                ),
+                fh,
+                indent=2,
+            )
     return 0
 
 

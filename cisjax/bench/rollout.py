@@ -17,7 +17,9 @@ TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same e
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model (a random Qwen2-MoE; hidden and expert widths multiples of 32 for vLLM's CPU MoE kernel)")
+    g = parser.add_argument_group(
+        "model (a random Qwen2-MoE; hidden and expert widths multiples of 32 for vLLM's CPU MoE kernel)"
+    )
     g.add_argument("--hidden", type=int, default=256, help="model width (default: %(default)s)")
     g.add_argument("--layers", type=int, default=4, help="decoder layers, all MoE (default: %(default)s)")
     g.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -27,28 +29,67 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-intermediate", type=int, default=256, help="routed expert width (default: %(default)s)")
     g.add_argument("--shared-intermediate", type=int, default=512, help="shared expert width (default: %(default)s)")
     g.add_argument("--vocab", type=int, default=8192, help="vocabulary (default: %(default)s)")
-    g.add_argument("--model-dir", default=None,
-                   help="serve this HF model directory instead of a random one (the model flags are then ignored)")
+    g.add_argument(
+        "--model-dir",
+        default=None,
+        help="serve this HF model directory instead of a random one (the model flags are then ignored)",
+    )
     w = parser.add_argument_group("workload")
     w.add_argument("--prompts", type=int, default=32, help="prompts N (default: %(default)s)")
-    w.add_argument("--prompt-len", type=int, default=32, help="longest prompt; lengths are drawn from [len/2, len] (default: %(default)s)")
+    w.add_argument(
+        "--prompt-len",
+        type=int,
+        default=32,
+        help="longest prompt; lengths are drawn from [len/2, len] (default: %(default)s)",
+    )
     w.add_argument("--n", type=int, default=4, help="samples per prompt (default: %(default)s)")
-    w.add_argument("--max-new-tokens", type=int, default=64,
-                   help="tokens per sample M; EOS is ignored (as the server does), so every sample has M (default: %(default)s)")
+    w.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens per sample M; EOS is ignored (as the server does), so every sample has M (default: %(default)s)",
+    )
     w.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
-    w.add_argument("--clients", type=int, default=4,
-                   help="concurrent client calls (threads, one channel each) splitting the prompts, for the third candidate (default: %(default)s)")
+    w.add_argument(
+        "--clients",
+        type=int,
+        default=4,
+        help="concurrent client calls (threads, one channel each) splitting the prompts, for the third candidate (default: %(default)s)",
+    )
     w.add_argument("--seed", type=int, default=0, help="model, prompts and sampling seed (default: %(default)s)")
     e = parser.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="engine dtype, both sides (default: %(default)s)")
-    e.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="VLLM_CPU_KVCACHE_SPACE for both engines (default: $VLLM_CPU_KVCACHE_SPACE, else the backend's 1)")
-    e.add_argument("--inproc-thread", default="engine", choices=("engine", "main"),
-                   help="drive the in-process engine from a worker thread, as the server drives its engine, or from the "
-                   "main thread (there vllm-cpu computes on all cores and slows down badly when other jobs load them) "
-                   "(default: %(default)s)")
-    e.add_argument("--server-timeout", type=float, default=600.0, help="seconds the server may take to start (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds, each candidate once per round, interleaved (default: %(default)s)")
+    e.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="engine dtype, both sides (default: %(default)s)",
+    )
+    e.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="VLLM_CPU_KVCACHE_SPACE for both engines (default: $VLLM_CPU_KVCACHE_SPACE, else the backend's 1)",
+    )
+    e.add_argument(
+        "--inproc-thread",
+        default="engine",
+        choices=("engine", "main"),
+        help="drive the in-process engine from a worker thread, as the server drives its engine, or from the "
+        "main thread (there vllm-cpu computes on all cores and slows down badly when other jobs load them) "
+        "(default: %(default)s)",
+    )
+    e.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the server may take to start (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed rounds, each candidate once per round, interleaved (default: %(default)s)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
 
 
@@ -60,10 +101,20 @@ def _save_model(args, path: Path) -> dict:
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.shared_intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate, shared_expert_intermediate_size=args.shared_intermediate, norm_topk_prob=False,
-        max_position_embeddings=max(128, args.prompt_len + args.max_new_tokens), initializer_range=0.05, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.shared_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        shared_expert_intermediate_size=args.shared_intermediate,
+        norm_topk_prob=False,
+        max_position_embeddings=max(128, args.prompt_len + args.max_new_tokens),
+        initializer_range=0.05,
+        tie_word_embeddings=False,
     )
     transformers.Qwen2MoeForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(path)
     return cfg.to_dict()
@@ -96,13 +147,22 @@ class InProcess:
 
         t0 = time.perf_counter()
         self.llm = vllm.LLM(  # as vllm_backend.Backend._start
-            model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=max_model_len, enforce_eager=True,
-            logprobs_mode="processed_logprobs", max_logprobs=-1, enable_prefix_caching=True,
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=0,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,
+            enable_prefix_caching=True,
         )
         self.init_s = time.perf_counter() - t0
         self.version = vllm.__version__
         self.thread = thread
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inproc-engine") if thread == "engine" else None
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inproc-engine") if thread == "engine" else None
+        )
 
     def generate(self, prompts, n: int, max_new_tokens: int, temperature: float, seed: int):
         """[prompt][sample] -> (token ids, sampled-token logprobs), like the client returns them."""
@@ -120,9 +180,20 @@ class InProcess:
         for i, ids in enumerate(prompts):
             for j in range(n):
                 reqs.append(TokensPrompt(prompt_token_ids=list(ids)))
-                sps.append(SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, seed=sample_seed(seed, i, j),
-                                          max_tokens=max_new_tokens, ignore_eos=True, logprobs=0, detokenize=False,
-                                          skip_special_tokens=False))
+                sps.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=temperature,
+                        top_p=1.0,
+                        top_k=0,
+                        seed=sample_seed(seed, i, j),
+                        max_tokens=max_new_tokens,
+                        ignore_eos=True,
+                        logprobs=0,
+                        detokenize=False,
+                        skip_special_tokens=False,
+                    )
+                )
         outs = self.llm.generate(reqs, sps, use_tqdm=False)
         res = []
         for k, out in enumerate(outs):
@@ -202,7 +273,12 @@ def bench(args) -> dict:
 
     env = engine_env(args.kv_cache_gib)
     os.environ.update(env)  # before vLLM is imported here: the in-process engine sees what the server sees
-    res = dict(bench="rollout", config={k: v for k, v in vars(args).items() if k != "json"}, engine_env=env, target_ratio=TARGET_RATIO)
+    res = dict(
+        bench="rollout",
+        config={k: v for k, v in vars(args).items() if k != "json"},
+        engine_env=env,
+        target_ratio=TARGET_RATIO,
+    )
     with tempfile.TemporaryDirectory(prefix="cisjax-bench-rollout-") as tmp:
         tmp = Path(tmp)
         if args.model_dir:
@@ -215,15 +291,41 @@ def bench(args) -> dict:
         prompts = _prompts(args, int(hf["vocab_size"]))
         if max(map(len, prompts)) + args.max_new_tokens > max_model_len:
             raise errors.UserError(f"--prompt-len + --max-new-tokens exceed the model's context length {max_model_len}")
-        params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        warm = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=min(2, args.max_new_tokens), seed=args.seed)
-        res["model"] = {k: hf.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
-                                               "moe_intermediate_size", "vocab_size")}
-        res["requests"] = dict(prompts=len(prompts), samples=len(prompts) * args.n, prompt_tokens=sum(map(len, prompts)),
-                               new_tokens=len(prompts) * args.n * args.max_new_tokens)
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed
+        )
+        warm = SamplingParams(
+            n=args.n, temperature=args.temperature, max_new_tokens=min(2, args.max_new_tokens), seed=args.seed
+        )
+        res["model"] = {
+            k: hf.get(k)
+            for k in (
+                "architectures",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "vocab_size",
+            )
+        }
+        res["requests"] = dict(
+            prompts=len(prompts),
+            samples=len(prompts) * args.n,
+            prompt_tokens=sum(map(len, prompts)),
+            new_tokens=len(prompts) * args.n * args.max_new_tokens,
+        )
 
         res["loadavg_before"] = os.getloadavg()
-        server = Server("vllm", model_dir, dtype=args.dtype, log_path=tmp / "server.log", env=env, timeout_s=args.server_timeout, wait=False)
+        server = Server(
+            "vllm",
+            model_dir,
+            dtype=args.dtype,
+            log_path=tmp / "server.log",
+            env=env,
+            timeout_s=args.server_timeout,
+            wait=False,
+        )
         inproc = None
         try:
             inproc = InProcess(str(model_dir), args.dtype, max_model_len, args.inproc_thread)  # while the server starts
@@ -231,9 +333,11 @@ def bench(args) -> dict:
             server.wait()
             res["server_start_s"] = server.start_s
             clients = max(1, min(args.clients, len(prompts)))
-            names = {"inproc": f"in-process vllm.LLM.generate, all requests in one call ({args.inproc_thread} thread)",
-                     "grpc": "gRPC, 1 client call",
-                     "grpc_concurrent": f"gRPC, {clients} concurrent client calls"}
+            names = {
+                "inproc": f"in-process vllm.LLM.generate, all requests in one call ({args.inproc_thread} thread)",
+                "grpc": "gRPC, 1 client call",
+                "grpc_concurrent": f"gRPC, {clients} concurrent client calls",
+            }
             runs = {
                 "inproc": lambda p: (inproc.generate(prompts, p.n, p.max_new_tokens, p.temperature, p.seed), None),
                 "grpc": lambda p: _grpc_call(server.target, prompts, p, 1),
@@ -241,12 +345,18 @@ def bench(args) -> dict:
             }
             if clients == 1:
                 del runs["grpc_concurrent"]
-            for run in runs.values():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
+            for (
+                run
+            ) in runs.values():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
                 run(warm)
             times = {k: [] for k in runs}
-            cpu = {k: [] for k in runs}  # CPU seconds of this process and the server together: less sensitive to other jobs
+            cpu = {
+                k: [] for k in runs
+            }  # CPU seconds of this process and the server together: less sensitive to other jobs
             tokens, engine_s, span_s, outputs = {}, {k: [] for k in runs}, {k: [] for k in runs}, {}
-            for _ in range(args.repeats):  # interleaved, so that load drift on a shared machine hits every candidate alike
+            for _ in range(
+                args.repeats
+            ):  # interleaved, so that load drift on a shared machine hits every candidate alike
                 for k, run in runs.items():
                     c0, s0 = time.process_time(), _proc_cpu_s(server.proc.pid)
                     t0 = time.perf_counter()
@@ -272,14 +382,23 @@ def bench(args) -> dict:
     base = statistics.median(times["inproc"])
     for k in runs:
         med = statistics.median(times[k])
-        row = dict(candidate=names[k], key=k, median_s=med, min_s=min(times[k]), tokens=tokens[k], tokens_per_s=tokens[k] / med,
-                   ratio=(tokens[k] / med) / (tokens["inproc"] / base))
+        row = dict(
+            candidate=names[k],
+            key=k,
+            median_s=med,
+            min_s=min(times[k]),
+            tokens=tokens[k],
+            tokens_per_s=tokens[k] / med,
+            ratio=(tokens[k] / med) / (tokens["inproc"] / base),
+        )
         if cpu[k]:
             row["cpu_s"] = statistics.median(cpu[k])
             row["cpu_ratio"] = (tokens[k] / row["cpu_s"]) / (tokens["inproc"] / statistics.median(cpu["inproc"]))
         if k != "inproc":
             # paired: each gRPC round against the in-process call of the same round
-            row["ratio_paired"] = statistics.median((tokens[k] / t) / (tokens["inproc"] / b) for t, b in zip(times[k], times["inproc"]))
+            row["ratio_paired"] = statistics.median(
+                (tokens[k] / t) / (tokens["inproc"] / b) for t, b in zip(times[k], times["inproc"])
+            )
             # sum over prompts of the server's per-prompt generate_s, over the wall time: the mean number of prompts the
             # server's engine worked on at once (about 1 when it makes one engine call per prompt)
             row["server_prompts_in_flight"] = statistics.median(e / t for e, t in zip(engine_s[k], times[k]))
@@ -293,7 +412,9 @@ def bench(args) -> dict:
     res["ratio"] = next(r["ratio"] for r in rows if r["key"] == "grpc")
     res["ratio_concurrent"] = next((r["ratio"] for r in rows if r["key"] == "grpc_concurrent"), None)
     res["meets_target"] = res["ratio"] >= TARGET_RATIO
-    res["meets_target_concurrent"] = None if res["ratio_concurrent"] is None else res["ratio_concurrent"] >= TARGET_RATIO
+    res["meets_target_concurrent"] = (
+        None if res["ratio_concurrent"] is None else res["ratio_concurrent"] >= TARGET_RATIO
+    )
     # same seeds per (prompt, sample) on both sides: identical samples show that the same requests were made
     a, b = outputs["inproc"], outputs["grpc"]
     pairs = [(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)]
@@ -308,23 +429,47 @@ def _print(res: dict) -> None:
 
     m, r = res["model"], res["requests"]
     c = res["config"]
-    table = Table(title=(f"rollout: random {m['architectures'][0] if m.get('architectures') else '?'} hidden {m['hidden_size']}, "
-                         f"{m['num_hidden_layers']} layers, {m['num_experts']} experts top-{m['num_experts_per_tok']}, vocab {m['vocab_size']}, "
-                         f"{c['dtype']}; {r['prompts']} prompts x n={c['n']} x {c['max_new_tokens']} new tokens (vLLM {res['vllm_version']})"),
-                  caption_justify="left")
-    for col in ("candidate", "median s", "min s", "tokens", "tokens/s", "vs in-process", "paired", "CPU s", "per CPU-s",
-                "server prompts in flight"):
+    table = Table(
+        title=(
+            f"rollout: random {m['architectures'][0] if m.get('architectures') else '?'} hidden {m['hidden_size']}, "
+            f"{m['num_hidden_layers']} layers, {m['num_experts']} experts top-{m['num_experts_per_tok']}, vocab {m['vocab_size']}, "
+            f"{c['dtype']}; {r['prompts']} prompts x n={c['n']} x {c['max_new_tokens']} new tokens (vLLM {res['vllm_version']})"
+        ),
+        caption_justify="left",
+    )
+    for col in (
+        "candidate",
+        "median s",
+        "min s",
+        "tokens",
+        "tokens/s",
+        "vs in-process",
+        "paired",
+        "CPU s",
+        "per CPU-s",
+        "server prompts in flight",
+    ):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for row in res["rows"]:
-        table.add_row(row["candidate"], f"{row['median_s']:.3f}", f"{row['min_s']:.3f}", str(row["tokens"]), f"{row['tokens_per_s']:.0f}",
-                      f"{row['ratio']:.2f}x", f"{row['ratio_paired']:.2f}x" if "ratio_paired" in row else "",
-                      f"{row['cpu_s']:.2f}" if "cpu_s" in row else "", f"{row['cpu_ratio']:.2f}x" if "cpu_ratio" in row else "",
-                      f"{row['server_prompts_in_flight']:.1f}" if "server_prompts_in_flight" in row else "")
-    table.caption = (f"server serving after {res['server_start_s']:.1f}s, in-process engine init {res['engine_init_s']:.1f}s (side by side); "
-                     f"load average {res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after (other jobs share the cores); "
-                     f"identical samples (same per-sample seeds) {res['identical_samples']}/{res['compared_samples']}; "
-                     f"medians of {c['repeats']} interleaved rounds after a warm-up; CPU s: this process + the server's, "
-                     "per CPU-s: tokens per CPU second vs in-process (a check when other jobs share the machine)")
+        table.add_row(
+            row["candidate"],
+            f"{row['median_s']:.3f}",
+            f"{row['min_s']:.3f}",
+            str(row["tokens"]),
+            f"{row['tokens_per_s']:.0f}",
+            f"{row['ratio']:.2f}x",
+            f"{row['ratio_paired']:.2f}x" if "ratio_paired" in row else "",
+            f"{row['cpu_s']:.2f}" if "cpu_s" in row else "",
+            f"{row['cpu_ratio']:.2f}x" if "cpu_ratio" in row else "",
+            f"{row['server_prompts_in_flight']:.1f}" if "server_prompts_in_flight" in row else "",
+        )
+    table.caption = (
+        f"server serving after {res['server_start_s']:.1f}s, in-process engine init {res['engine_init_s']:.1f}s (side by side); "
+        f"load average {res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after (other jobs share the cores); "
+        f"identical samples (same per-sample seeds) {res['identical_samples']}/{res['compared_samples']}; "
+        f"medians of {c['repeats']} interleaved rounds after a warm-up; CPU s: this process + the server's, "
+        "per CPU-s: tokens per CPU second vs in-process (a check when other jobs share the machine)"
+    )
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 150)
@@ -333,22 +478,45 @@ def _print(res: dict) -> None:
     line = f"gRPC / in-process tokens/s: {res['ratio']:.2f}x (1 call)"
     if res["ratio_concurrent"] is not None:
         line += f", {res['ratio_concurrent']:.2f}x ({c['clients']} concurrent calls)"
-    console.print(line + f"; target >= {TARGET_RATIO:g}x: {ok(res['meets_target'])}"
-                  + (f" (concurrent: {ok(res['meets_target_concurrent'])})" if res["ratio_concurrent"] is not None else ""))
+    console.print(
+        line
+        + f"; target >= {TARGET_RATIO:g}x: {ok(res['meets_target'])}"
+        + (f" (concurrent: {ok(res['meets_target_concurrent'])})" if res["ratio_concurrent"] is not None else "")
+    )
     base = res["rows"][0]
     for row in res["rows"][1:]:  # where the gRPC time goes
-        line = (f"{row['candidate']}: {row['median_s']:.2f}s = the server {row['server_span_s']:.2f}s from the call's arrival to "
-                f"its last sample (the in-process call: {base['median_s']:.2f}s) + {row['outside_server_s']:.2f}s client, protobuf "
-                f"and transport; {row['server_prompts_in_flight']:.1f} prompts in the server's engine at once on average")
+        line = (
+            f"{row['candidate']}: {row['median_s']:.2f}s = the server {row['server_span_s']:.2f}s from the call's arrival to "
+            f"its last sample (the in-process call: {base['median_s']:.2f}s) + {row['outside_server_s']:.2f}s client, protobuf "
+            f"and transport; {row['server_prompts_in_flight']:.1f} prompts in the server's engine at once on average"
+        )
         if row["ratio"] < TARGET_RATIO and row["server_prompts_in_flight"] < 1.5:
-            line += (f" -- the engine worked on one prompt at a time (n={c['n']} sequences per engine call) while the in-process "
-                     f"call batches all {r['samples']}: batching concurrent requests in one engine closes that gap")
+            line += (
+                f" -- the engine worked on one prompt at a time (n={c['n']} sequences per engine call) while the in-process "
+                f"call batches all {r['samples']}: batching concurrent requests in one engine closes that gap"
+            )
         console.print(line)
 
 
 def run(args) -> int:
-    if min(args.hidden, args.layers, args.heads, args.kv_heads, args.experts, args.top_k, args.vocab, args.prompts, args.prompt_len,
-           args.n, args.max_new_tokens, args.clients, args.repeats) < 1:
+    if (
+        min(
+            args.hidden,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.experts,
+            args.top_k,
+            args.vocab,
+            args.prompts,
+            args.prompt_len,
+            args.n,
+            args.max_new_tokens,
+            args.clients,
+            args.repeats,
+        )
+        < 1
+    ):
         raise errors.UserError("sizes, counts and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads:
         raise errors.UserError("need --top-k <= --experts and --heads divisible by --kv-heads")

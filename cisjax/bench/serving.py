@@ -23,11 +23,29 @@ class Server(launch.ChildServer):
     """A rollout server subprocess on 127.0.0.1 (no token). Waits until it serves unless `wait=False` (then call
     `wait()`, e.g. after other start-up work done meanwhile). `start_s`: from spawn to SERVING."""
 
-    def __init__(self, backend: str, model_dir, *, dtype: str, log_path, export_root=None, env: dict | None = None,
-                 timeout_s: float = 600.0, wait: bool = True):
+    def __init__(
+        self,
+        backend: str,
+        model_dir,
+        *,
+        dtype: str,
+        log_path,
+        export_root=None,
+        env: dict | None = None,
+        timeout_s: float = 600.0,
+        wait: bool = True,
+    ):
         self._t0 = time.monotonic()
-        super().__init__(backend=backend, model_dir=model_dir, dtype=dtype, log_path=log_path, export_root=export_root, env=env,
-                         startup_s=timeout_s, grace_s=5.0)
+        super().__init__(
+            backend=backend,
+            model_dir=model_dir,
+            dtype=dtype,
+            log_path=log_path,
+            export_root=export_root,
+            env=env,
+            startup_s=timeout_s,
+            grace_s=5.0,
+        )
         self.timeout_s = timeout_s
         self.start_s = None
         if wait:

@@ -21,19 +21,36 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=8, help="routed experts (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
     parser.add_argument("--moe-intermediate", type=int, default=256, help="routed expert width (default: %(default)s)")
-    parser.add_argument("--shared-intermediate", type=int, default=256, help="shared expert width (default: %(default)s)")
+    parser.add_argument(
+        "--shared-intermediate", type=int, default=256, help="shared expert width (default: %(default)s)"
+    )
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="rows B (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per row T (default: %(default)s)")
-    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches M of the step, each B x T (default: %(default)s)")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                        help="train.precision of the step; torch runs in the same compute dtype (default: %(default)s)")
+    parser.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches M of the step, each B x T (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="train.precision of the step; torch runs in the same compute dtype (default: %(default)s)",
+    )
     parser.add_argument("--chunk-size", type=int, default=1024, help="logprobs.chunk_size (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per candidate after a warm-up (default: %(default)s)")
-    parser.add_argument("--moe-impl", default="auto", choices=("auto", "tiled", "ragged", "dense"),
-                        help="model.moe_impl of the JAX model (default: %(default)s)")
-    parser.add_argument("--torch-experts", default=None,
-                        help="transformers experts_implementation (default: transformers' own choice, reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed calls per candidate after a warm-up (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--moe-impl",
+        default="auto",
+        choices=("auto", "tiled", "ragged", "dense"),
+        help="model.moe_impl of the JAX model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--torch-experts",
+        default=None,
+        help="transformers experts_implementation (default: transformers' own choice, reported)",
+    )
     parser.add_argument("--model-dir", default=None, help="where to save the random HF model (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
@@ -47,11 +64,19 @@ def _save_model(args, path: str) -> dict:
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.moe_intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate,
-        shared_expert_intermediate_size=args.shared_intermediate, max_position_embeddings=max(args.seq, 128),
-        initializer_range=0.05, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        shared_expert_intermediate_size=args.shared_intermediate,
+        max_position_embeddings=max(args.seq, 128),
+        initializer_range=0.05,
+        tie_word_embeddings=False,
     )
     transformers.Qwen2MoeForCausalLM(cfg).save_pretrained(path)
     return cfg.to_dict()
@@ -73,7 +98,9 @@ def _host_batch(args, vocab: int):
     adv = np.where(rng.random((m, b, 1)) < 0.5, 1.0, -1.0) * mask
     zeros = np.zeros((m, b, t), np.float32)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (m, b, t)).copy()
-    return TrainBatch(tokens, positions, np.ones((m, b, t), np.int32), targets, mask, zeros, zeros, adv.astype(np.float32))
+    return TrainBatch(
+        tokens, positions, np.ones((m, b, t), np.int32), targets, mask, zeros, zeros, adv.astype(np.float32)
+    )
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -103,8 +130,12 @@ def bench(args) -> dict:
     cfg.train.lr = 1e-5
     cfg.model.moe_impl = args.moe_impl
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
-    res = dict(config={k: v for k, v in vars(args).items() if k != "json"}, backend=jax.default_backend(),
-               devices=len(jax.devices()), tokens_per_step=args.micro_batches * args.batch * args.seq)
+    res = dict(
+        config={k: v for k, v in vars(args).items() if k != "json"},
+        backend=jax.default_backend(),
+        devices=len(jax.devices()),
+        tokens_per_step=args.micro_batches * args.batch * args.seq,
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
@@ -114,7 +145,9 @@ def bench(args) -> dict:
         for method in ("cis", "none"):
             run_cfg = copy.deepcopy(cfg)
             run_cfg.correction.method = method
-            runs[method] = build(run_cfg, model_dir=model_dir, mesh=mesh, inputs=False)  # the model and batch are made here
+            runs[method] = build(
+                run_cfg, model_dir=model_dir, mesh=mesh, inputs=False
+            )  # the model and batch are made here
         run = runs["none"]
         graphdef, rules = run.graphdef, run.rules
         params = jax.tree.map(lambda x: x.copy(), run.state.params)  # for the fwd+bwd below: the steps donate theirs
@@ -123,7 +156,9 @@ def bench(args) -> dict:
         host = _host_batch(args, mcfg.vocab_size)
         prox = np.asarray(run.rescore(params, sharding.place(host, mesh, rules, sharding.BATCH_AXES)))
         noise = 0.3 * np.random.default_rng(args.seed + 1).standard_normal(prox.shape)
-        host = host._replace(prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32))
+        host = host._replace(
+            prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32)
+        )
         batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
 
         steps, states, compile_s = {}, {}, {}
@@ -147,8 +182,15 @@ def bench(args) -> dict:
         rows = []
         for method in ("cis", "none"):
             med = statistics.median(times[method])
-            rows.append(dict(candidate=f"JAX step ({method})", median_s=med, min_s=min(times[method]),
-                             tokens_per_s=res["tokens_per_step"] / med, first_call_s=compile_s[method]))
+            rows.append(
+                dict(
+                    candidate=f"JAX step ({method})",
+                    median_s=med,
+                    min_s=min(times[method]),
+                    tokens_per_s=res["tokens_per_step"] / med,
+                    first_call_s=compile_s[method],
+                )
+            )
         # paired: each CIS call against the no-correction call right after it, so that load drift cancels
         res["cis_overhead"] = statistics.median(c / n for c, n in zip(times["cis"], times["none"])) - 1.0
         res["cis_overhead_of_medians"] = rows[0]["median_s"] / rows[1]["median_s"] - 1.0
@@ -172,7 +214,9 @@ def bench(args) -> dict:
         (_, aux), grads = jax.block_until_ready(fwd_bwd(params, mb, denominator))
         jax_first = time.perf_counter() - t0
         jax_loss = float(aux["loss"])
-        jax_grad_norm = float(jax.jit(lambda g: jax.numpy.sqrt(sum((x.astype(np.float32) ** 2).sum() for x in jax.tree.leaves(g))))(grads))
+        jax_grad_norm = float(
+            jax.jit(lambda g: jax.numpy.sqrt(sum((x.astype(np.float32) ** 2).sum() for x in jax.tree.leaves(g))))(grads)
+        )
         del grads
         torch_run = _torch_fwd_bwd(args, model_dir, jax.tree.map(lambda x: np.asarray(x[0]), host), cfg)
         # interleaved call by call, so that a change in the machine's load hits both sides alike
@@ -184,11 +228,24 @@ def bench(args) -> dict:
         res["jax_vs_torch_paired"] = statistics.median(j / t for j, t in zip(jax_times, torch_times))
     tokens = args.batch * args.seq
     jax_med = statistics.median(jax_times)
-    rows.append(dict(candidate="JAX fwd+bwd+loss", median_s=jax_med, min_s=min(jax_times), tokens_per_s=tokens / jax_med,
-                     first_call_s=jax_first))
-    rows.append(dict(candidate=f"torch fwd+bwd+loss ({torch_res['experts']}, {torch_res['attention']})",
-                     median_s=torch_res["median_s"], min_s=torch_res["min_s"], tokens_per_s=tokens / torch_res["median_s"],
-                     first_call_s=torch_res["first_call_s"]))
+    rows.append(
+        dict(
+            candidate="JAX fwd+bwd+loss",
+            median_s=jax_med,
+            min_s=min(jax_times),
+            tokens_per_s=tokens / jax_med,
+            first_call_s=jax_first,
+        )
+    )
+    rows.append(
+        dict(
+            candidate=f"torch fwd+bwd+loss ({torch_res['experts']}, {torch_res['attention']})",
+            median_s=torch_res["median_s"],
+            min_s=torch_res["min_s"],
+            tokens_per_s=tokens / torch_res["median_s"],
+            first_call_s=torch_res["first_call_s"],
+        )
+    )
     res["rows"] = rows
     res["jax_vs_torch"] = jax_med / torch_res["median_s"]
     res["loss"] = dict(jax=jax_loss, torch=torch_res["loss"])
@@ -241,8 +298,16 @@ def _torch_fwd_bwd(args, model_dir: str, mb, cfg):
     grad_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
 
     def info(times):
-        return dict(median_s=statistics.median(times), min_s=min(times), first_call_s=first, loss=float(loss),
-                    grad_norm=grad_norm, experts=experts, attention=attention, threads=torch.get_num_threads())
+        return dict(
+            median_s=statistics.median(times),
+            min_s=min(times),
+            first_call_s=first,
+            loss=float(loss),
+            grad_norm=grad_norm,
+            experts=experts,
+            attention=attention,
+            threads=torch.get_num_threads(),
+        )
 
     run.info = info
     return run
@@ -253,30 +318,49 @@ def _print(res: dict) -> None:
     from rich.table import Table
 
     c = res["config"]
-    table = Table(title=(f"train step on a random Qwen2-MoE: hidden {c['hidden']}, {c['layers']} layers, {c['experts']} experts "
-                         f"top-{c['top_k']}, vocab {c['vocab']}, M x B x T = {c['micro_batches']} x {c['batch']} x {c['seq']}, "
-                         f"{c['precision']}, {res['backend']} x {res['devices']}"))
+    table = Table(
+        title=(
+            f"train step on a random Qwen2-MoE: hidden {c['hidden']}, {c['layers']} layers, {c['experts']} experts "
+            f"top-{c['top_k']}, vocab {c['vocab']}, M x B x T = {c['micro_batches']} x {c['batch']} x {c['seq']}, "
+            f"{c['precision']}, {res['backend']} x {res['devices']}"
+        )
+    )
     for col in ("candidate", "median s", "min s", "tokens/s", "first call s"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for r in res["rows"]:
-        table.add_row(r["candidate"], f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['tokens_per_s']:.0f}", f"{r['first_call_s']:.1f}")
+        table.add_row(
+            r["candidate"],
+            f"{r['median_s']:.4f}",
+            f"{r['min_s']:.4f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['first_call_s']:.1f}",
+        )
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
     console.print(table)
     ok = lambda b: "[green]met[/]" if b else "[red]NOT met[/]"  # noqa: E731
-    console.print(f"CIS step overhead vs none: {res['cis_overhead']:+.2%} (median of paired ratios; ratio of medians "
-                  f"{res['cis_overhead_of_medians']:+.2%}, of minima {res['cis_overhead_min']:+.2%}; XLA flop count "
-                  f"{res['cis_flops_overhead']:+.5%}); target <= {TARGET_CIS_OVERHEAD:.0%}: {ok(res['meets_cis_target'])}")
-    console.print(f"JAX / torch fwd+bwd+loss time: {res['jax_vs_torch']:.2f}x (median of paired ratios "
-                  f"{res['jax_vs_torch_paired']:.2f}x); target <= {TARGET_JAX_VS_TORCH:.1f}x: "
-                  f"{ok(res['meets_torch_target'])}")
-    console.print(f"same objective: loss JAX {res['loss']['jax']:.6f} vs torch {res['loss']['torch']:.6f}; "
-                  f"grad norm JAX {res['grad_norm']['jax']:.6f} vs torch {res['grad_norm']['torch']:.6f}")
+    console.print(
+        f"CIS step overhead vs none: {res['cis_overhead']:+.2%} (median of paired ratios; ratio of medians "
+        f"{res['cis_overhead_of_medians']:+.2%}, of minima {res['cis_overhead_min']:+.2%}; XLA flop count "
+        f"{res['cis_flops_overhead']:+.5%}); target <= {TARGET_CIS_OVERHEAD:.0%}: {ok(res['meets_cis_target'])}"
+    )
+    console.print(
+        f"JAX / torch fwd+bwd+loss time: {res['jax_vs_torch']:.2f}x (median of paired ratios "
+        f"{res['jax_vs_torch_paired']:.2f}x); target <= {TARGET_JAX_VS_TORCH:.1f}x: "
+        f"{ok(res['meets_torch_target'])}"
+    )
+    console.print(
+        f"same objective: loss JAX {res['loss']['jax']:.6f} vs torch {res['loss']['torch']:.6f}; "
+        f"grad norm JAX {res['grad_norm']['jax']:.6f} vs torch {res['grad_norm']['torch']:.6f}"
+    )
 
 
 def run(args) -> int:
-    if min(args.hidden, args.layers, args.experts, args.top_k, args.vocab, args.batch, args.seq, args.micro_batches) < 1:
+    if (
+        min(args.hidden, args.layers, args.experts, args.top_k, args.vocab, args.batch, args.seq, args.micro_batches)
+        < 1
+    ):
         raise SystemExit("sizes must be positive")
     if args.seq < 8 or args.repeats < 1:
         raise SystemExit("--seq must be >= 8 and --repeats >= 1")
@@ -284,7 +368,9 @@ def run(args) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as err:
-        raise SystemExit(f"cisjax bench step needs torch and transformers (the reference side and the model's weights): {err}")
+        raise SystemExit(
+            f"cisjax bench step needs torch and transformers (the reference side and the model's weights): {err}"
+        ) from None
     res = bench(args)
     _print(res)
     if args.json:

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 from cisjax.rl.rewards import last_boxed
 
-__all__ = ["RULES", "Extracted", "extract", "exact_form", "to_number", "numeric_value", "numbers_equal", "e_notation_to_latex"]
+__all__ = [
+    "RULES",
+    "Extracted",
+    "extract",
+    "exact_form",
+    "to_number",
+    "numeric_value",
+    "numbers_equal",
+    "e_notation_to_latex",
+]
 
 # The extraction rules, in the order they are tried; "none" when no rule finds an answer.
 RULES = ("boxed", "answer_is", "last_number", "none")
@@ -28,7 +37,9 @@ _ANSWER_IS = re.compile(r"\banswer\s+is\b[ \t]*:?[ \t]*", re.IGNORECASE)
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 # A number as written in prose: optional sign (not a hyphen inside a word or after a digit), thousands separators,
 # decimals, an exponent (4.4e7), or a plain fraction a/b. "5-3" gives 5 and 3, not -3.
-_NUMBER = re.compile(r"(?<![\w.)\]}])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+(?![\w.]))?(?:/\d+)?|(?<![\w.])-?\.\d+")
+_NUMBER = re.compile(
+    r"(?<![\w.)\]}])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+(?![\w.]))?(?:/\d+)?|(?<![\w.])-?\.\d+"
+)
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
@@ -37,7 +48,7 @@ def _answer_is(text: str) -> str | None:
     sentence (up to a line break or a full stop followed by a space or the end)."""
     matches = list(_ANSWER_IS.finditer(text))
     for m in reversed(matches):
-        rest = text[m.end():]
+        rest = text[m.end() :]
         span = _MATH_SPAN.match(rest)
         if span is not None:
             value = next(g for g in span.groups() if g is not None).strip()
@@ -78,7 +89,7 @@ def _strip_delimiters(s: str) -> str:
     s = s.strip()
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
-            s = s[len(left):-len(right)].strip()
+            s = s[len(left) : -len(right)].strip()
     return s
 
 
@@ -128,6 +139,6 @@ _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 
 
 def e_notation_to_latex(s: str) -> str:
-    """"4.4e7" -> "4.4 \\times 10^{7}" (Minerva's gold answers): math-verify's LaTeX reader takes the e of "4.4e7" for
+    """ "4.4e7" -> "4.4 \\times 10^{7}" (Minerva's gold answers): math-verify's LaTeX reader takes the e of "4.4e7" for
     Euler's number."""
     return _E_NOTATION.sub(lambda m: f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}", s)

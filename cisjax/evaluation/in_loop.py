@@ -28,14 +28,21 @@ class LoopEval:
         self.sets = [sets_lib.load_set(name, default, per_set, limit=e.limit) for name in sets_lib.parse_sets(e.sets)]
         # the run's training prompt by default: its instruction and chat template
         instruction = cfg.data.instruction if e.prompt == "train" else None
-        self.formatter = prompts.formatter(e.prompt, tokenizer_dir, instruction=instruction, chat_template=cfg.data.chat_template)
+        self.formatter = prompts.formatter(
+            e.prompt, tokenizer_dir, instruction=instruction, chat_template=cfg.data.chat_template
+        )
         self.settings = runner.Settings(n=1, temperature=0.0, max_new_tokens=e.max_new_tokens)
         self.settings.check()
         self.every, self.final, self.prompt, self.limit = int(e.every), bool(e.final), e.prompt, int(e.limit)
         self.root = Path(run_dir) / "eval"
         self.pool = RewardPool(workers=e.grade_workers, timeout_s=e.grade_timeout_s, fn=POOL_FN)
-        log.info("in-loop eval: %s (%s problems), every %s steps%s", ",".join(s.name for s in self.sets),
-                 "+".join(str(len(s.problems)) for s in self.sets), self.every or "-", ", and the final weights" if self.final else "")
+        log.info(
+            "in-loop eval: %s (%s problems), every %s steps%s",
+            ",".join(s.name for s in self.sets),
+            "+".join(str(len(s.problems)) for s in self.sets),
+            self.every or "-",
+            ", and the final weights" if self.final else "",
+        )
 
     def due(self, step: int, total: int) -> bool:
         """Whether the weights published after `step` (version step + 1) are evaluated."""
@@ -47,25 +54,61 @@ class LoopEval:
         t0 = time.monotonic()
         info = client.info()
         if info["version"] != version:
-            raise RuntimeError(f"in-loop eval of version {version}: the rollout server serves version {info['version']}")
-        per_set, samples = runner.evaluate(client, self.formatter, self.sets, self.settings, self.pool,
-                                           max_model_len=int(info["max_model_len"]), progress="off")
-        doc = report.results(per_set, model=info["model"], export_version=version, engine=info, settings=self.settings,
-                             prompt={"style": self.prompt, "system": self.formatter.system, "instruction": self.formatter.instruction,
-                                     "chat_template": self.formatter.chat_template},
-                             elapsed_s=time.monotonic() - t0, grading=self.pool.metrics(), limit=self.limit)
+            raise RuntimeError(
+                f"in-loop eval of version {version}: the rollout server serves version {info['version']}"
+            )
+        per_set, samples = runner.evaluate(
+            client,
+            self.formatter,
+            self.sets,
+            self.settings,
+            self.pool,
+            max_model_len=int(info["max_model_len"]),
+            progress="off",
+        )
+        doc = report.results(
+            per_set,
+            model=info["model"],
+            export_version=version,
+            engine=info,
+            settings=self.settings,
+            prompt={
+                "style": self.prompt,
+                "system": self.formatter.system,
+                "instruction": self.formatter.instruction,
+                "chat_template": self.formatter.chat_template,
+            },
+            elapsed_s=time.monotonic() - t0,
+            grading=self.pool.metrics(),
+            limit=self.limit,
+        )
         report.write(self.root / f"v{version:06d}", doc, samples)
         stray = sorted({v for s in per_set.values() for v in s["versions"]} - {version})
         if stray:  # nothing publishes during an eval: this would be a bug
             raise RuntimeError(f"in-loop eval of version {version} got samples of versions {stray}")
-        out = {"eval/version": float(version), "eval/average": doc["average"]["accuracy"], "eval/problems_per_s": doc["problems_per_s"]}
+        out = {
+            "eval/version": float(version),
+            "eval/average": doc["average"]["accuracy"],
+            "eval/problems_per_s": doc["problems_per_s"],
+        }
         for name, s in per_set.items():
-            out.update({f"eval/{name}/accuracy": s["accuracy"], f"eval/{name}/answered": s["answered"],
-                        f"eval/{name}/truncated": s["truncated"], f"eval/{name}/mean_response_tokens": s["mean_response_tokens"],
-                        f"eval/{name}/count": float(s["count"])})
+            out.update(
+                {
+                    f"eval/{name}/accuracy": s["accuracy"],
+                    f"eval/{name}/answered": s["answered"],
+                    f"eval/{name}/truncated": s["truncated"],
+                    f"eval/{name}/mean_response_tokens": s["mean_response_tokens"],
+                    f"eval/{name}/count": float(s["count"]),
+                }
+            )
         out["time/eval_s"] = time.monotonic() - t0
-        log.info("eval of version %d: %s (average %.4f) in %.1f s", version,
-                 ", ".join(f"{n} {s['accuracy']:.4f}" for n, s in per_set.items()), out["eval/average"], out["time/eval_s"])
+        log.info(
+            "eval of version %d: %s (average %.4f) in %.1f s",
+            version,
+            ", ".join(f"{n} {s['accuracy']:.4f}" for n, s in per_set.items()),
+            out["eval/average"],
+            out["time/eval_s"],
+        )
         return out
 
     def close(self) -> None:

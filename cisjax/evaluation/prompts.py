@@ -18,10 +18,16 @@ STYLES = {
 }
 
 
-def formatter(style: str, tokenizer_dir, *, instruction: str | None = None, chat_template: bool = True) -> PromptFormatter:
+def formatter(
+    style: str, tokenizer_dir, *, instruction: str | None = None, chat_template: bool = True
+) -> PromptFormatter:
     """The PromptFormatter of a style; `instruction` replaces the style's (the loop passes its data.instruction)."""
     if style not in STYLES:
         raise errors.UserError(f"unknown prompt style {style!r}; known: {', '.join(STYLES)}")
     system, default_instruction = STYLES[style]
-    return PromptFormatter(tokenizer_dir, instruction=default_instruction if instruction is None else instruction,
-                           chat_template=chat_template, system=system)
+    return PromptFormatter(
+        tokenizer_dir,
+        instruction=default_instruction if instruction is None else instruction,
+        chat_template=chat_template,
+        system=system,
+    )

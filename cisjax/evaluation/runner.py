@@ -39,7 +39,9 @@ class Settings:
         if self.temperature < 0:
             raise errors.UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.greedy and self.n > 1:
-            raise errors.UserError(f"n={self.n} with temperature 0: greedy samples are all the same; give a temperature > 0 for avg@{self.n}/pass@{self.n}")
+            raise errors.UserError(
+                f"n={self.n} with temperature 0: greedy samples are all the same; give a temperature > 0 for avg@{self.n}/pass@{self.n}"
+            )
         if not 0 < self.top_p <= 1:
             raise errors.UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -60,11 +62,24 @@ class _Progress:
         self.name, self.total, self.done, self.t0 = name, total, 0, time.monotonic()
         if self.enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
-            self._bar = Progress(TextColumn(f"[bold]eval {name}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[rate]} problems/s"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                 console=Console(stderr=True))
+            self._bar = Progress(
+                TextColumn(f"[bold]eval {name}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]} problems/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
             self._task = self._bar.add_task("", total=total, rate="-")
             self._bar.start()
 
@@ -74,7 +89,11 @@ class _Progress:
         if self._bar is not None:
             self._bar.update(self._task, advance=k, rate=f"{rate:.2f}")
         elif not self.silent:
-            print(f"eval {self.name}: {self.done}/{self.total} problems, {rate:.2f} problems/s", file=sys.stderr, flush=True)
+            print(
+                f"eval {self.name}: {self.done}/{self.total} problems, {rate:.2f} problems/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def stop(self) -> None:
         if self._bar is not None:
@@ -88,7 +107,7 @@ def _chunks(budgets: list[int], batch_size: int) -> list[tuple[int, list[int]]]:
     for i, b in enumerate(budgets):
         if b > 0:
             groups.setdefault(b, []).append(i)
-    return [(b, idx[lo:lo + batch_size]) for b, idx in groups.items() for lo in range(0, len(idx), batch_size)]
+    return [(b, idx[lo : lo + batch_size]) for b, idx in groups.items() for lo in range(0, len(idx), batch_size)]
 
 
 def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_model_len: int, progress: _Progress):
@@ -101,21 +120,47 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
     # each prompt's budget: max_new_tokens, less what the context length leaves (the server refuses more)
     budgets = [min(settings.max_new_tokens, max_model_len - len(ids)) for ids in prompts]
     records: list[dict | None] = [None] * len(problems)
-    stats = {"prompt_too_long": sum(b < 1 for b in budgets), "budget_capped": sum(0 < b < settings.max_new_tokens for b in budgets)}
+    stats = {
+        "prompt_too_long": sum(b < 1 for b in budgets),
+        "budget_capped": sum(0 < b < settings.max_new_tokens for b in budgets),
+    }
     if stats["prompt_too_long"]:
-        log.warning("eval set %s: %d prompts leave no room in the context length %d: graded wrong", evalset.name,
-                    stats["prompt_too_long"], max_model_len)
+        log.warning(
+            "eval set %s: %d prompts leave no room in the context length %d: graded wrong",
+            evalset.name,
+            stats["prompt_too_long"],
+            max_model_len,
+        )
     for i, b in enumerate(budgets):
         if b < 1:
-            records[i] = [_record(evalset.name, problems[i], j, texts[i], "", [], "prompt_too_long", -1,
-                                  answers_lib.Extracted(None, "none"), grading.Grade(False, "no_answer")) for j in range(settings.n)]
+            records[i] = [
+                _record(
+                    evalset.name,
+                    problems[i],
+                    j,
+                    texts[i],
+                    "",
+                    [],
+                    "prompt_too_long",
+                    -1,
+                    answers_lib.Extracted(None, "none"),
+                    grading.Grade(False, "no_answer"),
+                )
+                for j in range(settings.n)
+            ]
     progress.start(evalset.name, len(problems))
     t0 = time.monotonic()
 
     def generate(call: int, budget: int, idx: list[int]):
-        params = SamplingParams(n=settings.n, temperature=settings.temperature if not settings.greedy else 1.0,
-                                top_p=settings.top_p, max_new_tokens=budget, stop_token_ids=list(formatter.stop_token_ids),
-                                greedy=settings.greedy, seed=None if settings.greedy else settings.seed * 1_000_003 + call)
+        params = SamplingParams(
+            n=settings.n,
+            temperature=settings.temperature if not settings.greedy else 1.0,
+            top_p=settings.top_p,
+            max_new_tokens=budget,
+            stop_token_ids=list(formatter.stop_token_ids),
+            greedy=settings.greedy,
+            seed=None if settings.greedy else settings.seed * 1_000_003 + call,
+        )
         return idx, client.generate([prompts[i] for i in idx], params)
 
     calls = _chunks(budgets, settings.batch_size)
@@ -127,11 +172,24 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
                 flat = [(i, s) for i, per in zip(idx, samples) for s in per]
                 responses = [formatter.decode(s.response_ids) for _, s in flat]
                 extracted = [answers_lib.extract(r) for r in responses]
-                grades = grading.grade_all([e.answer for e in extracted], [problems[i].answer for i, _ in flat],
-                                           [numeric] * len(flat), pool)
+                grades = grading.grade_all(
+                    [e.answer for e in extracted], [problems[i].answer for i, _ in flat], [numeric] * len(flat), pool
+                )
                 for (i, s), text, found, g in zip(flat, responses, extracted, grades):
-                    records[i] = (records[i] or []) + [_record(evalset.name, problems[i], s.sample_index, texts[i], text,
-                                                               s.response_ids, s.finish_reason, s.version, found, g)]
+                    records[i] = (records[i] or []) + [
+                        _record(
+                            evalset.name,
+                            problems[i],
+                            s.sample_index,
+                            texts[i],
+                            text,
+                            s.response_ids,
+                            s.finish_reason,
+                            s.version,
+                            found,
+                            g,
+                        )
+                    ]
                 progress.advance(len(idx))
             if stats["prompt_too_long"]:  # graded (wrong) without a call
                 progress.advance(stats["prompt_too_long"])
@@ -146,20 +204,43 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
     summary = scores.summarize(samples, settings.n)
     versions = sorted({r["version"] for r in samples if r["version"] >= 0})
     summary.update(stats)
-    summary.update({"source": evalset.source, "source_size": evalset.source_size, "full_size": evalset.benchmark.full_size,
-                    "size_note": evalset.size_note, "elapsed_s": elapsed, "problems_per_s": len(problems) / max(elapsed, 1e-9),
-                    "versions": versions})
+    summary.update(
+        {
+            "source": evalset.source,
+            "source_size": evalset.source_size,
+            "full_size": evalset.benchmark.full_size,
+            "size_note": evalset.size_note,
+            "elapsed_s": elapsed,
+            "problems_per_s": len(problems) / max(elapsed, 1e-9),
+            "versions": versions,
+        }
+    )
     return samples, summary
 
 
-def _record(set_name, problem, sample_index, prompt_text, response, response_ids, finish_reason, version, extracted, grade) -> dict:
-    return {"set": set_name, "id": problem.id, "sample": int(sample_index), "prompt": prompt_text, "response": response,
-            "answer": extracted.answer, "rule": extracted.rule, "gold": problem.answer, "correct": bool(grade.correct),
-            "graded_by": grade.method, "finish_reason": finish_reason, "response_tokens": len(response_ids), "version": int(version)}
+def _record(
+    set_name, problem, sample_index, prompt_text, response, response_ids, finish_reason, version, extracted, grade
+) -> dict:
+    return {
+        "set": set_name,
+        "id": problem.id,
+        "sample": int(sample_index),
+        "prompt": prompt_text,
+        "response": response,
+        "answer": extracted.answer,
+        "rule": extracted.rule,
+        "gold": problem.answer,
+        "correct": bool(grade.correct),
+        "graded_by": grade.method,
+        "finish_reason": finish_reason,
+        "response_tokens": len(response_ids),
+        "version": int(version),
+    }
 
 
-def evaluate(client, formatter, evalsets, settings: Settings, pool, *, max_model_len: int,
-             progress: bool | str | None = None) -> tuple[dict, list[dict]]:
+def evaluate(
+    client, formatter, evalsets, settings: Settings, pool, *, max_model_len: int, progress: bool | str | None = None
+) -> tuple[dict, list[dict]]:
     """Every set in turn through `client` (a RolloutClient): ({set: summary}, samples in set and problem order).
     `pool` is a RewardPool running grading.POOL_FN; `max_model_len` the server's context length; `progress` as
     _Progress's mode."""
@@ -167,9 +248,16 @@ def evaluate(client, formatter, evalsets, settings: Settings, pool, *, max_model
     bar = _Progress(progress)
     per_set, samples = {}, []
     for evalset in evalsets:
-        s, summary = _evaluate_set(client, formatter, evalset, settings, pool, max_model_len=max_model_len, progress=bar)
+        s, summary = _evaluate_set(
+            client, formatter, evalset, settings, pool, max_model_len=max_model_len, progress=bar
+        )
         per_set[evalset.name] = summary
         samples.extend(s)
-        log.info("eval %s: accuracy %.4f on %d problems (%.2f problems/s)", evalset.name, summary["accuracy"], summary["count"],
-                 summary["problems_per_s"])
+        log.info(
+            "eval %s: accuracy %.4f on %d problems (%.2f problems/s)",
+            evalset.name,
+            summary["accuracy"],
+            summary["count"],
+            summary["problems_per_s"],
+        )
     return per_set, samples

@@ -57,8 +57,16 @@ def summarize(samples: Sequence[Mapping], n: int) -> dict:
         pid = next(iter(short))
         raise ValueError(f"problem {pid} has {short[pid]} graded samples, expected {n}")
     if not samples:
-        return {"accuracy": 0.0, "count": 0, "samples": 0, "answered": 0.0, "mean_response_tokens": 0.0, "truncated": 0.0,
-                "rules": {r: 0 for r in RULES}, "graded_by": {m: 0 for m in METHODS}}
+        return {
+            "accuracy": 0.0,
+            "count": 0,
+            "samples": 0,
+            "answered": 0.0,
+            "mean_response_tokens": 0.0,
+            "truncated": 0.0,
+            "rules": {r: 0 for r in RULES},
+            "graded_by": {m: 0 for m in METHODS},
+        }
     correct = list(by_problem.values())
     rules, methods = Counter(s["rule"] for s in samples), Counter(s["graded_by"] for s in samples)
     out = {

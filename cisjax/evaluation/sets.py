@@ -25,13 +25,16 @@ class Benchmark:
     split: str = "test"
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("gsm8k", "gsm8k", "gsm8k", 1319, True, "openai/gsm8k:main"),
-    Benchmark("math500", "math500", "math500", 500, False, "HuggingFaceH4/MATH-500"),
-    Benchmark("svamp", "svamp", "svamp", 1000, True, None),
-    Benchmark("minerva", "minerva_math", "minerva_math", 272, False, None),
-    Benchmark("olympiadbench", "olympiadbench", "olympiadbench", 675, False, None),
-)}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("gsm8k", "gsm8k", "gsm8k", 1319, True, "openai/gsm8k:main"),
+        Benchmark("math500", "math500", "math500", 500, False, "HuggingFaceH4/MATH-500"),
+        Benchmark("svamp", "svamp", "svamp", 1000, True, None),
+        Benchmark("minerva", "minerva_math", "minerva_math", 272, False, None),
+        Benchmark("olympiadbench", "olympiadbench", "olympiadbench", 675, False, None),
+    )
+}
 ALIASES = {"minerva_math": "minerva", "math-500": "math500", "math_500": "math500", "olympiad": "olympiadbench"}
 
 
@@ -48,7 +51,7 @@ class EvalSet:
 
 
 def parse_sets(text: str) -> list[str]:
-    """"gsm8k,math500,minerva" -> canonical names in the given order (duplicates dropped); ValueError naming an
+    """ "gsm8k,math500,minerva" -> canonical names in the given order (duplicates dropped); ValueError naming an
     unknown set."""
     names = []
     for raw in str(text).split(","):
@@ -77,12 +80,16 @@ def parse_data(spec: str) -> tuple[str | None, dict[str, str]]:
         if eq and not name.strip().startswith("hf:"):
             key = ALIASES.get(name.strip().lower(), name.strip().lower())
             if key not in BENCHMARKS:
-                raise errors.UserError(f"--data {entry!r}: unknown eval set {name.strip()!r}; known: {', '.join(BENCHMARKS)}")
+                raise errors.UserError(
+                    f"--data {entry!r}: unknown eval set {name.strip()!r}; known: {', '.join(BENCHMARKS)}"
+                )
             if not source.strip():
                 raise errors.UserError(f"--data {entry!r}: no source after '='")
             per_set[key] = source.strip()
         elif default is not None:
-            raise errors.UserError(f"--data has two default sources, {default!r} and {entry!r}; name the set of one: SET=SOURCE")
+            raise errors.UserError(
+                f"--data has two default sources, {default!r} and {entry!r}; name the set of one: SET=SOURCE"
+            )
         else:
             default = entry
     return default, per_set
@@ -94,13 +101,17 @@ def locate(bench: Benchmark, default: str | None, per_set: dict[str, str]) -> tu
     default. FileNotFoundError / ValueError naming the set and what was looked for."""
     source = per_set.get(bench.name)
     if source is None and default is None:
-        raise errors.UserError(f"eval set {bench.name}: no data source; pass --data DIR (holding {bench.folder}/test.jsonl), "
-                         f"--data {bench.name}=FILE, or --data hf")
+        raise errors.UserError(
+            f"eval set {bench.name}: no data source; pass --data DIR (holding {bench.folder}/test.jsonl), "
+            f"--data {bench.name}=FILE, or --data hf"
+        )
     if source is None and default in ("hf", "hf:"):
         if bench.hub is None:
-            raise errors.UserError(f"eval set {bench.name}: no default hub dataset is known in this layout; pass "
-                             f"--data {bench.name}=FILE (e.g. the Qwen2.5-Math harness's {bench.folder}/test.jsonl) or "
-                             f"{bench.name}=hf:<dataset>[:<config>][@split]")
+            raise errors.UserError(
+                f"eval set {bench.name}: no default hub dataset is known in this layout; pass "
+                f"--data {bench.name}=FILE (e.g. the Qwen2.5-Math harness's {bench.folder}/test.jsonl) or "
+                f"{bench.name}=hf:<dataset>[:<config>][@split]"
+            )
         return "hf:" + bench.hub, bench.split
     if source is None and default.startswith("hf:"):  # one hub dataset for the set(s) without an entry of their own
         source = default
@@ -108,7 +119,11 @@ def locate(bench: Benchmark, default: str | None, per_set: dict[str, str]) -> tu
         if not os.path.isdir(default):
             raise errors.MissingInput(f"eval data directory {default} does not exist (for set {bench.name})")
         tried = [os.path.join(default, bench.folder, f"{bench.split}{ext}") for ext in (".jsonl", ".parquet")]
-        tried += [os.path.join(default, f"{stem}{ext}") for stem in dict.fromkeys((bench.folder, bench.name)) for ext in (".jsonl", ".parquet")]
+        tried += [
+            os.path.join(default, f"{stem}{ext}")
+            for stem in dict.fromkeys((bench.folder, bench.name))
+            for ext in (".jsonl", ".parquet")
+        ]
         found = next((t for t in tried if os.path.isfile(t)), None)
         if found is None:
             raise errors.MissingInput(f"eval set {bench.name}: none of {', '.join(tried)} exists")
@@ -136,5 +151,11 @@ def load_set(name: str, default: str | None, per_set: dict[str, str], *, limit: 
         log.warning("eval set %s: %s", name, note)
     if limit < 0:
         raise errors.UserError(f"limit must be >= 0, got {limit}")
-    return EvalSet(name=name, benchmark=bench, problems=problems[:limit] if limit else problems, source=source,
-                   source_size=len(problems), size_note=note)
+    return EvalSet(
+        name=name,
+        benchmark=bench,
+        problems=problems[:limit] if limit else problems,
+        source=source,
+        source_size=len(problems),
+        size_note=note,
+    )

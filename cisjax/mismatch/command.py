@@ -6,7 +6,10 @@ import argparse
 import importlib
 
 STEPS = {
-    "measure": ("cisjax.mismatch.measure", "sample with the inference engine, rescore with the trainer: per-token data of each engine pair"),
+    "measure": (
+        "cisjax.mismatch.measure",
+        "sample with the inference engine, rescore with the trainer: per-token data of each engine pair",
+    ),
     "report": ("cisjax.mismatch.report", "Appendix A tables, plots and report.md from one or more measurements"),
 }
 

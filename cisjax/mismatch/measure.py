@@ -33,26 +33,64 @@ DAPO-Math-17k rows), formatted as the trainer formats them (the tokenizer's chat
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = (p.description or "") + "\n\n" + PROMPT_FORMATS
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--out", required=True, help="output directory: one measurement directory per pair (OUT/xla-vllm, ...)")
+    p.add_argument(
+        "--out", required=True, help="output directory: one measurement directory per pair (OUT/xla-vllm, ...)"
+    )
     p.add_argument("--model", default=None, help="Hugging Face model directory: the weights every engine loads")
     p.add_argument("--prompts", default=None, help="jsonl of prompts (see above)")
-    p.add_argument("--kind", default="dapo_math_17k", help="row layout of problem rows (cisjax.data.KINDS; default dapo_math_17k)")
-    p.add_argument("--num-prompts", type=int, default=0, help="use a seeded random sample of this many prompts (0 = all)")
-    p.add_argument("--pairs", default="xla-vllm", help=f"comma-separated engine pairs: {', '.join(PAIRS)} (default xla-vllm)")
+    p.add_argument(
+        "--kind", default="dapo_math_17k", help="row layout of problem rows (cisjax.data.KINDS; default dapo_math_17k)"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=0, help="use a seeded random sample of this many prompts (0 = all)"
+    )
+    p.add_argument(
+        "--pairs", default="xla-vllm", help=f"comma-separated engine pairs: {', '.join(PAIRS)} (default xla-vllm)"
+    )
     p.add_argument("--n", type=int, default=8, help="samples per prompt (temperature 1, top-p 1)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling, the prompt sample and the probe positions")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="XLA rescoring dtype (float32 is the control)")
-    p.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the servers started here")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampling, the prompt sample and the probe positions"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="XLA rescoring dtype (float32 is the control)",
+    )
+    p.add_argument(
+        "--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the servers started here"
+    )
     p.add_argument("--topk", type=int, default=0, help="also store each side's top-K at the probed positions")
-    p.add_argument("--probe-positions", type=int, default=0, help="number of token positions (seeded sample) for --topk and --routing "
-                   "(0: routing at every token; --topk needs it)")
-    p.add_argument("--routing", action="store_true", help="also store the routed expert ids of every MoE layer on both sides")
-    p.add_argument("--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)")
-    p.add_argument("--transformers-server", default=None, help="a running transformers rollout server HOST:PORT (default: start one when a pair needs it)")
+    p.add_argument(
+        "--probe-positions",
+        type=int,
+        default=0,
+        help="number of token positions (seeded sample) for --topk and --routing "
+        "(0: routing at every token; --topk needs it)",
+    )
+    p.add_argument(
+        "--routing", action="store_true", help="also store the routed expert ids of every MoE layer on both sides"
+    )
+    p.add_argument(
+        "--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)"
+    )
+    p.add_argument(
+        "--transformers-server",
+        default=None,
+        help="a running transformers rollout server HOST:PORT (default: start one when a pair needs it)",
+    )
     p.add_argument("--startup-s", type=float, default=900.0, help="seconds a child server may take to start")
-    p.add_argument("--dump", default=None, help="also (or only) read RUN_DIR/dumps/step_*.npz of a training run into OUT/train-dump")
-    p.add_argument("--config", default=None, help="config file for the XLA side (default configs/base.py); --config.x=y overrides follow")
+    p.add_argument(
+        "--dump",
+        default=None,
+        help="also (or only) read RUN_DIR/dumps/step_*.npz of a training run into OUT/train-dump",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="config file for the XLA side (default configs/base.py); --config.x=y overrides follow",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -95,7 +133,11 @@ def read_prompts(path, model_dir, *, kind: str, num: int, seed: int) -> list[lis
         out = []
         for i, r in enumerate(rows):
             ids = r.get("prompt_ids") if isinstance(r, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
                 raise errors.UserError(f"{path}: prompt {i + 1}: 'prompt_ids' must be a non-empty list of token ids")
             out.append(ids)
         return out
@@ -136,9 +178,15 @@ class Servers:
         else:
             if self._export_root is None:
                 self._export_root = tempfile.mkdtemp(prefix="cisjax-measure-")  # no weight updates: an empty root
-            server = launch.ChildServer(backend=backend, model_dir=str(self.model_dir), export_root=self._export_root,
-                                        dtype=self.args.engine_dtype, log_path=self.out / "servers" / f"{backend}.log",
-                                        startup_s=self.args.startup_s, restart=True)
+            server = launch.ChildServer(
+                backend=backend,
+                model_dir=str(self.model_dir),
+                export_root=self._export_root,
+                dtype=self.args.engine_dtype,
+                log_path=self.out / "servers" / f"{backend}.log",
+                startup_s=self.args.startup_s,
+                restart=True,
+            )
             self.children.append(server)
             client = RolloutClient(server.target)
             server.wait_ready(client)
@@ -147,8 +195,10 @@ class Servers:
         if info["engine"] and backend not in info["engine"].lower():
             raise errors.UserError(f"{where} runs the {info['engine']!r} engine, expected {backend}")
         if info["vocab_size"] != self.vocab_size:
-            raise errors.UserError(f"{where} serves a model with vocab_size {info['vocab_size']} ({info['model']}), but --model "
-                             f"{self.model_dir} has {self.vocab_size}: not the same model")
+            raise errors.UserError(
+                f"{where} serves a model with vocab_size {info['vocab_size']} ({info['model']}), but --model "
+                f"{self.model_dir} has {self.vocab_size}: not the same model"
+            )
         self.clients[backend], self.infos[backend] = client, info
         return client
 
@@ -174,10 +224,24 @@ def xla_scores(model_dir, dtype: str, items, probe_items, *, cfg, top_k: int, tw
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     t0 = time.monotonic()
-    model, mcfg, _ = hf_io.load(model_dir, mesh=mesh, rules=rules, dtype=dtype, param_dtype=dtype, router_dtype=cfg.model.router_dtype,
-                                moe_impl=cfg.model.moe_impl, moe_tile=cfg.model.moe_tile or None)
+    model, mcfg, _ = hf_io.load(
+        model_dir,
+        mesh=mesh,
+        rules=rules,
+        dtype=dtype,
+        param_dtype=dtype,
+        router_dtype=cfg.model.router_dtype,
+        moe_impl=cfg.model.moe_impl,
+        moe_tile=cfg.model.moe_tile or None,
+    )
     load_s = time.monotonic() - t0
-    kw = dict(temperature=1.0, chunk_size=cfg.logprobs.chunk_size, row_tokens=cfg.score.row_tokens, rows_per_call=cfg.score.rows, progress=progress)
+    kw = dict(
+        temperature=1.0,
+        chunk_size=cfg.logprobs.chunk_size,
+        row_tokens=cfg.score.row_tokens,
+        rows_per_call=cfg.score.rows,
+        progress=progress,
+    )
     results, times = _score_passes(score_lib, model, items, mesh, rules, passes=2 if twice else 1, **kw)
     out = {"results": results[0], "load_s": load_s, "score_s": times, "devices": len(jax.devices())}
     if twice:
@@ -190,13 +254,23 @@ def xla_scores(model_dir, dtype: str, items, probe_items, *, cfg, top_k: int, tw
     return out
 
 
-def _score_passes(score_lib, model, items, mesh, rules, *, passes, temperature, chunk_size, row_tokens, rows_per_call, progress):
+def _score_passes(
+    score_lib, model, items, mesh, rules, *, passes, temperature, chunk_size, row_tokens, rows_per_call, progress
+):
     """cisjax score's Scorer (the trainer forward over packed rows), compiled once and run `passes` times over the
     same rows: (results of each pass, seconds of each pass). The first pass includes compilation; the later ones
     give the steady-state throughput."""
     del progress
-    scorer = score_lib.Scorer(model, mesh, rules, temperature=temperature, chunk_size=chunk_size, top_k=0,
-                              row_tokens=row_tokens, rows_per_call=rows_per_call)
+    scorer = score_lib.Scorer(
+        model,
+        mesh,
+        rules,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        top_k=0,
+        row_tokens=row_tokens,
+        rows_per_call=rows_per_call,
+    )
     prepared = scorer.prepare(items)
     all_results, times = [], []
     for _ in range(passes):
@@ -227,7 +301,9 @@ def _routing_array(per_seq, token_index: np.ndarray, n_tokens: int, what: str) -
     arr = np.asarray([flat[i] for i in token_index], np.int32)  # [T, L, k]
     if arr.ndim != 3:
         arr = arr.reshape(len(token_index), 0, 0)
-    return np.ascontiguousarray(np.transpose(arr, (1, 0, 2))).astype(np.int16 if arr.size == 0 or arr.max() < 32768 else np.int32)
+    return np.ascontiguousarray(np.transpose(arr, (1, 0, 2))).astype(
+        np.int16 if arr.size == 0 or arr.max() < 32768 else np.int32
+    )
 
 
 def measure(args, overrides) -> list[Path]:
@@ -260,9 +336,16 @@ def measure(args, overrides) -> list[Path]:
     try:
         # 1. sampling on vLLM: q of every token from the sampling step itself (paper C.5), and its routing
         vllm = servers.client("vllm")
-        params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
-                                stop_token_ids=_stop_ids(model_dir), seed=args.seed,
-                                return_routing=args.routing and "vllm" in sides)
+        params = SamplingParams(
+            n=args.n,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=_stop_ids(model_dir),
+            seed=args.seed,
+            return_routing=args.routing and "vllm" in sides,
+        )
         t0 = time.monotonic()
         samples = [s for per_prompt in vllm.generate(prompts, params) for s in per_prompt]
         timings["generate_s"] = time.monotonic() - t0
@@ -273,7 +356,9 @@ def measure(args, overrides) -> list[Path]:
             raise RuntimeError("the engine sampled no response tokens")
         token_id = np.concatenate([np.asarray(it.response_ids, np.int64) for it in items])
         if token_id.max() >= vocab_size or token_id.min() < 0:
-            raise errors.UserError(f"the server sampled token id {int(token_id.max())} outside --model's vocabulary [0, {vocab_size}): not the same model")
+            raise errors.UserError(
+                f"the server sampled token id {int(token_id.max())} outside --model's vocabulary [0, {vocab_size}): not the same model"
+            )
         seq_id = np.repeat(np.arange(len(items)), lengths)
         position = np.concatenate([np.arange(n) for n in lengths])
         logq_vllm = _flat([s.logprobs for s in samples], n_tokens, "vllm sampling")
@@ -287,7 +372,11 @@ def measure(args, overrides) -> list[Path]:
         for t in probes:
             last_probe[int(seq_id[t])] = max(last_probe.get(int(seq_id[t]), 0), int(position[t]))
         probe_seqs = sorted(last_probe)
-        probe_items = [Seq(items[s].prompt_ids, items[s].response_ids[: last_probe[s] + 1]) for s in probe_seqs] if args.topk else []
+        probe_items = (
+            [Seq(items[s].prompt_ids, items[s].response_ids[: last_probe[s] + 1]) for s in probe_seqs]
+            if args.topk
+            else []
+        )
 
         def probe_topk(per_probe_seq):
             """Top-K lists of the truncated probe sequences -> ids, logprobs [T, K] at `probes`."""
@@ -301,24 +390,41 @@ def measure(args, overrides) -> list[Path]:
 
         side = {}  # side name -> {"logp": [N], "topk": (ids, lps) | None, "routing": [L, T, k] | None, "label": str}
         if "vllm" in sides:
-            side["vllm"] = {"logp": logq_vllm, "label": f"vllm/{servers.infos['vllm']['dtype']} (sampling)", "topk": None, "routing": None}
+            side["vllm"] = {
+                "logp": logq_vllm,
+                "label": f"vllm/{servers.infos['vllm']['dtype']} (sampling)",
+                "topk": None,
+                "routing": None,
+            }
             if args.topk:
                 t0 = time.monotonic()
-                side["vllm"]["topk"] = probe_topk(vllm.score([(it.prompt_ids, it.response_ids) for it in probe_items], logprobs=args.topk))
+                side["vllm"]["topk"] = probe_topk(
+                    vllm.score([(it.prompt_ids, it.response_ids) for it in probe_items], logprobs=args.topk)
+                )
                 timings["vllm_topk_s"] = time.monotonic() - t0
             if args.routing:
-                side["vllm"]["routing"] = _routing_array([s.routing or [] for s in samples], routing_index, n_tokens, "vllm sampling")
+                side["vllm"]["routing"] = _routing_array(
+                    [s.routing or [] for s in samples], routing_index, n_tokens, "vllm sampling"
+                )
         if "transformers" in sides:
             hfc = servers.client("transformers")
             t0 = time.monotonic()
             res = hfc.score([(it.prompt_ids, it.response_ids) for it in items], routing=args.routing)
             timings["transformers_score_s"] = time.monotonic() - t0
-            side["transformers"] = {"logp": _flat([r["logprobs"] for r in res], n_tokens, "transformers Score"),
-                                    "label": f"transformers/{servers.infos['transformers']['dtype']} (Score)", "topk": None, "routing": None}
+            side["transformers"] = {
+                "logp": _flat([r["logprobs"] for r in res], n_tokens, "transformers Score"),
+                "label": f"transformers/{servers.infos['transformers']['dtype']} (Score)",
+                "topk": None,
+                "routing": None,
+            }
             if args.topk:
-                side["transformers"]["topk"] = probe_topk(hfc.score([(it.prompt_ids, it.response_ids) for it in probe_items], logprobs=args.topk))
+                side["transformers"]["topk"] = probe_topk(
+                    hfc.score([(it.prompt_ids, it.response_ids) for it in probe_items], logprobs=args.topk)
+                )
             if args.routing:
-                side["transformers"]["routing"] = _routing_array([r.get("routing") or [] for r in res], routing_index, n_tokens, "transformers Score")
+                side["transformers"]["routing"] = _routing_array(
+                    [r.get("routing") or [] for r in res], routing_index, n_tokens, "transformers Score"
+                )
         servers.close()  # the XLA side gets the machine to itself (and its memory)
 
         # 2. rescoring by the trainer (XLA), teacher forcing on the same ids and weights
@@ -330,37 +436,71 @@ def measure(args, overrides) -> list[Path]:
                 continue
             dtype = xla_dtypes[name]
             if dtype not in scored:
-                scored[dtype] = xla_scores(model_dir, dtype, items, probe_items, cfg=cfg, top_k=args.topk, twice=True, progress=not args.no_progress)
+                scored[dtype] = xla_scores(
+                    model_dir,
+                    dtype,
+                    items,
+                    probe_items,
+                    cfg=cfg,
+                    top_k=args.topk,
+                    twice=True,
+                    progress=not args.no_progress,
+                )
                 control[dtype] = scored[dtype]["control_rescore_max_abs_diff"]
                 timings[f"xla_{dtype}_load_s"] = scored[dtype]["load_s"]
                 timings[f"xla_{dtype}_score_s"] = scored[dtype]["score_s"][0]
                 timings[f"xla_{dtype}_rescore_s"] = scored[dtype]["score_s"][1]
             r = scored[dtype]
             res = r["results"]
-            side[name] = {"logp": _flat([x["logprobs"] for x in res], n_tokens, f"XLA {dtype}"), "label": f"xla/{dtype}", "topk": None, "routing": None}
+            side[name] = {
+                "logp": _flat([x["logprobs"] for x in res], n_tokens, f"XLA {dtype}"),
+                "label": f"xla/{dtype}",
+                "topk": None,
+                "routing": None,
+            }
             if args.topk:
                 side[name]["topk"] = probe_topk(r["probe"])
             if args.routing:
                 if "routing" not in res[0]:
-                    raise errors.UserError(f"--routing: {model_dir} is not a mixture-of-experts model (the XLA model reports no routing)")
-                side[name]["routing"] = _routing_array([x["routing"] for x in res], routing_index, n_tokens, f"XLA {dtype}")
+                    raise errors.UserError(
+                        f"--routing: {model_dir} is not a mixture-of-experts model (the XLA model reports no routing)"
+                    )
+                side[name]["routing"] = _routing_array(
+                    [x["routing"] for x in res], routing_index, n_tokens, f"XLA {dtype}"
+                )
     finally:
         servers.close()
 
     # 3. one measurement per pair
     total_tokens = int(sum(len(it) for it in items))
     base_meta = {
-        "model": str(model_dir.resolve()), "vocab_size": vocab_size, "architecture": (hf.get("architectures") or [None])[0],
-        "n": args.n, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
-        "prompts_file": str(args.prompts), "sequences": len(items), "tokens": n_tokens, "seed": args.seed,
-        "probe_seed": args.seed + 1, "probe_positions": int(n_probe), "topk": args.topk, "xla_dtype": args.dtype,
-        "engine_dtypes": {k: v["dtype"] for k, v in servers.infos.items()}, "engines": servers.infos,
-        "timings": {k: round(v, 3) for k, v in timings.items()}, "finish_reasons": _count(s.finish_reason for s in samples),
+        "model": str(model_dir.resolve()),
+        "vocab_size": vocab_size,
+        "architecture": (hf.get("architectures") or [None])[0],
+        "n": args.n,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": len(prompts),
+        "prompts_file": str(args.prompts),
+        "sequences": len(items),
+        "tokens": n_tokens,
+        "seed": args.seed,
+        "probe_seed": args.seed + 1,
+        "probe_positions": int(n_probe),
+        "topk": args.topk,
+        "xla_dtype": args.dtype,
+        "engine_dtypes": {k: v["dtype"] for k, v in servers.infos.items()},
+        "engines": servers.infos,
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+        "finish_reasons": _count(s.finish_reason for s in samples),
     }
     for dtype, r in scored.items():
         best = r["score_s"][-1]  # the last pass runs compiled code: the steady-state throughput
         base_meta[f"xla_{dtype}_rescore_tokens_per_s"] = n_tokens / best
-        base_meta[f"xla_{dtype}_rescore_all_tokens_per_s"] = total_tokens / best  # prompt + response, what a forward computes
+        base_meta[f"xla_{dtype}_rescore_all_tokens_per_s"] = (
+            total_tokens / best
+        )  # prompt + response, what a forward computes
         base_meta["xla_devices"] = r["devices"]
     written = []
     for pair in pairs:
@@ -369,8 +509,15 @@ def measure(args, overrides) -> list[Path]:
         logp = np.minimum(p["logp"], 0.0)  # float rounding can give +1e-7 for a certain token; a probability is <= 1
         logq = np.minimum(q["logp"], 0.0)
         k = np.exp(logp - logq)
-        meta = dict(base_meta, pair=pair, side_p=p["label"], side_q=q["label"], mean_k=float(np.mean(k)),
-                    mean_abs_log_k=float(np.mean(np.abs(logp - logq))), max_abs_log_k=float(np.max(np.abs(logp - logq))))
+        meta = dict(
+            base_meta,
+            pair=pair,
+            side_p=p["label"],
+            side_q=q["label"],
+            mean_k=float(np.mean(k)),
+            mean_abs_log_k=float(np.mean(np.abs(logp - logq))),
+            max_abs_log_k=float(np.max(np.abs(logp - logq))),
+        )
         xla_dtype = xla_dtypes.get(p_name)
         meta["control_rescore_max_abs_diff"] = control[xla_dtype] if xla_dtype else None
         if xla_dtype:
@@ -378,13 +525,26 @@ def measure(args, overrides) -> list[Path]:
         tokens = {"logp": logp, "logq": logq, "seq_id": seq_id, "position": position, "token_id": token_id}
         topk = None
         if args.topk:
-            topk = {"token_index": probes.astype(np.int64), "ids_p": p["topk"][0], "logp_p": p["topk"][1],
-                    "ids_q": q["topk"][0], "logp_q": q["topk"][1]}
+            topk = {
+                "token_index": probes.astype(np.int64),
+                "ids_p": p["topk"][0],
+                "logp_p": p["topk"][1],
+                "ids_q": q["topk"][0],
+                "logp_q": q["topk"][1],
+            }
         routing = None
         if args.routing:
-            routing = {"token_index": routing_index.astype(np.int64), "experts_p": p["routing"], "experts_q": q["routing"]}
-            meta["routing_agreement"] = float(np.mean(np.sort(p["routing"], -1) == np.sort(q["routing"], -1))) if p["routing"].size else None
-        written.append(records.save(out / pair, records.Measurement(meta=meta, tokens=tokens, topk=topk, routing=routing)))
+            routing = {
+                "token_index": routing_index.astype(np.int64),
+                "experts_p": p["routing"],
+                "experts_q": q["routing"],
+            }
+            meta["routing_agreement"] = (
+                float(np.mean(np.sort(p["routing"], -1) == np.sort(q["routing"], -1))) if p["routing"].size else None
+            )
+        written.append(
+            records.save(out / pair, records.Measurement(meta=meta, tokens=tokens, topk=topk, routing=routing))
+        )
     return written
 
 
@@ -405,10 +565,14 @@ def read_dumps(run_dir) -> records.Measurement:
     import re
 
     run_dir = Path(run_dir)
-    files = [f for f in (run_dir / "dumps").glob("step_*.npz") if re.fullmatch(r"step_\d+", f.stem)]  # not the .tmp ones
+    files = [
+        f for f in (run_dir / "dumps").glob("step_*.npz") if re.fullmatch(r"step_\d+", f.stem)
+    ]  # not the .tmp ones
     files.sort(key=lambda f: int(f.stem.split("_")[1]))
     if not files:
-        raise errors.MissingInput(f"--dump {run_dir}: no dumps/step_*.npz there (the trainer writes them every run.dump_every steps)")
+        raise errors.MissingInput(
+            f"--dump {run_dir}: no dumps/step_*.npz there (the trainer writes them every run.dump_every steps)"
+        )
     steps = [int(f.stem.split("_")[1]) for f in files]
     phase_of = {s: min(2, 3 * i // len(steps)) for i, s in enumerate(steps)}
     cols = {k: [] for k in ("logp", "logq", "seq_id", "position", "phase", "staleness")}
@@ -432,19 +596,37 @@ def read_dumps(run_dir) -> records.Measurement:
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
     n = cat["logp"].shape[0]
     logp, logq = np.minimum(cat["logp"], 0.0), np.minimum(cat["logq"], 0.0)
-    meta = {"pair": "train-dump", "side_p": "xla (proximal)", "side_q": "vllm (sampling)", "run_dir": str(run_dir.resolve()),
-            "steps": steps, "phase_steps": {name: [s for s in steps if phase_of[s] == i] for i, name in enumerate(("early", "middle", "late"))},
-            "tokens": int(n), "mean_k": float(np.mean(np.exp(logp - logq))) if n else None,
-            "staleness_mean": float(np.mean(cat["staleness"])) if cat["staleness"].size else None,
-            "token_id": "not in the dumps: -1", "position": "column in the trainer's batch row"}
-    tokens = {"logp": logp, "logq": logq, "seq_id": cat["seq_id"], "position": cat["position"],
-              "token_id": np.full(n, -1), "phase": cat["phase"]}
+    meta = {
+        "pair": "train-dump",
+        "side_p": "xla (proximal)",
+        "side_q": "vllm (sampling)",
+        "run_dir": str(run_dir.resolve()),
+        "steps": steps,
+        "phase_steps": {
+            name: [s for s in steps if phase_of[s] == i] for i, name in enumerate(("early", "middle", "late"))
+        },
+        "tokens": int(n),
+        "mean_k": float(np.mean(np.exp(logp - logq))) if n else None,
+        "staleness_mean": float(np.mean(cat["staleness"])) if cat["staleness"].size else None,
+        "token_id": "not in the dumps: -1",
+        "position": "column in the trainer's batch row",
+    }
+    tokens = {
+        "logp": logp,
+        "logq": logq,
+        "seq_id": cat["seq_id"],
+        "position": cat["position"],
+        "token_id": np.full(n, -1),
+        "phase": cat["phase"],
+    }
     return records.Measurement(meta=meta, tokens=tokens)
 
 
 def run(args: argparse.Namespace, overrides=()) -> int:
     if args.dump is None and args.prompts is None:
-        raise errors.UserError("give --prompts (and --model) to measure engine pairs, or --dump RUN_DIR to read a run's token dumps")
+        raise errors.UserError(
+            "give --prompts (and --model) to measure engine pairs, or --dump RUN_DIR to read a run's token dumps"
+        )
     written = []
     if args.prompts is not None or args.model is not None:
         written += measure(args, overrides)

@@ -72,12 +72,16 @@ class Measurement:
             t = self.topk["token_index"].shape[0]
             for k in TOPK_FIELDS[1:]:
                 if self.topk[k].ndim != 2 or self.topk[k].shape[0] != t:
-                    raise ValueError(f"mismatch measurement{where}: topk.{k} has shape {self.topk[k].shape}, expected ({t}, K)")
+                    raise ValueError(
+                        f"mismatch measurement{where}: topk.{k} has shape {self.topk[k].shape}, expected ({t}, K)"
+                    )
         if self.routing is not None:
             t = self.routing["token_index"].shape[0]
             a, b = self.routing["experts_p"], self.routing["experts_q"]
             if a.shape != b.shape or a.ndim != 3 or a.shape[1] != t:
-                raise ValueError(f"mismatch measurement{where}: routing experts_p {a.shape} / experts_q {b.shape}, expected [L, {t}, k] both")
+                raise ValueError(
+                    f"mismatch measurement{where}: routing experts_p {a.shape} / experts_q {b.shape}, expected [L, {t}, k] both"
+                )
 
 
 def save(directory, m: Measurement) -> Path:
@@ -91,7 +95,9 @@ def save(directory, m: Measurement) -> Path:
         np.savez(d / "topk.npz", **{k: np.asarray(v) for k, v in m.topk.items()})
     if m.routing is not None:
         np.savez(d / "routing.npz", **{k: np.asarray(v) for k, v in m.routing.items()})
-    (d / "meta.json").write_text(json.dumps(m.meta, indent=1, sort_keys=True) + "\n")  # last: marks the directory complete
+    (d / "meta.json").write_text(
+        json.dumps(m.meta, indent=1, sort_keys=True) + "\n"
+    )  # last: marks the directory complete
     return d
 
 
@@ -127,6 +133,8 @@ def find(paths) -> list[Path]:
             continue
         subs = sorted(q for q in p.iterdir() if (q / "meta.json").is_file()) if p.is_dir() else []
         if not subs:
-            raise errors.MissingInput(f"{p}: no mismatch measurement there (meta.json + tokens.npz), nor in its subdirectories")
+            raise errors.MissingInput(
+                f"{p}: no mismatch measurement there (meta.json + tokens.npz), nor in its subdirectories"
+            )
         out.extend(subs)
     return out

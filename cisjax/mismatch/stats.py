@@ -101,7 +101,7 @@ def _group(bin_N, n_bins, *values_N):
     groups = []
     for v in values_N:
         v = v[keep][order]
-        groups.append([v[bounds[b]:bounds[b + 1]] for b in range(n_bins)])
+        groups.append([v[bounds[b] : bounds[b + 1]] for b in range(n_bins)])
     return counts, groups
 
 
@@ -231,8 +231,15 @@ def delta_stats(delta, thresholds=(0.5, 1.0), quantiles=(0.99, 0.999)):
     n = d.size
     out = dict(entries=n)
     if n == 0:
-        out.update(median=math.nan, mean=math.nan, sd=math.nan, abs_mean_over_sd=math.nan, max_abs=math.nan,
-                   min=math.nan, max=math.nan)
+        out.update(
+            median=math.nan,
+            mean=math.nan,
+            sd=math.nan,
+            abs_mean_over_sd=math.nan,
+            max_abs=math.nan,
+            min=math.nan,
+            max=math.nan,
+        )
     else:
         mean, sd = float(d.mean()), float(d.std())
         out.update(median=float(np.median(d)), mean=mean, sd=sd, abs_mean_over_sd=abs(mean) / sd if sd else math.nan)
@@ -310,15 +317,20 @@ def delta_by_nflip(delta, pos, nflip_T, edges=NFLIP_EDGES, thresholds=(0.5, 1.0)
 
 def eps_stats(logp, logq, quantiles=(0.95, 0.99, 0.999), thresholds=(1.0, 2.0)):
     """tab:appA_epsilon_stats (Appendix A.5): a dict of
-      tokens, finite (tokens with finite eps: neither p nor q rounds to 1 or 0), finite_frac, and over finite eps:
-      mean, sd, q95_abs / q99_abs / q99.9_abs = quantiles of |eps|, frac_abs_gt_{t} = P(|eps| > t) (strict), max_abs.
+    tokens, finite (tokens with finite eps: neither p nor q rounds to 1 or 0), finite_frac, and over finite eps:
+    mean, sd, q95_abs / q99_abs / q99.9_abs = quantiles of |eps|, frac_abs_gt_{t} = P(|eps| > t) (strict), max_abs.
     """
     lp, lq = _logprobs(logp, logq)
     eps = _eps(lp, lq)[0]
     e = eps[np.isfinite(eps)]
     n = e.size
-    out = dict(tokens=lp.size, finite=n, finite_frac=_frac(n, lp.size),
-               mean=float(e.mean()) if n else math.nan, sd=float(e.std()) if n else math.nan)
+    out = dict(
+        tokens=lp.size,
+        finite=n,
+        finite_frac=_frac(n, lp.size),
+        mean=float(e.mean()) if n else math.nan,
+        sd=float(e.std()) if n else math.nan,
+    )
     a = np.abs(e)
     for q, v in zip(quantiles, _quantiles(a, quantiles)):
         out[f"{_qkey(q)}_abs"] = float(v)
@@ -389,9 +401,17 @@ def uncertainty_bins(logp, logq, edges=UNCERTAINTY_EDGES, min_tokens=1):
         lo, hi = x[used].min(), x[used].max()
         return float(hi / lo) if lo > 0 else math.inf
 
-    return dict(edges=e, centers=np.sqrt(e[:-1] * e[1:]), tokens=counts, median_eps=med, mad_eps=mad_e,
-                mad_logk=mad_k, mad_eps_ratio=ratio(mad_e), mad_logk_ratio=ratio(mad_k),
-                max_abs_median_eps=float(np.abs(med[used]).max()) if used.any() else math.nan)
+    return dict(
+        edges=e,
+        centers=np.sqrt(e[:-1] * e[1:]),
+        tokens=counts,
+        median_eps=med,
+        mad_eps=mad_e,
+        mad_logk=mad_k,
+        mad_eps_ratio=ratio(mad_e),
+        mad_logk_ratio=ratio(mad_k),
+        max_abs_median_eps=float(np.abs(med[used]).max()) if used.any() else math.nan,
+    )
 
 
 def average_ranks(x):
@@ -442,8 +462,10 @@ def confidence_invariance(logp, logq, kappa=CIS_KAPPA, min_tokens=1, max_tokens=
     eps, l1p = _eps(lp, lq)
     ok = np.isfinite(eps)
     out = {}
-    for name, lower, edges in (("all", MIN_UNCERTAINTY, UNCERTAINTY_EDGES),
-                               ("floor", kappa, floor_uncertainty_edges(kappa))):
+    for name, lower, edges in (
+        ("all", MIN_UNCERTAINTY, UNCERTAINTY_EDGES),
+        ("floor", kappa, floor_uncertainty_edges(kappa)),
+    ):
         sel = ok & (l1p >= math.log(lower))
         region = uncertainty_bins(lp[sel], lq[sel], edges, min_tokens=min_tokens)
         idx = np.flatnonzero(sel)
@@ -501,8 +523,14 @@ def variance_share_by_side(logp, logq, center=1.0):
     total = float(sq.sum())
     up, lo = float(sq[k > 1].sum()), float(sq[k < 1].sum())
     share = (lambda x: x / total) if total > 0 else (lambda x: math.nan)
-    return dict(tokens=n, center=c, var=total / n if n else math.nan, share_upper=share(up), share_lower=share(lo),
-                share_at_one=share(total - up - lo))
+    return dict(
+        tokens=n,
+        center=c,
+        var=total / n if n else math.nan,
+        share_upper=share(up),
+        share_lower=share(lo),
+        share_at_one=share(total - up - lo),
+    )
 
 
 def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=CIS_LAM, kappa=CIS_KAPPA, cap=TIS_CAP):
@@ -538,7 +566,7 @@ def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=CIS_LAM, kappa=CIS
 # ----------------------------------------------------------------------------- 10. where each operator acts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _acted_fn(method, lam, kappa, cap, low, high, threshold):
     """Jitted acted-on flags [1, C] of cisjax.rl.corrections.correction (the training code path itself)."""
     import jax
@@ -546,14 +574,27 @@ def _acted_fn(method, lam, kappa, cap, low, high, threshold):
     from cisjax.rl import corrections
 
     def acted(lp_1xC, lq_1xC, mask_1xC):
-        return corrections.correction(method, lp_1xC, lq_1xC, mask_1xC, lam=lam, kappa=kappa, cap=cap, low=low,
-                                      high=high, threshold=threshold).acted_BxT
+        return corrections.correction(
+            method, lp_1xC, lq_1xC, mask_1xC, lam=lam, kappa=kappa, cap=cap, low=low, high=high, threshold=threshold
+        ).acted_BxT
 
     return jax.jit(acted)
 
 
-def acted_fractions(logp, logq, methods=None, *, response_lengths=None, lam=CIS_LAM, kappa=CIS_KAPPA, cap=TIS_CAP,
-                    low=None, high=None, threshold=2.0, chunk_tokens=1 << 20):
+def acted_fractions(
+    logp,
+    logq,
+    methods=None,
+    *,
+    response_lengths=None,
+    lam=CIS_LAM,
+    kappa=CIS_KAPPA,
+    cap=TIS_CAP,
+    low=None,
+    high=None,
+    threshold=2.0,
+    chunk_tokens=1 << 20,
+):
     """Fraction of tokens each operator acts on (tab:train_stats "Acted on", Appendix D.5), from the training code path:
     cisjax.rl.corrections.correction's acted flag (masks: masked; caps: weight != k; seq operators: every token of a
     capped / rejected response; none, gspo, fp16: never), with its fp32 arithmetic and sanitising.
@@ -579,8 +620,14 @@ def acted_fractions(logp, logq, methods=None, *, response_lengths=None, lam=CIS_
             raise ValueError(f"response_lengths sum to {int(lengths.sum())} but there are {n} tokens")
     if methods is None:
         methods = tuple(m for m in corrections.METHODS if lengths is not None or m not in SEQ_METHODS)
-    kw = dict(lam=float(lam), kappa=float(kappa), cap=float(cap), low=None if low is None else float(low),
-              high=None if high is None else float(high), threshold=float(threshold))
+    kw = dict(
+        lam=float(lam),
+        kappa=float(kappa),
+        cap=float(cap),
+        low=None if low is None else float(low),
+        high=None if high is None else float(high),
+        threshold=float(threshold),
+    )
     seq_id = None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
     has_tokens = None if lengths is None else lengths > 0
     frac, seq_frac = {}, {}
@@ -593,8 +640,9 @@ def acted_fractions(logp, logq, methods=None, *, response_lengths=None, lam=CIS_
                 logk32 = lp32 - lq32
             logk32[~np.isfinite(logk32)] = 0.0  # correction()'s sanitising
             sum_B = np.bincount(seq_id, weights=logk32, minlength=lengths.size).astype(np.float32)
-            acted_B = np.asarray(_acted_fn(m, **kw)(sum_B[:, None], np.zeros_like(sum_B)[:, None],
-                                                    has_tokens[:, None]))[:, 0]
+            acted_B = np.asarray(
+                _acted_fn(m, **kw)(sum_B[:, None], np.zeros_like(sum_B)[:, None], has_tokens[:, None])
+            )[:, 0]
             frac[m] = _frac(int(lengths[acted_B].sum()), n)
             seq_frac[m] = _frac(int(acted_B.sum()), int(has_tokens.sum()))
             continue
@@ -604,11 +652,14 @@ def acted_fractions(logp, logq, methods=None, *, response_lengths=None, lam=CIS_
         for start in range(0, n, size):
             stop = min(start + size, n)
             # the last chunk is padded (mask False, never acted on) to keep the one compiled shape
-            lp_1xC, lq_1xC, mask_1xC = np.zeros((1, size), np.float32), np.zeros((1, size), np.float32), np.zeros(
-                (1, size), bool)
-            lp_1xC[0, :stop - start], lq_1xC[0, :stop - start] = lp32[start:stop], lq32[start:stop]
-            mask_1xC[0, :stop - start] = True
-            acted_N[start:stop] = np.asarray(fn(lp_1xC, lq_1xC, mask_1xC))[0, :stop - start]
+            lp_1xC, lq_1xC, mask_1xC = (
+                np.zeros((1, size), np.float32),
+                np.zeros((1, size), np.float32),
+                np.zeros((1, size), bool),
+            )
+            lp_1xC[0, : stop - start], lq_1xC[0, : stop - start] = lp32[start:stop], lq32[start:stop]
+            mask_1xC[0, : stop - start] = True
+            acted_N[start:stop] = np.asarray(fn(lp_1xC, lq_1xC, mask_1xC))[0, : stop - start]
         frac[m] = _frac(int(acted_N.sum()), n)
         if lengths is not None:
             acted_B = np.bincount(seq_id, weights=acted_N, minlength=lengths.size) > 0

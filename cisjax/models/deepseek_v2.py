@@ -48,14 +48,16 @@ class Config(hf_config.DecoderConfig):
     routed_scaling_factor: float = 1.0
 
     @classmethod
-    def from_hf(cls, hf: dict, **runtime) -> "Config":
+    def from_hf(cls, hf: dict, **runtime) -> Config:
         """Missing DeepSeek-specific fields take DeepseekV2Config's defaults (as HF does). HF ignores
         `norm_topk_prob` and `moe_layer_freq` for this architecture, and so do we."""
         r = hf_config.Reader(hf, ARCHITECTURE)
         d = Config()
         heads = r.int("num_attention_heads")
         if r.int("num_key_value_heads", heads) != heads:
-            raise hf_config.CheckpointError(f"{ARCHITECTURE}: num_key_value_heads must equal num_attention_heads ({heads}), as in HF")
+            raise hf_config.CheckpointError(
+                f"{ARCHITECTURE}: num_key_value_heads must equal num_attention_heads ({heads}), as in HF"
+            )
         if r.bool("mlp_bias", False):
             raise ValueError(f"{ARCHITECTURE}: mlp_bias=true is not supported")
         q_lora = hf.get("q_lora_rank", _ABSENT)  # absent -> HF default; explicit null -> no q LoRA
@@ -85,7 +87,9 @@ class Config(hf_config.DecoderConfig):
             raise ValueError(f"{ARCHITECTURE}: topk_method {cfg.topk_method!r} is not supported; one of {TOPK_METHODS}")
         if cfg.topk_method == "group_limited_greedy":
             if not cfg.n_group or not cfg.topk_group or cfg.num_experts % cfg.n_group:
-                raise hf_config.CheckpointError(f"{ARCHITECTURE}: group_limited_greedy needs n_group dividing n_routed_experts and topk_group")
+                raise hf_config.CheckpointError(
+                    f"{ARCHITECTURE}: group_limited_greedy needs n_group dividing n_routed_experts and topk_group"
+                )
         return cfg
 
     def is_moe_layer(self, i: int) -> bool:
@@ -179,9 +183,20 @@ class MoeBlock(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         d, pd, dt = cfg.hidden_size, cfg.param_dtype, cfg.dtype
         self.moe = MoE(
-            d, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, rngs=rngs, param_dtype=pd, dtype=dt,
-            method=cfg.topk_method, n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
-            router_dtype=cfg.router_dtype, impl=cfg.moe_impl, tile=cfg.moe_tile,
+            d,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            rngs=rngs,
+            param_dtype=pd,
+            dtype=dt,
+            method=cfg.topk_method,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            scaling=cfg.routed_scaling_factor,
+            router_dtype=cfg.router_dtype,
+            impl=cfg.moe_impl,
+            tile=cfg.moe_tile,
         )
         self.has_shared = bool(cfg.n_shared_experts)
         if self.has_shared:
@@ -215,8 +230,14 @@ ATTENTION_WEIGHTS = (
 )
 # Layer norms and the dense MLP are named as in Qwen2-MoE.
 _SHARED_LAYER_WEIGHTS = tuple(row for row in qwen2_moe.ATTENTION_WEIGHTS if ".self_attn." not in row[0])
-WEIGHTS = hf_config.LM_WEIGHTS + _SHARED_LAYER_WEIGHTS + ATTENTION_WEIGHTS + qwen2_moe.EXPERT_WEIGHTS + (
-    ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", "layers.{i}.mlp.shared.wg_DxF", "T"),
-    ("model.layers.{i}.mlp.shared_experts.up_proj.weight", "layers.{i}.mlp.shared.wu_DxF", "T"),
-    ("model.layers.{i}.mlp.shared_experts.down_proj.weight", "layers.{i}.mlp.shared.wo_FxD", "T"),
+WEIGHTS = (
+    hf_config.LM_WEIGHTS
+    + _SHARED_LAYER_WEIGHTS
+    + ATTENTION_WEIGHTS
+    + qwen2_moe.EXPERT_WEIGHTS
+    + (
+        ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", "layers.{i}.mlp.shared.wg_DxF", "T"),
+        ("model.layers.{i}.mlp.shared_experts.up_proj.weight", "layers.{i}.mlp.shared.wu_DxF", "T"),
+        ("model.layers.{i}.mlp.shared_experts.down_proj.weight", "layers.{i}.mlp.shared.wo_FxD", "T"),
+    )
 )

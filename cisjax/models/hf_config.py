@@ -105,14 +105,18 @@ class Reader:
         """A list of non-negative ints (missing or null: empty)."""
         value = self.get(key, [])
         if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
-            raise CheckpointError(f"{self.arch} config.json: field {key!r} must be a list of non-negative ints, got {value!r}")
+            raise CheckpointError(
+                f"{self.arch} config.json: field {key!r} must be a list of non-negative ints, got {value!r}"
+            )
         return tuple(value)
 
     def decoder_fields(self, *, kv_heads: int | None = None, max_positions: int = 32768) -> dict:
         """The DecoderConfig fields. `kv_heads`: the family's default for a missing
         num_key_value_heads (None: num_attention_heads). Only SiLU MLPs exist in these families."""
         if self.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{self.arch} config.json: hidden_act {self.get('hidden_act')!r} is not supported (only 'silu')")
+            raise CheckpointError(
+                f"{self.arch} config.json: hidden_act {self.get('hidden_act')!r} is not supported (only 'silu')"
+            )
         hidden, heads = self.int("hidden_size"), self.int("num_attention_heads")
         if heads == 0:
             raise CheckpointError(f"{self.arch} config.json: field 'num_attention_heads' must be positive")
@@ -152,7 +156,9 @@ class Reader:
             params["rope_theta"] = self.float("rope_theta", 10000.0)
         if params["rope_type"] == "yarn":
             if params.get("original_max_position_embeddings") is None:
-                params["original_max_position_embeddings"] = self.hf.get("original_max_position_embeddings") or self.int("max_position_embeddings")
+                params["original_max_position_embeddings"] = self.hf.get(
+                    "original_max_position_embeddings"
+                ) or self.int("max_position_embeddings")
             if params.get("factor") is None:
                 raise CheckpointError(f"{self.arch} config.json: yarn rope scaling needs 'factor'")
         return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))

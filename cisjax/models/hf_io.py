@@ -165,7 +165,9 @@ class SafetensorsDir(Mapping):
             header.pop("__metadata__", None)
             for tensor, info in header.items():
                 if tensor in self.entries:
-                    raise CheckpointError(f"{model_dir}: tensor {tensor!r} is in both {self.entries[tensor][0]} and {name}")
+                    raise CheckpointError(
+                        f"{model_dir}: tensor {tensor!r} is in both {self.entries[tensor][0]} and {name}"
+                    )
                 self.entries[tensor] = (name, info, 8 + n)
 
     def __contains__(self, name: str) -> bool:
@@ -218,6 +220,7 @@ def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce, 
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes
+
     def write(f, data) -> None:
         f.write(data)
         if hasher is not None:
@@ -231,7 +234,9 @@ def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce, 
                 arr = np.ascontiguousarray(produce(name), dtype=dtype)
                 if arr.shape != tuple(shape):
                     raise AssertionError(f"{name}: produced shape {arr.shape}, planned {shape}")
-                write(f, memoryview(arr.reshape(-1).view(np.uint8)))  # the array's own bytes, no copy (bf16 has no buffer format)
+                write(
+                    f, memoryview(arr.reshape(-1).view(np.uint8))
+                )  # the array's own bytes, no copy (bf16 has no buffer format)
             f.flush()
             os.fsync(f.fileno())
         for fut in pending:
@@ -291,7 +296,9 @@ def load(
     tied_head = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     extra = [n for n in files.names() if n not in used and n not in tied_head and not _IGNORED.match(n)]
     if extra:
-        raise CheckpointError(f"{model_dir}: tensors not used by {hf['architectures'][0]}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        raise CheckpointError(
+            f"{model_dir}: tensors not used by {hf['architectures'][0]}: {extra[:8]}{' ...' if len(extra) > 8 else ''}"
+        )
 
     for path, var in flat.items():
         var.set_value(values[path]) if hasattr(var, "set_value") else setattr(var, "value", values[path])
@@ -367,7 +374,10 @@ def _iter_plan(flat: dict, plan) -> Iterator[tuple[str, np.ndarray]]:
             held = None  # drop the previous parameter before fetching the next one
             # cast and transpose where the data lives: XLA's conversion and tiled transposes are far faster
             # than numpy's strided copies, and a narrower dtype halves the transfer
-            held = (row.path, distributed.to_host(_hf_layout(flat[row.path][...], np.dtype(spec.dtype), row.kind != "id")))
+            held = (
+                row.path,
+                distributed.to_host(_hf_layout(flat[row.path][...], np.dtype(spec.dtype), row.kind != "id")),
+            )
         arr = held[1]
         arr = arr[e] if row.kind == "experts_T" else arr  # stacked experts are [E, out, in] after the layout
         yield spec.name, np.ascontiguousarray(arr, dtype=spec.dtype)
@@ -467,17 +477,27 @@ def save(
     for stale in out.glob("model*.safetensors*"):
         if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", stale.name):
             stale.unlink()
-    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     weight_map = {}
     for fname, shard in zip(names, shards):
         _write_shard(out / fname, shard, produce, digests)
         weight_map.update({name: fname for name, _, _ in shard})
     if len(shards) > 1:
         total = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in specs)
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     hf_out = dict(hf_config)
     saved = specs[0].dtype
-    hf_out["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}[saved]
+    hf_out["dtype"] = {
+        np.dtype(np.float32): "float32",
+        np.dtype(ml_dtypes.bfloat16): "bfloat16",
+        np.dtype(np.float16): "float16",
+    }[saved]
     if "torch_dtype" in hf_config:  # the transformers 4 spelling: kept up to date only where present
         hf_out["torch_dtype"] = hf_out["dtype"]
     (out / "config.json").write_text(json.dumps(hf_out, indent=2))
@@ -490,5 +510,3 @@ def _hf_layout(x: jax.Array, dtype, transpose: bool) -> jax.Array:
     [out, in] where cisjax keeps [in, out]; stacked experts [E, in, out] -> [E, out, in])."""
     x = x.astype(dtype)
     return jnp.swapaxes(x, -1, -2) if transpose else x
-
-

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cisjax import errors
-from cisjax import sharding
+from cisjax import errors, sharding
 
 # Initializers only matter for random-init models; loaded checkpoints overwrite every value.
 _normal = jax.nn.initializers.normal(stddev=0.02)
@@ -127,7 +126,9 @@ def rope_cos_sin(positions_BxL: jax.Array, inv_freq: np.ndarray, scaling: float,
     return (jnp.cos(emb) * scaling).astype(dtype), (jnp.sin(emb) * scaling).astype(dtype)
 
 
-def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array, interleaved: bool = False) -> jax.Array:
+def apply_rope(
+    x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array, interleaved: bool = False
+) -> jax.Array:
     """HF rotate-half rotary. `interleaved` (DeepSeek): pairs (x0,x1),(x2,x3)... rotate as complex
     numbers; we de-interleave them to the half layout first. That permutes the head dims the same
     way for q and k, so every q.k product equals the reference's."""

@@ -8,8 +8,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from cisjax import errors
-from cisjax import sharding
+from cisjax import errors, sharding
 from cisjax.models.layers import param
 
 IMPLS = ("auto", "tiled", "ragged", "dense")
@@ -38,7 +37,9 @@ def route(
     if method == "group_limited_greedy":
         n, e = probs_NxE.shape
         if not n_group or not topk_group or e % n_group:
-            raise ValueError(f"group_limited_greedy needs n_group dividing {e} experts and topk_group; got {n_group}, {topk_group}")
+            raise ValueError(
+                f"group_limited_greedy needs n_group dividing {e} experts and topk_group; got {n_group}, {topk_group}"
+            )
         group_NxG = probs_NxE.reshape(n, n_group, e // n_group).max(axis=-1)
         _, gidx_NxT = jax.lax.top_k(group_NxG, topk_group)
         keep_NxG = jnp.zeros_like(group_NxG, dtype=bool).at[jnp.arange(n)[:, None], gidx_NxT].set(True)
@@ -141,7 +142,9 @@ def _tiled_swiglu(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, w_S, token_S, start_E, si
 
 def _expert_loop(sizes_E, expert, carry):
     """fori over experts; an expert with no rows skips its weight slices (and keeps a zero dW)."""
-    return jax.lax.fori_loop(0, sizes_E.shape[0], lambda i, c: jax.lax.cond(sizes_E[i] > 0, expert, lambda _, c: c, i, c), carry)
+    return jax.lax.fori_loop(
+        0, sizes_E.shape[0], lambda i, c: jax.lax.cond(sizes_E[i] > 0, expert, lambda _, c: c, i, c), carry
+    )
 
 
 def _tiled_swiglu_fwd(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, w_S, token_S, start_E, sizes_E, tiles):
@@ -162,7 +165,9 @@ def _tiled_swiglu_fwd(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, w_S, token_S, start_E
             wy_TxD = jax.lax.dynamic_slice_in_dim(w32_S, r0, t)[:, None] * y_TxD
             if n_valid is not None:  # rows of the next groups
                 wy_TxD = jnp.where((jnp.arange(t) < n_valid)[:, None], wy_TxD, 0)
-            return y_NxD.at[tok_T].add(wy_TxD), jax.lax.dynamic_update_slice_in_dim(gu_Sx2F, _pack(gu_Tx2F, x_NxD.dtype), r0, 0)
+            return y_NxD.at[tok_T].add(wy_TxD), jax.lax.dynamic_update_slice_in_dim(
+                gu_Sx2F, _pack(gu_Tx2F, x_NxD.dtype), r0, 0
+            )
 
         return _cover_group(start_E[i], sizes_E[i], tiles, tile_fn, carry)
 
@@ -204,7 +209,12 @@ def _tiled_swiglu_bwd(tiles, res, dy_NxD):
             dwgu_Dx2F = dwgu_Dx2F + jnp.einsum("td,tf->df", x_TxD, dgu_Tx2F)
             dx_TxD = jnp.einsum("tf,df->td", dgu_Tx2F, wgu_Dx2F)
             # dw of the masked rows is rewritten by their own group (or is a don't-care tail row)
-            return dx_NxD.at[tok_T].add(dx_TxD), jax.lax.dynamic_update_slice_in_dim(dw_S, dw_T, r0, 0), dwgu_Dx2F, dwo_FxD
+            return (
+                dx_NxD.at[tok_T].add(dx_TxD),
+                jax.lax.dynamic_update_slice_in_dim(dw_S, dw_T, r0, 0),
+                dwgu_Dx2F,
+                dwo_FxD,
+            )
 
         init = (dx_NxD, dw_S, jnp.zeros(wgu_Dx2F.shape, f32), jnp.zeros(wo_FxD.shape, f32))
         dx_NxD, dw_S, dwgu_Dx2F, dwo_FxD = _cover_group(start_E[i], sizes_E[i], tiles, tile_fn, init)
@@ -213,11 +223,22 @@ def _tiled_swiglu_bwd(tiles, res, dy_NxD):
         dwo = jax.lax.dynamic_update_index_in_dim(dwo, _pack(dwo_FxD, wo_ExFxD.dtype), i, 0)
         return dx_NxD, dw_S, dwg, dwu, dwo
 
-    init = (jnp.zeros(x_NxD.shape, f32), jnp.zeros(w_S.shape, f32),
-            *(jnp.zeros(w.shape, _bits(w.dtype)) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD)))
+    init = (
+        jnp.zeros(x_NxD.shape, f32),
+        jnp.zeros(w_S.shape, f32),
+        *(jnp.zeros(w.shape, _bits(w.dtype)) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD)),
+    )
     dx_NxD, dw_S, dwg, dwu, dwo = _expert_loop(sizes_E, expert, init)
-    return (dx_NxD.astype(x_NxD.dtype), _unpack(dwg, wg_ExDxF.dtype), _unpack(dwu, wu_ExDxF.dtype), _unpack(dwo, wo_ExFxD.dtype),
-            dw_S.astype(w_S.dtype), None, None, None)
+    return (
+        dx_NxD.astype(x_NxD.dtype),
+        _unpack(dwg, wg_ExDxF.dtype),
+        _unpack(dwu, wu_ExDxF.dtype),
+        _unpack(dwo, wo_ExFxD.dtype),
+        dw_S.astype(w_S.dtype),
+        None,
+        None,
+        None,
+    )
 
 
 _tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
@@ -249,7 +270,9 @@ def moe_ffn(
     Weights are applied in the compute dtype (as the HF reference casts them to the logits dtype).
     impl "tiled": `tile` is the largest tile height (default choose_tile); see _tiled_swiglu.
     """
-    x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(jnp.asarray, (x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK))
+    x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(
+        jnp.asarray, (x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
+    )
     n, d = x_NxD.shape
     e, _, f = wg_ExDxF.shape
     k = ids_NxK.shape[1]
@@ -312,7 +335,11 @@ class MoE(nnx.Module):
     ):
         self.k, self.dtype, self.router_dtype = k, dtype, router_dtype
         # a tuple, not a dict: static attributes must be hashable for jax.jit(static graphdef)
-        self.route_kw = tuple(dict(method=method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob, scaling=scaling).items())
+        self.route_kw = tuple(
+            dict(
+                method=method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob, scaling=scaling
+            ).items()
+        )
         self.impl, self.tile = impl, tile
         self.router_DxE = param(rngs, (d_model, num_experts), ("embed", "router_experts"), param_dtype)
         self.wg_ExDxF = param(rngs, (num_experts, d_model, d_expert), ("expert", "embed", "expert_mlp"), param_dtype)
@@ -323,7 +350,9 @@ class MoE(nnx.Module):
         """Returns (y [B, L, D], selected expert ids [B, L, k])."""
         b, l, d = x_BxLxD.shape
         x_NxD = x_BxLxD.reshape(b * l, d).astype(self.dtype)
-        logits_NxE = jnp.einsum("nd,de->ne", x_NxD.astype(self.router_dtype), self.router_DxE[...].astype(self.router_dtype))
+        logits_NxE = jnp.einsum(
+            "nd,de->ne", x_NxD.astype(self.router_dtype), self.router_DxE[...].astype(self.router_dtype)
+        )
         w_NxK, ids_NxK = route(logits_NxE, k=self.k, **dict(self.route_kw))
         y_NxD = moe_ffn(
             x_NxD,

@@ -14,13 +14,12 @@ ARCHITECTURE = "Qwen2ForCausalLM"
 
 @dataclasses.dataclass(frozen=True)
 class Config(hf_config.DecoderConfig):
-
     @property
     def qkv_bias(self) -> bool:  # Qwen2 always has q/k/v biases (and no o_proj bias)
         return True
 
     @classmethod
-    def from_hf(cls, hf: dict, **runtime) -> "Config":
+    def from_hf(cls, hf: dict, **runtime) -> Config:
         r = hf_config.Reader(hf, ARCHITECTURE)
         layers = r.int("num_hidden_layers")
         # As Qwen2Config: the window only exists with use_sliding_window, on layers >= max_window_layers
@@ -32,7 +31,9 @@ class Config(hf_config.DecoderConfig):
         ]
         sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
         if sliding:
-            raise ValueError(f"{ARCHITECTURE}: sliding-window attention (layers {sliding}, window {window}) is not supported")
+            raise ValueError(
+                f"{ARCHITECTURE}: sliding-window attention (layers {sliding}, window {window}) is not supported"
+            )
         # Qwen2Config: a missing num_key_value_heads is 32, an explicit null means num_attention_heads.
         return cls(**r.decoder_fields(kv_heads=None if "num_key_value_heads" in hf else 32), **runtime)
 

@@ -29,7 +29,7 @@ class Config(hf_config.DecoderConfig):
     mlp_only_layers: tuple = ()
 
     @classmethod
-    def from_hf(cls, hf: dict, **runtime) -> "Config":
+    def from_hf(cls, hf: dict, **runtime) -> Config:
         r = hf_config.Reader(hf, ARCHITECTURE)
         if r.bool("use_sliding_window", False):
             raise ValueError(f"{ARCHITECTURE}: use_sliding_window=true is not supported")
@@ -54,7 +54,13 @@ class Attention(nnx.Module):
     """Grouped-query attention with optional q/k/v bias and rotate-half rotary."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs, qk_norm: bool = False):
-        d, n, kv, h, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.param_dtype
+        d, n, kv, h, pd = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.param_dtype,
+        )
         self.cfg, self.qk_norm = cfg, qk_norm
         self.wq_DxQ = param(rngs, (d, n * h), ("embed", "heads"), pd)
         self.wk_DxK = param(rngs, (d, kv * h), ("embed", "kv_heads"), pd)
@@ -94,8 +100,17 @@ class SparseMoeBlock(nnx.Module):
         d, pd, dt = cfg.hidden_size, cfg.param_dtype, cfg.dtype
         self.dtype = dt
         self.moe = MoE(
-            d, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, rngs=rngs, param_dtype=pd, dtype=dt,
-            norm_topk_prob=cfg.norm_topk_prob, router_dtype=cfg.router_dtype, impl=cfg.moe_impl, tile=cfg.moe_tile,
+            d,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            rngs=rngs,
+            param_dtype=pd,
+            dtype=dt,
+            norm_topk_prob=cfg.norm_topk_prob,
+            router_dtype=cfg.router_dtype,
+            impl=cfg.moe_impl,
+            tile=cfg.moe_tile,
         )
         self.shared = MLP(d, cfg.shared_expert_intermediate_size, rngs=rngs, param_dtype=pd, dtype=dt)
         self.shared_gate_Dx1 = param(rngs, (d, 1), ("embed", None), pd)
@@ -135,9 +150,14 @@ EXPERT_WEIGHTS = (
     ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers.{i}.mlp.moe.wu_ExDxF", "experts_T"),
     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers.{i}.mlp.moe.wo_ExFxD", "experts_T"),
 )
-WEIGHTS = hf_config.LM_WEIGHTS + ATTENTION_WEIGHTS + EXPERT_WEIGHTS + (
-    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "layers.{i}.mlp.shared.wg_DxF", "T"),
-    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared.wu_DxF", "T"),
-    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared.wo_FxD", "T"),
-    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate_Dx1", "T"),
+WEIGHTS = (
+    hf_config.LM_WEIGHTS
+    + ATTENTION_WEIGHTS
+    + EXPERT_WEIGHTS
+    + (
+        ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "layers.{i}.mlp.shared.wg_DxF", "T"),
+        ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared.wu_DxF", "T"),
+        ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared.wo_FxD", "T"),
+        ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate_Dx1", "T"),
+    )
 )

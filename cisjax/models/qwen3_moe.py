@@ -31,7 +31,7 @@ class Config(hf_config.DecoderConfig):
         return self.attention_bias
 
     @classmethod
-    def from_hf(cls, hf: dict, **runtime) -> "Config":
+    def from_hf(cls, hf: dict, **runtime) -> Config:
         r = hf_config.Reader(hf, ARCHITECTURE)
         window = hf.get("sliding_window", 4096)  # Qwen3MoeConfig: used on every layer iff use_sliding_window
         if r.bool("use_sliding_window", False) and window is not None:
@@ -72,9 +72,17 @@ class SparseMoeBlock(nnx.Module):
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.moe = MoE(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, rngs=rngs,
-            param_dtype=cfg.param_dtype, dtype=cfg.dtype, norm_topk_prob=cfg.norm_topk_prob,
-            router_dtype=cfg.router_dtype, impl=cfg.moe_impl, tile=cfg.moe_tile,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            rngs=rngs,
+            param_dtype=cfg.param_dtype,
+            dtype=cfg.dtype,
+            norm_topk_prob=cfg.norm_topk_prob,
+            router_dtype=cfg.router_dtype,
+            impl=cfg.moe_impl,
+            tile=cfg.moe_tile,
         )
 
     def __call__(self, x_BxLxD):
@@ -86,6 +94,9 @@ def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:
 
 
 # Same names as Qwen2-MoE minus the shared expert, plus the optional o_proj bias (see qwen2_moe.WEIGHTS).
-WEIGHTS = hf_config.LM_WEIGHTS + qwen2_moe.ATTENTION_WEIGHTS + qwen2_moe.EXPERT_WEIGHTS + (
-    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.attn.bo_D", "id"),
+WEIGHTS = (
+    hf_config.LM_WEIGHTS
+    + qwen2_moe.ATTENTION_WEIGHTS
+    + qwen2_moe.EXPERT_WEIGHTS
+    + (("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.attn.bo_D", "id"),)
 )

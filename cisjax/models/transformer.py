@@ -83,7 +83,9 @@ class CausalLM(nnx.Module):
     def moe_layers(self) -> list[int]:
         return [i for i in range(len(self.layers)) if self.cfg.is_moe_layer(i)]
 
-    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None) -> ModelOutput:
+    def __call__(
+        self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None
+    ) -> ModelOutput:
         """positions default to 0..L-1; segment_ids (0 = padding) default to one segment per row.
         Packed rows carry per-segment positions and distinct segment ids."""
         b, l = tokens_BxL.shape

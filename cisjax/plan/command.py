@@ -25,24 +25,52 @@ PROGRAM_NAMES = ("train_step", "rescore", "canary")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow")
+    p.add_argument(
+        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
+    )
     p.add_argument("--topology", required=True, help=f"the target: {hardware.NAMES_HELP}")
-    p.add_argument("--mesh", default="", help="mesh axes, e.g. fsdp=8,expert=1 (default: the config's mesh section; "
-                   "one size may be -1 = the rest of the chips)")
-    p.add_argument("--hf-config", default=None, help="the architecture's config.json (default: model.hf_config, else "
-                   "<model.path>/config.json); no weights are read")
+    p.add_argument(
+        "--mesh",
+        default="",
+        help="mesh axes, e.g. fsdp=8,expert=1 (default: the config's mesh section; "
+        "one size may be -1 = the rest of the chips)",
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="the architecture's config.json (default: model.hf_config, else "
+        "<model.path>/config.json); no weights are read",
+    )
     p.add_argument("--num-layers", type=int, default=0, help="compile a cut of the model: its first N layers (0 = all)")
-    p.add_argument("--rows", type=int, default=0, help="rows per micro-batch (default: data.prompts_per_step x "
-                   "rollout.group_size / train.micro_batches, rounded up to the mesh's batch shards)")
-    p.add_argument("--seq-len", type=int, default=0, help="padded tokens per row (default: data.max_prompt_tokens + "
-                   "rollout.max_new_tokens - 1, rounded up to train.length_multiple)")
-    p.add_argument("--search", choices=["rows"], default=None, help="rows: also find the largest rows per micro-batch "
-                   "whose train step fits in HBM (a compile per probe)")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="rows per micro-batch (default: data.prompts_per_step x "
+        "rollout.group_size / train.micro_batches, rounded up to the mesh's batch shards)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="padded tokens per row (default: data.max_prompt_tokens + "
+        "rollout.max_new_tokens - 1, rounded up to train.length_multiple)",
+    )
+    p.add_argument(
+        "--search",
+        choices=["rows"],
+        default=None,
+        help="rows: also find the largest rows per micro-batch whose train step fits in HBM (a compile per probe)",
+    )
     p.add_argument("--max-rows", type=int, default=4096, help="--search rows: stop growing at this many rows")
-    p.add_argument("--programs", default=",".join(PROGRAM_NAMES), help="which of the loop's programs to compile "
-                   f"(comma-separated from {','.join(PROGRAM_NAMES)})")
-    p.add_argument("--no-layer-costs", action="store_true", help="skip the per-layer-kind programs (no FLOP table, "
-                   "no roofline)")
+    p.add_argument(
+        "--programs",
+        default=",".join(PROGRAM_NAMES),
+        help=f"which of the loop's programs to compile (comma-separated from {','.join(PROGRAM_NAMES)})",
+    )
+    p.add_argument(
+        "--no-layer-costs", action="store_true", help="skip the per-layer-kind programs (no FLOP table, no roofline)"
+    )
     p.add_argument("--json", default=None, help="also write the whole report as JSON to this file")
 
 
@@ -54,9 +82,20 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     unknown = sorted(set(programs) - set(PROGRAM_NAMES))
     if unknown:
         raise errors.UserError(f"--programs: unknown {unknown}; from {list(PROGRAM_NAMES)}")
-    report = plan(cfg, target_name=args.topology, mesh_text=args.mesh, hf_config=args.hf_config,
-                  num_layers=args.num_layers, rows=args.rows, seq_len=args.seq_len, programs=programs,
-                  layer_costs=not args.no_layer_costs, search=args.search, max_rows=args.max_rows, log=_console_log)
+    report = plan(
+        cfg,
+        target_name=args.topology,
+        mesh_text=args.mesh,
+        hf_config=args.hf_config,
+        num_layers=args.num_layers,
+        rows=args.rows,
+        seq_len=args.seq_len,
+        programs=programs,
+        layer_costs=not args.no_layer_costs,
+        search=args.search,
+        max_rows=args.max_rows,
+        log=_console_log,
+    )
     print_report(report)
     if args.json:
         path = Path(args.json)
@@ -72,7 +111,9 @@ def read_architecture(cfg, hf_config: str | None = None, num_layers: int = 0) ->
     """(config.json dict, where it came from): --hf-config, else model.hf_config, else <model.path>/config.json."""
     source = hf_config or cfg.model.hf_config or (os.path.join(cfg.model.path, "config.json") if cfg.model.path else "")
     if not source:
-        raise errors.UserError("no architecture: pass --hf-config FILE, or set model.hf_config or model.path in the config")
+        raise errors.UserError(
+            "no architecture: pass --hf-config FILE, or set model.hf_config or model.path in the config"
+        )
     path = Path(source)
     if not path.is_file():
         raise errors.MissingInput(f"architecture config not found: {path}")
@@ -94,7 +135,9 @@ def mesh_shape(cfg, text: str) -> dict:
         try:
             shape[axis.strip()] = int(size)
         except ValueError:
-            raise errors.UserError(f"--mesh {text!r}: size {size.strip()!r} of axis {axis.strip()!r} is not an integer") from None
+            raise errors.UserError(
+                f"--mesh {text!r}: size {size.strip()!r} of axis {axis.strip()!r} is not an integer"
+            ) from None
     return shape
 
 
@@ -103,12 +146,15 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
     tokens (cisjax.train.batching.build_batch's rounding)."""
     m = int(cfg.train.micro_batches)
     samples = int(cfg.data.prompts_per_step) * int(cfg.rollout.group_size)
-    rows = rows or -(-(-(-samples // m)) // rows_multiple) * rows_multiple
+    per_micro_batch = -(-samples // m)  # ceil
+    rows = rows or -(-per_micro_batch // rows_multiple) * rows_multiple
     if rows % rows_multiple:
         raise errors.UserError(f"--rows {rows}: must be a multiple of the mesh's batch shards ({rows_multiple})")
     if not seq_len:
         if int(cfg.data.max_prompt_tokens) <= 0:
-            raise errors.UserError("data.max_prompt_tokens=0 (no limit) leaves the row length open: set it, or pass --seq-len")
+            raise errors.UserError(
+                "data.max_prompt_tokens=0 (no limit) leaves the row length open: set it, or pass --seq-len"
+            )
         longest = int(cfg.data.max_prompt_tokens) + int(cfg.rollout.max_new_tokens) - 1
         multiple = int(cfg.train.length_multiple)
         seq_len = -(-longest // multiple) * multiple
@@ -118,9 +164,21 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
 # ----------------------------------------------------------------------------- the plan
 
 
-def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = None, num_layers: int = 0, rows: int = 0,
-         seq_len: int = 0, programs=PROGRAM_NAMES, layer_costs: bool = True, search: str | None = None,
-         max_rows: int = 4096, log=lambda msg: None) -> dict:
+def plan(
+    cfg,
+    *,
+    target_name: str,
+    mesh_text: str = "",
+    hf_config: str | None = None,
+    num_layers: int = 0,
+    rows: int = 0,
+    seq_len: int = 0,
+    programs=PROGRAM_NAMES,
+    layer_costs: bool = True,
+    search: str | None = None,
+    max_rows: int = 4096,
+    log=lambda msg: None,
+) -> dict:
     """Compile the config's programs for `target_name`; the report as a JSON-able dict."""
     import jax
 
@@ -142,10 +200,17 @@ def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = 
 
     report = dict(
         target=target.describe(),
-        model=dict(architecture=(hf.get("architectures") or ["?"])[0], config=hf_source, layers=int(hf["num_hidden_layers"]),
-                   total_params=flops_lib.total_params(progs.model), active_params=flops_lib.active_params(progs.model),
-                   dtype=str(jax.numpy.dtype(progs.mcfg.dtype)), param_dtype=str(jax.numpy.dtype(progs.mcfg.param_dtype)),
-                   moe_impl=cfg.model.moe_impl, moe_impl_resolved=_moe_impl(cfg, target)),
+        model=dict(
+            architecture=(hf.get("architectures") or ["?"])[0],
+            config=hf_source,
+            layers=int(hf["num_hidden_layers"]),
+            total_params=flops_lib.total_params(progs.model),
+            active_params=flops_lib.active_params(progs.model),
+            dtype=str(jax.numpy.dtype(progs.mcfg.dtype)),
+            param_dtype=str(jax.numpy.dtype(progs.mcfg.param_dtype)),
+            moe_impl=cfg.model.moe_impl,
+            moe_impl_resolved=_moe_impl(cfg, target),
+        ),
         mesh={k: int(v) for k, v in mesh.shape.items()},
         shape=shape,
         precision=cfg.train.precision,
@@ -157,17 +222,26 @@ def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = 
     def fit(c):
         d = c.as_dict()
         total = c.total()
-        d.update(total_bytes=total, usable_bytes=usable, fits=bool(c.ok and total is not None and total <= usable),
-                 margin_bytes=None if total is None else usable - total)
+        d.update(
+            total_bytes=total,
+            usable_bytes=usable,
+            fits=bool(c.ok and total is not None and total <= usable),
+            margin_bytes=None if total is None else usable - total,
+        )
         return d
 
     compiled = {}
     for name in programs:
         if name == "canary" and not int(cfg.publish.canary.every):
             continue
-        log(f"compiling {name} " + ("(canary batch)" if name == "canary" else f"({m} x {b} rows x {t} tokens)") + " ...")
-        c = {"train_step": lambda: progs.train_step(m, b, t), "rescore": lambda: progs.rescore(m, b, t),
-             "canary": progs.canary}[name]()
+        log(
+            f"compiling {name} " + ("(canary batch)" if name == "canary" else f"({m} x {b} rows x {t} tokens)") + " ..."
+        )
+        c = {
+            "train_step": lambda: progs.train_step(m, b, t),
+            "rescore": lambda: progs.rescore(m, b, t),
+            "canary": progs.canary,
+        }[name]()
         compiled[name] = c
         report["programs"][name] = fit(c)
         log(f"  {name}: {_fmt_compiled(c, usable)}")
@@ -176,14 +250,23 @@ def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = 
         report.update(layer_costs_report(progs, target, shape, log))
         if "canary" in compiled and compiled["canary"].ok:
             c = compiled["canary"]
-            report["programs"]["canary"]["roofline_s"] = max(c.flops / target.chip.peak_flops, c.bytes / target.chip.hbm_bandwidth)
+            report["programs"]["canary"]["roofline_s"] = max(
+                c.flops / target.chip.peak_flops, c.bytes / target.chip.hbm_bandwidth
+            )
         for name in ("train_step", "rescore"):
             if name in report["programs"]:
                 report["programs"][name]["roofline_s"] = report["roofline"].get(f"{name}_s")
 
     if search == "rows":
-        report["search"] = search_rows(lambda r: progs.train_step(m, r, t), start=b, step=progs.rows_multiple,
-                                       usable=usable, max_rows=max_rows, log=log, known={b: compiled.get("train_step")})
+        report["search"] = search_rows(
+            lambda r: progs.train_step(m, r, t),
+            start=b,
+            step=progs.rows_multiple,
+            usable=usable,
+            max_rows=max_rows,
+            log=log,
+            known={b: compiled.get("train_step")},
+        )
     report["notes"] += [
         "Memory: the compiler's buffer assignment per chip; total = arguments + outputs - aliased (donated) + "
         "temporaries + code, against the HBM one program may use. The TPU compiler refuses a program only when its "
@@ -195,8 +278,10 @@ def plan(cfg, *, target_name: str, mesh_text: str = "", hf_config: str | None = 
         "per program part; no collectives, no overlap), not measurements.",
     ]
     if target.platform == "cuda":
-        report["notes"].append("GPU: compiled without a GPU, so without autotuning; XLA:GPU has no cost analysis of "
-                               "its own, so XLA's HloCostAnalysis runs on the optimized GPU module through the CPU client.")
+        report["notes"].append(
+            "GPU: compiled without a GPU, so without autotuning; XLA:GPU has no cost analysis of "
+            "its own, so XLA's HloCostAnalysis runs on the optimized GPU module through the CPU client."
+        )
     return report
 
 
@@ -242,21 +327,37 @@ def layer_costs_report(progs, target, shape, log) -> dict:
             ana = analytic[program][kind] / chips
             seconds = roofline(c) * times if c.ok else None
             total_s += seconds or 0.0
-            rows[kind] = dict(count=counts[kind], times_per_step=times, analytic_flops_per_chip=ana, xla_flops_per_chip=xla,
-                              ratio=(xla / ana) if xla is not None and ana else None, roofline_s=seconds,
-                              bytes_per_chip=c.bytes * times if c.ok else None)
+            rows[kind] = dict(
+                count=counts[kind],
+                times_per_step=times,
+                analytic_flops_per_chip=ana,
+                xla_flops_per_chip=xla,
+                ratio=(xla / ana) if xla is not None and ana else None,
+                roofline_s=seconds,
+                bytes_per_chip=c.bytes * times if c.ok else None,
+            )
             out["layer_programs"][f"{program}/{kind}"] = c.as_dict()
             if c.has_loops:
                 out.setdefault("warnings", []).append(f"{c.name} holds a loop: its cost figures undercount")
         if program == "train_step":
             seconds = roofline(optimizer) if optimizer.ok else None
             total_s += seconds or 0.0
-            rows["optimizer"] = dict(count=1, times_per_step=1, analytic_flops_per_chip=0.0, xla_flops_per_chip=optimizer.flops,
-                                     ratio=None, roofline_s=seconds, bytes_per_chip=optimizer.bytes)
+            rows["optimizer"] = dict(
+                count=1,
+                times_per_step=1,
+                analytic_flops_per_chip=0.0,
+                xla_flops_per_chip=optimizer.flops,
+                ratio=None,
+                roofline_s=seconds,
+                bytes_per_chip=optimizer.bytes,
+            )
             out["layer_programs"]["train_step/optimizer"] = optimizer.as_dict()
         ana_total = sum(analytic[program].values()) / chips
-        out["flops"][program] = dict(kinds=rows, analytic_flops_per_chip=ana_total,
-                                     xla_flops_per_chip=sum(r["xla_flops_per_chip"] or 0.0 for r in rows.values()))
+        out["flops"][program] = dict(
+            kinds=rows,
+            analytic_flops_per_chip=ana_total,
+            xla_flops_per_chip=sum(r["xla_flops_per_chip"] or 0.0 for r in rows.values()),
+        )
         out["roofline"][f"{program}_s"] = total_s
         out["roofline"][f"{program}_mfu_estimate"] = ana_total / (chip.peak_flops * total_s) if total_s else None
     return out
@@ -268,8 +369,14 @@ def _sum_programs(name, a, b):
 
     if not (a.ok and b.ok):
         return a if not a.ok else b
-    return Compiled(name, a.seconds + b.seconds, flops=a.flops + b.flops, bytes=a.bytes + b.bytes,
-                    has_loops=a.has_loops or b.has_loops, parts=[a, b])
+    return Compiled(
+        name,
+        a.seconds + b.seconds,
+        flops=a.flops + b.flops,
+        bytes=a.bytes + b.bytes,
+        has_loops=a.has_loops or b.has_loops,
+        parts=[a, b],
+    )
 
 
 def search_rows(compile_at, *, start: int, step: int, usable: float, max_rows: int, log, known=None) -> dict:
@@ -283,8 +390,16 @@ def search_rows(compile_at, *, start: int, step: int, usable: float, max_rows: i
         total = c.total()
         ok = bool(c.ok and total is not None and total <= usable)
         # a refusal's temporaries alone exceed the HBM: a lower bound of the total, good enough to aim the next probe
-        tried[r] = dict(rows=r, fits=ok, total_bytes=total, memory=c.memory, compile_s=c.seconds, refused=not c.ok,
-                        oom_temporaries_bytes=c.oom_temporaries, estimate_bytes=total if total is not None else c.oom_temporaries)
+        tried[r] = dict(
+            rows=r,
+            fits=ok,
+            total_bytes=total,
+            memory=c.memory,
+            compile_s=c.seconds,
+            refused=not c.ok,
+            oom_temporaries_bytes=c.oom_temporaries,
+            estimate_bytes=total if total is not None else c.oom_temporaries,
+        )
         log(f"  rows {r}: {_fmt_compiled(c, usable)}")
         return ok
 
@@ -308,8 +423,13 @@ def search_rows(compile_at, *, start: int, step: int, usable: float, max_rows: i
             r = max(step, (r // 2) // step * step)
         else:
             r = _interpolate(lo, hi, tried, usable, step)
-    return dict(best_rows=lo, tried=[tried[k] for k in sorted(tried)], step=step,
-                capped=hi is None, note="capped at --max-rows" if hi is None else "")
+    return dict(
+        best_rows=lo,
+        tried=[tried[k] for k in sorted(tried)],
+        step=step,
+        capped=hi is None,
+        note="capped at --max-rows" if hi is None else "",
+    )
 
 
 def _interpolate(lo: int, hi: int, tried: dict, usable: float, step: int) -> int:
@@ -369,28 +489,55 @@ def print_report(report: dict) -> None:
     if not console.is_terminal:  # a log file: wide enough for the tables, not cut at 80 columns
         console = Console(highlight=False, width=150)
     tg, mo, sh = report["target"], report["model"], report["shape"]
-    console.print(f"[bold]{mo['architecture']}[/bold] ({mo['layers']} layers, {mo['total_params'] / 1e9:.2f}B parameters, "
-                  f"{mo['active_params'] / 1e9:.2f}B active; {mo['dtype']} compute, {mo['param_dtype']} master weights, "
-                  f"MoE dispatch {mo['moe_impl_resolved']}) on [bold]{tg['name']}[/bold]: {tg['chips']} x {tg['chip']} "
-                  f"({tg['usable_gib_per_chip']:.2f} GiB usable per chip, {tg['peak_tflops_per_chip']:.0f} TFLOP/s bf16), "
-                  f"mesh {report['mesh']}")
-    console.print(f"train batch: {sh['micro_batches']} micro-batches x {sh['rows']} rows x {sh['seq_len']} tokens "
-                  f"({sh['samples_per_step']} samples per step; the logprob head in {sh['head_chunks']} chunks of "
-                  f"{sh['head_chunk_tokens']} tokens)")
+    console.print(
+        f"[bold]{mo['architecture']}[/bold] ({mo['layers']} layers, {mo['total_params'] / 1e9:.2f}B parameters, "
+        f"{mo['active_params'] / 1e9:.2f}B active; {mo['dtype']} compute, {mo['param_dtype']} master weights, "
+        f"MoE dispatch {mo['moe_impl_resolved']}) on [bold]{tg['name']}[/bold]: {tg['chips']} x {tg['chip']} "
+        f"({tg['usable_gib_per_chip']:.2f} GiB usable per chip, {tg['peak_tflops_per_chip']:.0f} TFLOP/s bf16), "
+        f"mesh {report['mesh']}"
+    )
+    console.print(
+        f"train batch: {sh['micro_batches']} micro-batches x {sh['rows']} rows x {sh['seq_len']} tokens "
+        f"({sh['samples_per_step']} samples per step; the logprob head in {sh['head_chunks']} chunks of "
+        f"{sh['head_chunk_tokens']} tokens)"
+    )
 
     table = Table(title="HBM per chip (GiB)")
-    for col in ("program", "arguments", "temporaries", "outputs", "aliased", "total", "usable", "fits", "margin",
-                "compile s", "roofline s"):
+    for col in (
+        "program",
+        "arguments",
+        "temporaries",
+        "outputs",
+        "aliased",
+        "total",
+        "usable",
+        "fits",
+        "margin",
+        "compile s",
+        "roofline s",
+    ):
         table.add_column(col, justify="left" if col == "program" else "right")
     for name, p in report["programs"].items():
         mem = p.get("memory") or {}
         fits = "[green]yes[/green]" if p["fits"] else "[red]no[/red]"
         if p.get("error"):
-            fits += f" (refused: temporaries {_gib(p['oom_temporaries'])})" if p.get("oom_temporaries") else " (refused)"
+            fits += (
+                f" (refused: temporaries {_gib(p['oom_temporaries'])})" if p.get("oom_temporaries") else " (refused)"
+            )
         roof = p.get("roofline_s")
-        table.add_row(name, _gib(mem.get("arguments")), _gib(mem.get("temporaries")), _gib(mem.get("outputs")),
-                      _gib(mem.get("aliased")), _gib(p["total_bytes"]), _gib(p["usable_bytes"]), fits,
-                      _gib(p["margin_bytes"]), f"{p['seconds']:.0f}", "—" if roof is None else f"{roof:.3f}")
+        table.add_row(
+            name,
+            _gib(mem.get("arguments")),
+            _gib(mem.get("temporaries")),
+            _gib(mem.get("outputs")),
+            _gib(mem.get("aliased")),
+            _gib(p["total_bytes"]),
+            _gib(p["usable_bytes"]),
+            fits,
+            _gib(p["margin_bytes"]),
+            f"{p['seconds']:.0f}",
+            "—" if roof is None else f"{roof:.3f}",
+        )
     console.print(table)
 
     for program, f in report.get("flops", {}).items():
@@ -401,21 +548,37 @@ def print_report(report: dict) -> None:
             if not r["count"]:
                 continue
             xla = r["xla_flops_per_chip"]
-            table.add_row(kind, str(r["count"]), str(r["times_per_step"]), f"{r['analytic_flops_per_chip'] / 1e12:.2f}",
-                          "—" if xla is None else f"{xla / 1e12:.2f}", "—" if r["ratio"] is None else f"{r['ratio']:.2f}",
-                          "—" if r["roofline_s"] is None else f"{r['roofline_s']:.3f}")
-        table.add_row("total", "", "", f"{f['analytic_flops_per_chip'] / 1e12:.2f}", f"{f['xla_flops_per_chip'] / 1e12:.2f}",
-                      f"{f['xla_flops_per_chip'] / f['analytic_flops_per_chip']:.2f}" if f["analytic_flops_per_chip"] else "—",
-                      f"{report['roofline'][f'{program}_s']:.3f}")
+            table.add_row(
+                kind,
+                str(r["count"]),
+                str(r["times_per_step"]),
+                f"{r['analytic_flops_per_chip'] / 1e12:.2f}",
+                "—" if xla is None else f"{xla / 1e12:.2f}",
+                "—" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                "—" if r["roofline_s"] is None else f"{r['roofline_s']:.3f}",
+            )
+        table.add_row(
+            "total",
+            "",
+            "",
+            f"{f['analytic_flops_per_chip'] / 1e12:.2f}",
+            f"{f['xla_flops_per_chip'] / 1e12:.2f}",
+            f"{f['xla_flops_per_chip'] / f['analytic_flops_per_chip']:.2f}" if f["analytic_flops_per_chip"] else "—",
+            f"{report['roofline'][f'{program}_s']:.3f}",
+        )
         console.print(table)
         mfu = report["roofline"].get(f"{program}_mfu_estimate")
         if mfu is not None:
-            console.print(f"{program}: MFU estimate {100 * mfu:.1f}% (analytic FLOPs / (chips x peak x roofline time); "
-                          "from the compiler's cost model, not a measurement)")
+            console.print(
+                f"{program}: MFU estimate {100 * mfu:.1f}% (analytic FLOPs / (chips x peak x roofline time); "
+                "from the compiler's cost model, not a measurement)"
+            )
     if "search" in report:
         s = report["search"]
         tried = ", ".join(f"{t['rows']}{'✓' if t['fits'] else '✗'}" for t in s["tried"])
-        console.print(f"largest rows per micro-batch that fit: [bold]{s['best_rows']}[/bold] (tried {tried}) {s['note']}")
+        console.print(
+            f"largest rows per micro-batch that fit: [bold]{s['best_rows']}[/bold] (tried {tried}) {s['note']}"
+        )
     for w in report.get("warnings", []):
         console.print(f"[yellow]warning:[/yellow] {w}")
     for note in report["notes"]:

@@ -34,14 +34,50 @@ class Chip:
 # /v5e, /v5p, /v6e). usable_bytes: the "available HBM" that libtpu 0.0.42.1's compiler names in its out-of-memory
 # error when compiling for that chip here (tests/plan/test_hardware.py probes it again).
 TPU_CHIPS = {
-    "v4": Chip("v4", "tpu", 32 * GIB, 30.75 * GIB, 275e12, 1200e9, cores_per_chip=2, torus_dims=3,
-               source="cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, 1200 GB/s"),
-    "v5e": Chip("v5e", "tpu", 16 * GIB, 15.75 * GIB, 197e12, 819e9, cores_per_chip=1, torus_dims=2,
-                source="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2, 819 GB/s"),
-    "v5p": Chip("v5p", "tpu", 95 * GIB, 95.74 * GIB, 459e12, 2765e9, cores_per_chip=2, torus_dims=3,
-                source="cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s"),
-    "v6e": Chip("v6e", "tpu", 32 * GIB, 31.25 * GIB, 918e12, 1638e9, cores_per_chip=1, torus_dims=2,
-                source="cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, 1638 GB/s"),
+    "v4": Chip(
+        "v4",
+        "tpu",
+        32 * GIB,
+        30.75 * GIB,
+        275e12,
+        1200e9,
+        cores_per_chip=2,
+        torus_dims=3,
+        source="cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, 1200 GB/s",
+    ),
+    "v5e": Chip(
+        "v5e",
+        "tpu",
+        16 * GIB,
+        15.75 * GIB,
+        197e12,
+        819e9,
+        cores_per_chip=1,
+        torus_dims=2,
+        source="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2, 819 GB/s",
+    ),
+    "v5p": Chip(
+        "v5p",
+        "tpu",
+        95 * GIB,
+        95.74 * GIB,
+        459e12,
+        2765e9,
+        cores_per_chip=2,
+        torus_dims=3,
+        source="cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s",
+    ),
+    "v6e": Chip(
+        "v6e",
+        "tpu",
+        32 * GIB,
+        31.25 * GIB,
+        918e12,
+        1638e9,
+        cores_per_chip=1,
+        torus_dims=2,
+        source="cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, 1638 GB/s",
+    ),
 }
 TPU_ALIASES = {"v5litepod": "v5e"}
 
@@ -70,17 +106,46 @@ def _gpu(name, spec: GpuSpec, hbm_bytes, peak, bandwidth, source) -> tuple[Chip,
 
 # Dense (no sparsity) bf16 peaks; NVIDIA quotes twice these "with sparsity".
 GPU_CHIPS = {
-    "h100": _gpu("h100", GpuSpec("NVIDIA H100 80GB HBM3", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
-                 80e9, 989.4e12, 3.35e12, "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s"),
-    "h200": _gpu("h200", GpuSpec("NVIDIA H200", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
-                 141e9, 989.4e12, 4.8e12, "NVIDIA H200 SXM data sheet: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s"),
-    "a100": _gpu("a100", GpuSpec("NVIDIA A100-SXM4-80GB", 108, (8, 0), 1.41, 64, 40 * 2**20, 164 * 1024, 163 * 1024),
-                 80e9, 312e12, 2.039e12, "NVIDIA A100 80GB SXM data sheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e, 2039 GB/s"),
+    "h100": _gpu(
+        "h100",
+        GpuSpec("NVIDIA H100 80GB HBM3", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
+        80e9,
+        989.4e12,
+        3.35e12,
+        "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s",
+    ),
+    "h200": _gpu(
+        "h200",
+        GpuSpec("NVIDIA H200", 132, (9, 0), 1.98, 128, 50 * 2**20, 228 * 1024, 227 * 1024),
+        141e9,
+        989.4e12,
+        4.8e12,
+        "NVIDIA H200 SXM data sheet: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s",
+    ),
+    "a100": _gpu(
+        "a100",
+        GpuSpec("NVIDIA A100-SXM4-80GB", 108, (8, 0), 1.41, 64, 40 * 2**20, 164 * 1024, 163 * 1024),
+        80e9,
+        312e12,
+        2.039e12,
+        "NVIDIA A100 80GB SXM data sheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e, 2039 GB/s",
+    ),
 }
 
 # Slice shapes Google offers, by chip count (the v5p/v5e/v6e pages' topology tables).
-SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8", 512: "8x8x8",
-             1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+SHAPES_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+    512: "8x8x8",
+    1024: "8x8x16",
+    2048: "8x16x16",
+    4096: "16x16x16",
+}
 SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
 
@@ -99,9 +164,18 @@ class Target:
 
     def describe(self) -> dict:
         c = self.chip
-        return dict(name=self.name, platform=c.platform, chip=c.name, chips=self.chips, topology=self.topology,
-                    hbm_gib_per_chip=c.hbm_bytes / GIB, usable_gib_per_chip=c.usable_bytes / GIB,
-                    peak_tflops_per_chip=c.peak_flops / 1e12, hbm_gb_per_s=c.hbm_bandwidth / 1e9, source=c.source)
+        return dict(
+            name=self.name,
+            platform=c.platform,
+            chip=c.name,
+            chips=self.chips,
+            topology=self.topology,
+            hbm_gib_per_chip=c.hbm_bytes / GIB,
+            usable_gib_per_chip=c.usable_bytes / GIB,
+            peak_tflops_per_chip=c.peak_flops / 1e12,
+            hbm_gb_per_s=c.hbm_bandwidth / 1e9,
+            source=c.source,
+        )
 
     def devices(self) -> list:
         """The target's devices, compile-only (no hardware needed): JAX's deviceless topology API."""
@@ -112,22 +186,32 @@ class Target:
             if self.chip.torus_dims == 2 and self.chips >= 8:
                 bounds = (2, 4, 1)  # v5e / v6e hosts hold 8 chips
             topo = topologies.get_topology_desc(
-                platform="tpu", topology_name=f"{self.chip.name}:{self.topology}",
+                platform="tpu",
+                topology_name=f"{self.chip.name}:{self.topology}",
                 # v4 counts each chip's two TensorCores as one JAX device only in megacore mode (as on a v4 VM)
                 chip_config_name="megacore" if self.chip.name == "v4" else "default",
-                chips_per_host_bounds=bounds, num_slices=1)
+                chips_per_host_bounds=bounds,
+                num_slices=1,
+            )
         else:
             enable_cuda_plugin()
-            topo = topologies.get_topology_desc(platform="cuda", topology=self.topology,
-                                                target_config=gpu_target_config(GPU_CHIPS[self.chip.name][1], self.chip))
+            topo = topologies.get_topology_desc(
+                platform="cuda",
+                topology=self.topology,
+                target_config=gpu_target_config(GPU_CHIPS[self.chip.name][1], self.chip),
+            )
         devices = list(topo.devices)
         if len(devices) != self.chips:
-            raise RuntimeError(f"{self.name}: the compiler's topology has {len(devices)} devices, expected {self.chips}")
+            raise RuntimeError(
+                f"{self.name}: the compiler's topology has {len(devices)} devices, expected {self.chips}"
+            )
         return devices
 
 
-NAMES_HELP = ("TPU: v4-N, v5p-N (N = TensorCores, 2 per chip), v5e-N, v6e-N (N = chips), or GEN:AxBxC "
-              "(e.g. v5p:2x2x2); GPU: h100xN, h200xN, a100xN (N GPUs, 8 per host)")
+NAMES_HELP = (
+    "TPU: v4-N, v5p-N (N = TensorCores, 2 per chip), v5e-N, v6e-N (N = chips), or GEN:AxBxC "
+    "(e.g. v5p:2x2x2); GPU: h100xN, h200xN, a100xN (N GPUs, 8 per host)"
+)
 
 
 def target(name: str) -> Target:
@@ -137,12 +221,16 @@ def target(name: str) -> Target:
         chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
         cores = int(m[2])
         if cores % chip.cores_per_chip:
-            raise errors.UserError(f"{name}: {chip.name} slices are named by TensorCores ({chip.cores_per_chip} per chip)")
+            raise errors.UserError(
+                f"{name}: {chip.name} slices are named by TensorCores ({chip.cores_per_chip} per chip)"
+            )
         chips = cores // chip.cores_per_chip
         shapes = SHAPES_3D if chip.torus_dims == 3 else SHAPES_2D
         if chips not in shapes:
-            raise errors.UserError(f"{name}: no {chip.name} slice of {chips} chips; sizes: "
-                             f"{', '.join(f'{chip.name}-{n * chip.cores_per_chip}' for n in shapes)} (or give the shape, {chip.name}:AxBxC)")
+            raise errors.UserError(
+                f"{name}: no {chip.name} slice of {chips} chips; sizes: "
+                f"{', '.join(f'{chip.name}-{n * chip.cores_per_chip}' for n in shapes)} (or give the shape, {chip.name}:AxBxC)"
+            )
         return Target(name, chip, chips, shapes[chips])
     if m := re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e):(\d+(?:x\d+)+)", text):
         chip = TPU_CHIPS[TPU_ALIASES.get(m[1], m[1])]
@@ -205,19 +293,26 @@ def cuda_plugin_dir() -> Path | None:
 
 def enable_cuda_plugin() -> None:
     """Make the CUDA plugin discoverable by JAX, which looks for plugins when it starts its backends."""
-    if importlib.util.find_spec("jax_cuda12_plugin") is not None or importlib.util.find_spec("jax_cuda13_plugin") is not None:
+    if (
+        importlib.util.find_spec("jax_cuda12_plugin") is not None
+        or importlib.util.find_spec("jax_cuda13_plugin") is not None
+    ):
         return
     path = cuda_plugin_dir()
     if path is None:
-        raise RuntimeError("GPU targets need the CUDA PJRT plugin, which compiles without a GPU: "
-                           "pip install --no-deps --target .venv/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
-                           f"(`make setup` does), or set ${CUDA_PLUGIN_ENV}")
+        raise RuntimeError(
+            "GPU targets need the CUDA PJRT plugin, which compiles without a GPU: "
+            "pip install --no-deps --target .venv/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
+            f"(`make setup` does), or set ${CUDA_PLUGIN_ENV}"
+        )
     from jax._src import xla_bridge
 
     if xla_bridge._backends:  # plugins are discovered once, when the first backend starts
         if "cuda" not in xla_bridge._backend_factories:
-            raise RuntimeError("GPU targets: JAX started its backends before the CUDA plugin was on the path; "
-                               "run `cisjax plan` for a GPU target in a fresh process")
+            raise RuntimeError(
+                "GPU targets: JAX started its backends before the CUDA plugin was on the path; "
+                "run `cisjax plan` for a GPU target in a fresh process"
+            )
         return
     if str(path) not in sys.path:
         sys.path.append(str(path))

@@ -15,8 +15,9 @@ from cisjax import runtime, sharding
 from cisjax.models import hf_io
 from cisjax.models.layers import attention_mask
 from cisjax.records import TrainBatch
+from cisjax.train import optim
 from cisjax.train import publish as publish_lib
-from cisjax.train import optim, state as state_lib
+from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
 
 BATCH_DTYPES = TrainBatch(jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_, jnp.float32, jnp.float32, jnp.float32)
@@ -53,8 +54,12 @@ class Compiled:
 
 # Options of the cost-only (per layer kind) programs. The TPU SPMD partitioner turns an all-gathered matmul into a
 # "windowed einsum" loop, whose body cost_analysis counts once: without it the same work is counted whole.
-COST_OPTIONS = {"tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
-                        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}}
+COST_OPTIONS = {
+    "tpu": {
+        "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+    }
+}
 
 
 def compile_program(name: str, jitted, *args, compiler_options: dict | None = None) -> Compiled:
@@ -72,16 +77,27 @@ def compile_program(name: str, jitted, *args, compiler_options: dict | None = No
         return Compiled(name, time.monotonic() - t0, oom_temporaries=needed, error=text.split("\n")[0][:400])
     seconds = time.monotonic() - t0
     cost = cost_of(compiled)
-    return Compiled(name, seconds, memory=memory_of(compiled), flops=cost["flops"], bytes=cost["bytes"],
-                    has_loops=" while(" in compiled.as_text())
+    return Compiled(
+        name,
+        seconds,
+        memory=memory_of(compiled),
+        flops=cost["flops"],
+        bytes=cost["bytes"],
+        has_loops=" while(" in compiled.as_text(),
+    )
 
 
 def memory_of(compiled) -> dict:
     """Per-chip bytes from the compiler's buffer assignment; total = arguments + outputs - aliased (donated) +
     temporaries + generated code."""
     m = compiled.memory_analysis()
-    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
-               temporaries=m.temp_size_in_bytes, code=m.generated_code_size_in_bytes)
+    out = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+        temporaries=m.temp_size_in_bytes,
+        code=m.generated_code_size_in_bytes,
+    )
     out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["code"]
     return out
 
@@ -94,7 +110,9 @@ def cost_of(compiled) -> dict:
         from jax._src import xla_bridge
         from jax._src.lib import _jax
 
-        ca = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), compiled.runtime_executable().hlo_modules()[0])
+        ca = _jax.hlo_module_cost_analysis(
+            xla_bridge.get_backend("cpu"), compiled.runtime_executable().hlo_modules()[0]
+        )
     if isinstance(ca, (list, tuple)):
         ca = ca[0]
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
@@ -123,7 +141,9 @@ class StepPrograms:
 
     def batch(self, micro_batches: int, rows: int, seq_len: int) -> TrainBatch:
         sh = sharding.batch_sharding(self.mesh, self.rules)
-        return TrainBatch(*(jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for dt in BATCH_DTYPES))
+        return TrainBatch(
+            *(jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for dt in BATCH_DTYPES)
+        )
 
     # ------------------------------------------------------------------ the loop's programs
 
@@ -169,7 +189,9 @@ class StepPrograms:
 
         y = jax.eval_shape(forward, params, x, *aux)
         ct = self._activation(y.shape, _ACT_NAMES[len(y.shape)], y.dtype)  # the cotangent, laid out as the output
-        return compile_program(f"{name}_fwd_bwd", jax.jit(forward_backward), params, x, ct, *aux, compiler_options=options)
+        return compile_program(
+            f"{name}_fwd_bwd", jax.jit(forward_backward), params, x, ct, *aux, compiler_options=options
+        )
 
     def layer_parts(self, rows: int, seq_len: int, *, backward: bool) -> dict[str, Compiled]:
         """One program per layer kind present (attention, mlp, moe) on a [rows, seq_len] micro-batch: the residual
@@ -185,12 +207,16 @@ class StepPrograms:
         for kind, i in first.items():
             gdef, params = self._split(self.model.layers[i])
             if kind == "attention":
+
                 def fn(p, x, positions, segments, gdef=gdef):
                     return nnx.merge(gdef, p).attention_block(x, positions, attention_mask(segments))
+
                 out[kind] = self._part(kind, fn, params, x, ids, ids, backward=backward)
             else:
+
                 def fn(p, x, gdef=gdef):
                     return nnx.merge(gdef, p).mlp_block(x)[0]
+
                 out[kind] = self._part(kind, fn, params, x, backward=backward)
         return out
 
@@ -217,21 +243,30 @@ class StepPrograms:
             return w[...].T if tied else w[...]
 
         if not backward:
+
             def forward(norm_p, w, h, t):
                 with sharding.use_mesh(mesh, rules):
-                    stats = logprobs_lib.token_logprobs(nnx.merge(norm_gdef, norm_p)(h), weight(w), t, temperature=temperature,
-                                                        chunk_size=c, compute_dtype=mcfg.dtype)
+                    stats = logprobs_lib.token_logprobs(
+                        nnx.merge(norm_gdef, norm_p)(h),
+                        weight(w),
+                        t,
+                        temperature=temperature,
+                        chunk_size=c,
+                        compute_dtype=mcfg.dtype,
+                    )
                 return stats.logprobs_N, stats.entropy_N
 
             return compile_program("head_fwd", jax.jit(forward), norm_params, unembed, h, t, compiler_options=options)
 
         def backward_(w, h, t, lse, entropy, g):
             with sharding.use_mesh(mesh, rules):
-                return logprobs_lib.token_logprobs_backward(h, weight(w), t, lse, entropy, g, temperature=temperature,
-                                                            chunk_size=c, compute_dtype=mcfg.dtype)
+                return logprobs_lib.token_logprobs_backward(
+                    h, weight(w), t, lse, entropy, g, temperature=temperature, chunk_size=c, compute_dtype=mcfg.dtype
+                )
 
-        return compile_program("head_bwd", jax.jit(backward_), unembed, h, t, per_token, per_token, per_token,
-                               compiler_options=options)
+        return compile_program(
+            "head_bwd", jax.jit(backward_), unembed, h, t, per_token, per_token, per_token, compiler_options=options
+        )
 
     def optimizer_part(self) -> Compiled:
         """The AdamW update of every parameter from fp32 gradients (the step's tail, once per step)."""
@@ -244,4 +279,6 @@ class StepPrograms:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        return compile_program("optimizer", jax.jit(update, donate_argnums=(0, 1)), self.params, self.state.opt_state, grads)
+        return compile_program(
+            "optimizer", jax.jit(update, donate_argnums=(0, 1)), self.params, self.state.opt_state, grads
+        )

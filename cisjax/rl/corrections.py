@@ -13,8 +13,20 @@ from jax.experimental import checkify
 
 from cisjax import errors
 
-METHODS = ("none", "exact", "tis", "icepop", "kpop", "kpop_shipped", "seq_tis", "seq_mis", "gspo", "fp16", "cis",
-           "cis_two_sided")
+METHODS = (
+    "none",
+    "exact",
+    "tis",
+    "icepop",
+    "kpop",
+    "kpop_shipped",
+    "seq_tis",
+    "seq_mis",
+    "gspo",
+    "fp16",
+    "cis",
+    "cis_two_sided",
+)
 # Default [low, high] bounds of the masking operators (paper Table 7).
 DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "seq_mis": (0.5, 2.0)}
 # The exact arm's clamp of k, applied in log space so that no weight is ever inf (also bounds KPop's kept k).
@@ -100,9 +112,19 @@ def _k3(x):
     return jnp.where(jnp.abs(x) < 0.1, series, jnp.expm1(x) - x)
 
 
-def correction(method: str, train_logprobs, infer_logprobs, mask, *, lam: float = 2.3, kappa: float = 5e-3,
-               cap: float = 2.0, low: float | None = None, high: float | None = None,
-               threshold: float = 2.0) -> Correction:
+def correction(
+    method: str,
+    train_logprobs,
+    infer_logprobs,
+    mask,
+    *,
+    lam: float = 2.3,
+    kappa: float = 5e-3,
+    cap: float = 2.0,
+    low: float | None = None,
+    high: float | None = None,
+    threshold: float = 2.0,
+) -> Correction:
     """Correction weights, the per-token acted-on flag and the metrics of one [B, T] micro-batch (one response per row).
 
     train_logprobs = log p (the trainer's proximal logprob), infer_logprobs = log q (the rollout engine's at sampling),
@@ -148,8 +170,10 @@ def correction(method: str, train_logprobs, infer_logprobs, mask, *, lam: float 
     lq_BxT = lax.stop_gradient(jnp.asarray(infer_logprobs).astype(jnp.float32))
     mask_BxT = jnp.asarray(mask).astype(bool)
     if lp_BxT.ndim != 2 or lp_BxT.shape != lq_BxT.shape or lp_BxT.shape != mask_BxT.shape:
-        raise ValueError(f"train_logprobs {lp_BxT.shape}, infer_logprobs {lq_BxT.shape} and mask {mask_BxT.shape} "
-                         "must be the same [B, T] shape")
+        raise ValueError(
+            f"train_logprobs {lp_BxT.shape}, infer_logprobs {lq_BxT.shape} and mask {mask_BxT.shape} "
+            "must be the same [B, T] shape"
+        )
 
     nan_BxT = mask_BxT & (jnp.isnan(lp_BxT) | jnp.isnan(lq_BxT))
     raw_logk_BxT = lp_BxT - lq_BxT
@@ -233,12 +257,32 @@ def correction(method: str, train_logprobs, infer_logprobs, mask, *, lam: float 
     return Correction(w_BxT, acted_BxT, metrics)
 
 
-def correction_weights(method: str, train_logprobs, infer_logprobs, mask, *, lam: float = 2.3, kappa: float = 5e-3,
-                       cap: float = 2.0, low: float | None = None, high: float | None = None,
-                       threshold: float = 2.0) -> tuple[jax.Array, dict]:
+def correction_weights(
+    method: str,
+    train_logprobs,
+    infer_logprobs,
+    mask,
+    *,
+    lam: float = 2.3,
+    kappa: float = 5e-3,
+    cap: float = 2.0,
+    low: float | None = None,
+    high: float | None = None,
+    threshold: float = 2.0,
+) -> tuple[jax.Array, dict]:
     """(weights [B, T] fp32 stop-gradient, metrics) of the operator `method`; see correction() for the semantics."""
-    out = correction(method, train_logprobs, infer_logprobs, mask, lam=lam, kappa=kappa, cap=cap, low=low, high=high,
-                     threshold=threshold)
+    out = correction(
+        method,
+        train_logprobs,
+        infer_logprobs,
+        mask,
+        lam=lam,
+        kappa=kappa,
+        cap=cap,
+        low=low,
+        high=high,
+        threshold=threshold,
+    )
     return out.weights_BxT, out.metrics
 
 

@@ -185,10 +185,19 @@ class RewardPool:
     which item since when, so it kills only the hung one, and the others keep going.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 10.0, batch_deadline_s: float = 300.0, *,
-                 fn: Callable[[str, str], float] | str = verify, start_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        batch_deadline_s: float = 300.0,
+        *,
+        fn: Callable[[str, str], float] | str = verify,
+        start_timeout_s: float = 120.0,
+    ):
         if workers < 1 or timeout_s <= 0 or batch_deadline_s <= 0:
-            raise errors.UserError(f"need workers >= 1 and positive timeouts, got workers={workers}, timeout_s={timeout_s}, batch_deadline_s={batch_deadline_s}")
+            raise errors.UserError(
+                f"need workers >= 1 and positive timeouts, got workers={workers}, timeout_s={timeout_s}, batch_deadline_s={batch_deadline_s}"
+            )
         if isinstance(fn, str):
             if ":" not in fn:
                 raise ValueError(f"fn {fn!r}: expected 'module:function'")
@@ -196,7 +205,9 @@ class RewardPool:
             try:
                 pickle.dumps(fn)
             except Exception as e:
-                raise ValueError(f"fn {fn!r} cannot be sent to a spawned process: use a module-level function or a 'module:function' string") from e
+                raise ValueError(
+                    f"fn {fn!r} cannot be sent to a spawned process: use a module-level function or a 'module:function' string"
+                ) from e
         self.n_workers, self.timeout_s, self.batch_deadline_s = workers, float(timeout_s), float(batch_deadline_s)
         self.start_timeout_s = start_timeout_s
         self._fn = fn
@@ -222,8 +233,14 @@ class RewardPool:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
-    def score(self, texts: Sequence[str], refs: Sequence[str], *, deadline_s: float | None = None,
-              outcomes: list | None = None) -> list[float]:
+    def score(
+        self,
+        texts: Sequence[str],
+        refs: Sequence[str],
+        *,
+        deadline_s: float | None = None,
+        outcomes: list | None = None,
+    ) -> list[float]:
         """One score per (text, reference) pair, in order; `deadline_s` overrides `batch_deadline_s`. A list passed
         as `outcomes` is filled with how each item ended: "ok" (scored by fn), "timeout" (past `timeout_s` or the
         deadline), "error" (fn raised) or "crashed" (killed its worker twice); all but "ok" score 0.0."""
@@ -238,7 +255,9 @@ class RewardPool:
                 raise RuntimeError("RewardPool is closed")
             try:
                 status = ["ok"] * len(texts)
-                scores = self._score(list(texts), list(refs), time.monotonic() + (deadline_s or self.batch_deadline_s), status)
+                scores = self._score(
+                    list(texts), list(refs), time.monotonic() + (deadline_s or self.batch_deadline_s), status
+                )
                 if outcomes is not None:
                     outcomes[:] = status
                 return scores
@@ -312,7 +331,9 @@ class RewardPool:
                     # signal) gets a few fresh tries before the pool gives up
                     self._start_failures += 1
                     if self._start_failures > 3:
-                        raise RuntimeError(f"reward worker (fn {self._fn!r}) exited with code {w.proc.exitcode} while starting, {self._start_failures} times in a row")
+                        raise RuntimeError(
+                            f"reward worker (fn {self._fn!r}) exited with code {w.proc.exitcode} while starting, {self._start_failures} times in a row"
+                        )
                 i = w.item
                 if i is not None:
                     attempts[i] += 1

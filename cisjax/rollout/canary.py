@@ -12,16 +12,33 @@ import numpy as np
 
 from cisjax import errors
 
-__all__ = ["canary_sequences", "compare", "CanaryReport", "family", "family_differences", "FamilyDiff", "format_differences"]
+__all__ = [
+    "canary_sequences",
+    "compare",
+    "CanaryReport",
+    "family",
+    "family_differences",
+    "FamilyDiff",
+    "format_differences",
+]
 
 
-def canary_sequences(vocab_size: int, *, num: int, prompt_len: int, response_len: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def canary_sequences(
+    vocab_size: int, *, num: int, prompt_len: int, response_len: int, seed: int
+) -> list[tuple[list[int], list[int]]]:
     """`num` (prompt_ids, response_ids) pairs of token ids drawn uniformly from [0, vocab_size), the
     same for the same arguments (numpy PCG64 from `seed`): the fixed set both engines score."""
-    for what, value, low in (("vocab_size", vocab_size, 1), ("num", num, 1), ("prompt_len", prompt_len, 1), ("response_len", response_len, 1)):
+    for what, value, low in (
+        ("vocab_size", vocab_size, 1),
+        ("num", num, 1),
+        ("prompt_len", prompt_len, 1),
+        ("response_len", response_len, 1),
+    ):
         if isinstance(value, bool) or int(value) != value or value < low:
             raise errors.UserError(f"{what}={value!r}: want an integer >= {low}")
-    ids = np.random.default_rng(int(seed)).integers(0, int(vocab_size), size=(int(num), int(prompt_len) + int(response_len)))
+    ids = np.random.default_rng(int(seed)).integers(
+        0, int(vocab_size), size=(int(num), int(prompt_len) + int(response_len))
+    )
     return [(row[:prompt_len].tolist(), row[prompt_len:].tolist()) for row in ids]
 
 
@@ -59,8 +76,13 @@ def _bound(value: float) -> str:
     return "not checked" if math.isinf(value) else f"{value:.3e}"
 
 
-def compare(trainer_logprobs: Sequence[Sequence[float]], engine_logprobs: Sequence[Sequence[float]], *, max_abs: float,
-            mean_abs: float) -> CanaryReport:
+def compare(
+    trainer_logprobs: Sequence[Sequence[float]],
+    engine_logprobs: Sequence[Sequence[float]],
+    *,
+    max_abs: float,
+    mean_abs: float,
+) -> CanaryReport:
     """Compare per-sequence logprobs of the same response tokens; ok when mean |Δ| <= mean_abs and
     max |Δ| <= max_abs (a bound of math.inf is not checked). Equal values (also -inf on both sides)
     differ by 0; NaN or inf on one side only counts as an infinite difference. ValueError when the
@@ -69,7 +91,9 @@ def compare(trainer_logprobs: Sequence[Sequence[float]], engine_logprobs: Sequen
         if not (isinstance(value, (int, float)) and value >= 0):  # also rejects NaN
             raise ValueError(f"{what}={value!r}: a bound must be a number >= 0 (math.inf = not checked)")
     if len(trainer_logprobs) != len(engine_logprobs):
-        raise ValueError(f"canary: {len(trainer_logprobs)} trainer sequences but {len(engine_logprobs)} engine sequences")
+        raise ValueError(
+            f"canary: {len(trainer_logprobs)} trainer sequences but {len(engine_logprobs)} engine sequences"
+        )
     diffs, pairs = [], []
     for i, (t, e) in enumerate(zip(trainer_logprobs, engine_logprobs)):
         t, e = np.asarray(t, np.float64).reshape(-1), np.asarray(e, np.float64).reshape(-1)
@@ -89,12 +113,23 @@ def compare(trainer_logprobs: Sequence[Sequence[float]], engine_logprobs: Sequen
     worst_pos = int(np.argmax(diffs[worst_seq]))
     flat = np.concatenate(diffs)
     mean, top = float(flat.mean()), float(flat.max())
-    exceeded = tuple(name for name, value, bound in (("mean_abs", mean, mean_abs), ("max_abs", top, max_abs)) if not value <= bound)
+    exceeded = tuple(
+        name for name, value, bound in (("mean_abs", mean, mean_abs), ("max_abs", top, max_abs)) if not value <= bound
+    )
     return CanaryReport(
-        ok=not exceeded, tokens=tokens, sequences=len(diffs), mean_abs=mean, max_abs=top, worst_sequence=worst_seq,
-        worst_position=worst_pos, trainer_at_worst=float(pairs[worst_seq][0][worst_pos]),
-        engine_at_worst=float(pairs[worst_seq][1][worst_pos]), per_sequence_max=per_seq, max_abs_bound=float(max_abs),
-        mean_abs_bound=float(mean_abs), exceeded=exceeded,
+        ok=not exceeded,
+        tokens=tokens,
+        sequences=len(diffs),
+        mean_abs=mean,
+        max_abs=top,
+        worst_sequence=worst_seq,
+        worst_position=worst_pos,
+        trainer_at_worst=float(pairs[worst_seq][0][worst_pos]),
+        engine_at_worst=float(pairs[worst_seq][1][worst_pos]),
+        per_sequence_max=per_seq,
+        max_abs_bound=float(max_abs),
+        mean_abs_bound=float(mean_abs),
+        exceeded=exceeded,
     )
 
 
@@ -111,8 +146,12 @@ def family(name: str) -> str:
 
 class FamilyDiff(NamedTuple):
     family: str
-    max_abs: float  # max |expected - actual| over the family's tensors (inf: a tensor missing, extra or of another shape)
-    relative: float  # ||expected - actual|| / ||expected||, Frobenius norms over all the family's tensors (inf as above)
+    max_abs: (
+        float  # max |expected - actual| over the family's tensors (inf: a tensor missing, extra or of another shape)
+    )
+    relative: (
+        float  # ||expected - actual|| / ||expected||, Frobenius norms over all the family's tensors (inf as above)
+    )
     tensors: int  # tensors of the family (in expected; in actual for a family only there)
     worst: str  # the family's tensor with the largest relative difference ("" when none differs)
     note: str  # "" or what is structurally wrong: "2 missing (e.g. NAME)", "1 extra (e.g. NAME)", "shape (4, 8) != (8, 4) in NAME"
@@ -127,7 +166,9 @@ def family_differences(expected: Mapping[str, np.ndarray], actual: Mapping[str, 
     acc: dict[str, dict] = {}
 
     def slot(fam: str) -> dict:
-        return acc.setdefault(fam, dict(sq_diff=0.0, sq_ref=0.0, max_abs=0.0, tensors=0, worst=("", -1.0), missing=[], extra=[], shape=""))
+        return acc.setdefault(
+            fam, dict(sq_diff=0.0, sq_ref=0.0, max_abs=0.0, tensors=0, worst=("", -1.0), missing=[], extra=[], shape="")
+        )
 
     seen = set()
     for name, want in expected.items():
@@ -160,8 +201,11 @@ def family_differences(expected: Mapping[str, np.ndarray], actual: Mapping[str, 
 
     out = []
     for fam, s in acc.items():
-        notes = [f"{len(s['missing'])} missing (e.g. {s['missing'][0]})" if s["missing"] else "",
-                 f"{len(s['extra'])} extra (e.g. {s['extra'][0]})" if s["extra"] else "", s["shape"]]
+        notes = [
+            f"{len(s['missing'])} missing (e.g. {s['missing'][0]})" if s["missing"] else "",
+            f"{len(s['extra'])} extra (e.g. {s['extra'][0]})" if s["extra"] else "",
+            s["shape"],
+        ]
         note = ", ".join(n for n in notes if n)
         tensors = s["tensors"] or len(s["extra"])
         if note:

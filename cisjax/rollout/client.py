@@ -72,9 +72,16 @@ class Sample:
         return min(self.versions) if self.versions else -1
 
     def to_json(self) -> dict:
-        out = {"prompt_index": self.prompt_index, "sample_index": self.sample_index, "prompt_ids": self.prompt_ids,
-               "response_ids": self.response_ids, "logprobs": self.logprobs, "version": self.version,
-               "versions": self.versions, "finish_reason": self.finish_reason}
+        out = {
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "logprobs": self.logprobs,
+            "version": self.version,
+            "versions": self.versions,
+            "finish_reason": self.finish_reason,
+        }
         if self.top_ids is not None:
             out["topk_ids"], out["topk_logprobs"] = self.top_ids, self.top_logprobs
         if self.routing is not None:
@@ -90,8 +97,17 @@ class RolloutClient:
     broken Generate stream is resumed with only the prompts still missing (their ids keep the
     seeded samples identical). Every prompt gets exactly n samples or a RolloutError is raised."""
 
-    def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 600.0, retry_s: float = 120.0,
-                 backoff_s: float = 0.1, max_backoff_s: float = 5.0, batch_size: int = 64):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 600.0,
+        retry_s: float = 120.0,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        batch_size: int = 64,
+    ):
         self.target = target
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s, self.retry_s = timeout_s, retry_s
@@ -141,7 +157,10 @@ class RolloutClient:
                 if code not in _RETRYABLE:
                     raise RolloutError(f"{what} on {self.target} failed: {code.name}: {err.details()}", code) from None
                 if time.monotonic() - start + delay > self.retry_s:
-                    raise RolloutError(f"{what} on {self.target}: still {code.name} after {tries} tries in {time.monotonic() - start:.0f}s: {err.details()}", code) from None
+                    raise RolloutError(
+                        f"{what} on {self.target}: still {code.name} after {tries} tries in {time.monotonic() - start:.0f}s: {err.details()}",
+                        code,
+                    ) from None
                 log.warning("%s: %s (%s), retrying in %.2fs", what, code.name, err.details(), delay)
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, self.max_backoff_s)
@@ -152,12 +171,21 @@ class RolloutClient:
         """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
         self._reconnected = False  # the re-send below is itself a retried call: it must not restore again
         try:
-            version = self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata).version
+            version = self.stub.Info(
+                self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata
+            ).version
             if version < self.expected_version:
                 if self.restore_weights is None:
-                    raise RolloutError(f"{self.target} restarted and serves version {version}, but version {self.expected_version} "
-                                       "was sent by streaming and cannot be re-sent by the client")
-                log.warning("server %s restarted (version %d < %d): re-sending the weights", self.target, version, self.expected_version)
+                    raise RolloutError(
+                        f"{self.target} restarted and serves version {version}, but version {self.expected_version} "
+                        "was sent by streaming and cannot be re-sent by the client"
+                    )
+                log.warning(
+                    "server %s restarted (version %d < %d): re-sending the weights",
+                    self.target,
+                    version,
+                    self.expected_version,
+                )
                 self.restore_weights()
         except grpc.RpcError:
             self._reconnected = True  # still down: restore on the next try
@@ -165,9 +193,19 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict:
-        r = self._retrying("Info", lambda: self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata))
-        return {"engine": r.engine, "model": r.model, "dtype": r.dtype, "version": r.version, "architecture": r.architecture,
-                "vocab_size": r.vocab_size, "max_model_len": r.max_model_len}
+        r = self._retrying(
+            "Info",
+            lambda: self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata),
+        )
+        return {
+            "engine": r.engine,
+            "model": r.model,
+            "dtype": r.dtype,
+            "version": r.version,
+            "architecture": r.architecture,
+            "vocab_size": r.vocab_size,
+            "max_model_len": r.max_model_len,
+        }
 
     def health(self, service: str = "") -> str:
         """SERVING / NOT_SERVING / ... (no retries: a probe)."""
@@ -191,9 +229,17 @@ class RolloutClient:
         """n samples per prompt, as [prompt][sample], whatever order the server streams them in."""
         params = params or SamplingParams()
         rp = self.pb.rollout_pb2
-        p = rp.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                              max_new_tokens=params.max_new_tokens, stop_token_ids=params.stop_token_ids, greedy=params.greedy,
-                              logprobs=params.logprobs, return_routing=params.return_routing)
+        p = rp.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            stop_token_ids=params.stop_token_ids,
+            greedy=params.greedy,
+            logprobs=params.logprobs,
+            return_routing=params.return_routing,
+        )
         if params.seed is not None:
             p.seed = params.seed
         results: dict[int, dict[int, Sample]] = {i: {} for i in range(len(prompts))}
@@ -219,11 +265,19 @@ class RolloutClient:
             self._retrying("Generate", attempt)
             short = [i for i in batch if len(results[i]) != params.n]
             if short:
-                raise RolloutError(f"Generate: {len(short)} prompts did not get {params.n} samples (e.g. prompt {short[0]}: {len(results[short[0]])})")
+                raise RolloutError(
+                    f"Generate: {len(short)} prompts did not get {params.n} samples (e.g. prompt {short[0]}: {len(results[short[0]])})"
+                )
         return [[results[i][j] for j in range(params.n)] for i in range(len(prompts))]
 
-    def score(self, items: list[tuple[list[int], list[int]]], *, temperature: float = 1.0, logprobs: int = 0,
-              routing: bool = False) -> list[dict]:
+    def score(
+        self,
+        items: list[tuple[list[int], list[int]]],
+        *,
+        temperature: float = 1.0,
+        logprobs: int = 0,
+        routing: bool = False,
+    ) -> list[dict]:
         """Server-side prefill logprobs of the response tokens: [{"logprobs", "version", ...}] in input order;
         with `routing`, also "routing": [token][moe layer][k] routed expert ids (see rollout.proto Routing)."""
         rp = self.pb.rollout_pb2
@@ -233,8 +287,12 @@ class RolloutClient:
             todo = [i for i in range(len(items)) if i not in out]
             if not todo:
                 return
-            req = rp.ScoreRequest(sequences=[rp.Sequence(prompt_ids=items[i][0], response_ids=items[i][1]) for i in todo],
-                                  temperature=temperature, logprobs=logprobs, return_routing=routing)
+            req = rp.ScoreRequest(
+                sequences=[rp.Sequence(prompt_ids=items[i][0], response_ids=items[i][1]) for i in todo],
+                temperature=temperature,
+                logprobs=logprobs,
+                return_routing=routing,
+            )
             for r in self.stub.Score(req, timeout=self.timeout_s, metadata=self.metadata):
                 rec = {"logprobs": list(r.logprobs), "version": r.version}
                 if logprobs:
@@ -255,10 +313,14 @@ class RolloutClient:
         (same filesystem) — those recorded in its manifest.json when it is a `cisjax export` — a dict = given
         manifest, False = none. Retried on UNAVAILABLE (a directory can be sent again). Returns the new version."""
         rp = self.pb.rollout_pb2
-        manifest = (manifest_lib.recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
+        manifest = (
+            (manifest_lib.recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
+        )
 
         def send(version=version):
-            req = rp.UpdateWeightsRequest(version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest))
+            req = rp.UpdateWeightsRequest(
+                version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest)
+            )
             tries = []
 
             def attempt():
@@ -267,14 +329,21 @@ class RolloutClient:
                     return self.stub.UpdateWeights(iter([req]), timeout=self.timeout_s, metadata=self.metadata).version
                 except grpc.RpcError as err:
                     # a retry after a lost answer finds the update done: the server already serves `version`
-                    if len(tries) > 1 and version and err.code() == grpc.StatusCode.FAILED_PRECONDITION and self.info()["version"] == version:
+                    if (
+                        len(tries) > 1
+                        and version
+                        and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        and self.info()["version"] == version
+                    ):
                         return version
                     raise
 
             try:  # retried across a server restart, like the other calls (a directory can be sent again)
                 return self._retrying("UpdateWeights", attempt)
             except grpc.RpcError as err:
-                raise RolloutError(f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()) from None
+                raise RolloutError(
+                    f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()
+                ) from None
 
         new = send()
         self.expected_version, self.restore_weights = new, lambda: send(new)
@@ -292,8 +361,13 @@ class RolloutClient:
                     raise ValueError(f"tensor {name!r}: dtype {arr.dtype} not one of {sorted(names)}")
                 data = memoryview(arr.tobytes())
                 for off in range(0, max(len(data), 1), chunk_bytes):
-                    chunk = rp.TensorChunk(name=name, dtype=names[arr.dtype.name], shape=list(arr.shape), offset=off,
-                                           data=bytes(data[off : off + chunk_bytes]))
+                    chunk = rp.TensorChunk(
+                        name=name,
+                        dtype=names[arr.dtype.name],
+                        shape=list(arr.shape),
+                        offset=off,
+                        data=bytes(data[off : off + chunk_bytes]),
+                    )
                     yield rp.UpdateWeightsRequest(version=version if first else 0, chunk=chunk)
                     first = False
 
@@ -305,7 +379,9 @@ class RolloutClient:
         try:
             return self.stub.UpdateWeights(requests, timeout=self.timeout_s, metadata=self.metadata).version
         except grpc.RpcError as err:
-            raise RolloutError(f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()) from None
+            raise RolloutError(
+                f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()
+            ) from None
 
 
 def sha256_manifest(path: str | Path) -> dict:
@@ -315,9 +391,16 @@ def sha256_manifest(path: str | Path) -> dict:
 
 
 def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:
-    out = Sample(prompt_index=prompt_index, sample_index=s.sample_index, prompt_ids=list(prompt_ids), response_ids=list(s.token_ids),
-                 logprobs=list(s.logprobs), finish_reason=FINISH_REASONS.get(s.finish_reason, str(s.finish_reason)),
-                 versions=list(s.versions), timing={"queue_s": s.timing.queue_s, "generate_s": s.timing.generate_s})
+    out = Sample(
+        prompt_index=prompt_index,
+        sample_index=s.sample_index,
+        prompt_ids=list(prompt_ids),
+        response_ids=list(s.token_ids),
+        logprobs=list(s.logprobs),
+        finish_reason=FINISH_REASONS.get(s.finish_reason, str(s.finish_reason)),
+        versions=list(s.versions),
+        timing={"queue_s": s.timing.queue_s, "generate_s": s.timing.generate_s},
+    )
     if s.top_logprobs:
         out.top_ids = [list(t.token_ids) for t in s.top_logprobs]
         out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
@@ -332,7 +415,10 @@ def _routing(r) -> list:
     step = r.num_layers * r.k
     if not step:
         return []
-    return [[flat[t * step + l * r.k : t * step + (l + 1) * r.k] for l in range(r.num_layers)] for t in range(len(flat) // step)]
+    return [
+        [flat[t * step + l * r.k : t * step + (l + 1) * r.k] for l in range(r.num_layers)]
+        for t in range(len(flat) // step)
+    ]
 
 
 # ----------------------------------------------------------------------------- `cisjax generate`
@@ -347,7 +433,11 @@ def read_prompts(path: str | Path) -> list[list[int]]:
             except json.JSONDecodeError as err:
                 raise errors.UserError(f"{path}:{n}: not JSON ({err})") from None
             ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
                 raise errors.UserError(f"{path}:{n}: 'prompt_ids' must be a non-empty list of token ids")
             prompts.append(ids)
     return prompts
@@ -366,8 +456,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--logprobs", type=int, default=0, help="also write top-K ids/logprobs per token")
-    p.add_argument("--routing", action="store_true", help="also write routed expert ids ([token][moe_layer][k]; the engine runs each such call alone)")
-    p.add_argument("--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)")
+    p.add_argument(
+        "--routing",
+        action="store_true",
+        help="also write routed expert ids ([token][moe_layer][k]; the engine runs each such call alone)",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="deadline per call, seconds")
     p.add_argument("--retry", type=float, default=120.0, help="seconds to keep retrying an unavailable server")
 
@@ -380,16 +476,40 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     if not Path(args.input).is_file():
         raise errors.MissingInput(f"--input {args.input}: no such file")
     prompts = read_prompts(args.input)
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=args.stop, seed=args.seed, greedy=args.greedy, logprobs=args.logprobs, return_routing=args.routing)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=args.stop,
+        seed=args.seed,
+        greedy=args.greedy,
+        logprobs=args.logprobs,
+        return_routing=args.routing,
+    )
     with RolloutClient(args.server, token=args.token, timeout_s=args.timeout, retry_s=args.retry) as client:
         try:
             samples = client.generate(prompts, params)
         except RolloutError as err:
             raise errors.UserError(str(err)) from None
     records = [s.to_json() for per_prompt in samples for s in per_prompt]
-    keys = ["prompt_index", "sample_index", "prompt_ids", "response_ids", "logprobs", "version", "versions", "finish_reason",
-            "topk_ids", "topk_logprobs", "routing", "timing"]
+    keys = [
+        "prompt_index",
+        "sample_index",
+        "prompt_ids",
+        "response_ids",
+        "logprobs",
+        "version",
+        "versions",
+        "finish_reason",
+        "topk_ids",
+        "topk_logprobs",
+        "routing",
+        "timing",
+    ]
     write_jsonl_atomic(args.output, records, keys)
-    print(f"generated {len(records)} samples for {len(prompts)} prompts, {sum(len(r['response_ids']) for r in records)} tokens -> {args.output}")
+    print(
+        f"generated {len(records)} samples for {len(prompts)} prompts, {sum(len(r['response_ids']) for r in records)} tokens -> {args.output}"
+    )
     return 0

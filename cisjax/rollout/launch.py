@@ -39,13 +39,41 @@ def server_env(backend: str, env: Mapping | None = None) -> dict:
     return out
 
 
-def start(backend: str, model_dir, *, port: int, dtype: str, host: str = "127.0.0.1", export_root=None, token: str | None = None,
-          grace_s: float = 5.0, env: Mapping | None = None, stdout=None, text: bool = False, own_session: bool = False,
-          extra_args: tuple = ()) -> subprocess.Popen:
+def start(
+    backend: str,
+    model_dir,
+    *,
+    port: int,
+    dtype: str,
+    host: str = "127.0.0.1",
+    export_root=None,
+    token: str | None = None,
+    grace_s: float = 5.0,
+    env: Mapping | None = None,
+    stdout=None,
+    text: bool = False,
+    own_session: bool = False,
+    extra_args: tuple = (),
+) -> subprocess.Popen:
     """Spawn `python -m cisjax.rollout.server` (output to `stdout`, an open file or subprocess.PIPE). `own_session`: in its
     own session (out of the terminal's Ctrl-C; stop it with `stop(group=True)`) and stopping when this process exits."""
-    cmd = [sys.executable, "-m", "cisjax.rollout.server", "--backend", backend, "--model", str(model_dir), "--port", str(port),
-           "--host", host, "--dtype", dtype, "--grace", f"{grace_s:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cisjax.rollout.server",
+        "--backend",
+        backend,
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--host",
+        host,
+        "--dtype",
+        dtype,
+        "--grace",
+        f"{grace_s:g}",
+    ]
     if export_root is not None:
         cmd += ["--export-root", str(export_root)]
     if token:
@@ -54,12 +82,24 @@ def start(backend: str, model_dir, *, port: int, dtype: str, host: str = "127.0.
         cmd += ["--exit-with-parent"]  # a SIGKILLed parent leaves no server behind
     cmd += list(extra_args)
     log.info("starting rollout server: %s", " ".join(cmd))
-    return subprocess.Popen(cmd, env=server_env(backend, env), stdout=stdout, stderr=subprocess.STDOUT, text=text,
-                            start_new_session=own_session)
+    return subprocess.Popen(
+        cmd,
+        env=server_env(backend, env),
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=text,
+        start_new_session=own_session,
+    )
 
 
-def wait_serving(client, timeout_s: float, *, failed: Callable[[], str | None] = lambda: None, tail: Callable[[], str] = lambda: "",
-                 poll_s: float = 0.25) -> None:
+def wait_serving(
+    client,
+    timeout_s: float,
+    *,
+    failed: Callable[[], str | None] = lambda: None,
+    tail: Callable[[], str] = lambda: "",
+    poll_s: float = 0.25,
+) -> None:
     """Until `client.health()` says SERVING. RuntimeError holding `tail()` (the server's last output) as soon as
     `failed()` gives a reason (the child exited), or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -94,12 +134,34 @@ class ChildServer:
     watchdog restarts it when it exits unexpectedly (a client's retries reconnect). `stop()` shuts it down gracefully
     (SIGTERM, then SIGKILL after `grace_s` + 30 s)."""
 
-    def __init__(self, *, backend: str, model_dir, dtype: str, log_path, export_root=None, env: Mapping | None = None,
-                 port: int = 0, startup_s: float = 600.0, grace_s: float = 10.0, extra_args: tuple = (), restart: bool = False):
+    def __init__(
+        self,
+        *,
+        backend: str,
+        model_dir,
+        dtype: str,
+        log_path,
+        export_root=None,
+        env: Mapping | None = None,
+        port: int = 0,
+        startup_s: float = 600.0,
+        grace_s: float = 10.0,
+        extra_args: tuple = (),
+        restart: bool = False,
+    ):
         self.port = port or free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self._start = dict(backend=backend, model_dir=model_dir, port=self.port, dtype=dtype, export_root=export_root,
-                           grace_s=grace_s, env=env, own_session=True, extra_args=tuple(extra_args))
+        self._start = dict(
+            backend=backend,
+            model_dir=model_dir,
+            port=self.port,
+            dtype=dtype,
+            export_root=export_root,
+            grace_s=grace_s,
+            env=env,
+            own_session=True,
+            extra_args=tuple(extra_args),
+        )
         self.log_path = Path(log_path)
         self.startup_s, self.grace_s = startup_s, grace_s
         self.restarts = 0
@@ -119,6 +181,7 @@ class ChildServer:
     def wait_ready(self, client=None) -> None:
         """Until the server answers health checks as SERVING (through `client`, else a client of its own); its log
         tail in the error if it exits (keeps exiting, with `restart`) or times out."""
+
         def failed():
             if self._watchdog is None:
                 code = self.proc.poll()

@@ -10,7 +10,17 @@ from pathlib import Path
 
 # Imported by the JAX-free rollout server and client: standard library only.
 
-__all__ = ["FORMAT", "NAME", "ManifestError", "sha256_file", "write", "read", "recorded_checksums", "check_sizes", "verify"]
+__all__ = [
+    "FORMAT",
+    "NAME",
+    "ManifestError",
+    "sha256_file",
+    "write",
+    "read",
+    "recorded_checksums",
+    "check_sizes",
+    "verify",
+]
 
 FORMAT = "cisjax-export/1"
 NAME = "manifest.json"  # written last into an export directory, before its atomic rename
@@ -69,9 +79,13 @@ def read(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError) as e:
         raise ManifestError(f"{file}: unreadable manifest: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ManifestError(f"{file}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        raise ManifestError(
+            f"{file}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})"
+        )
     files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"size", "sha256"} <= v.keys() for v in files.values()):
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and {"size", "sha256"} <= v.keys() for v in files.values()
+    ):
         raise ManifestError(f"{file}: malformed 'files' table")
     return manifest
 
@@ -94,7 +108,9 @@ def check_sizes(directory: str | os.PathLike) -> None:
     for name, entry in sorted(files.items()):
         f = directory / name
         if not f.is_file() or f.stat().st_size != entry["size"]:
-            raise ManifestError(f"{directory.name}: {name} is missing or not the {entry['size']} bytes its {NAME} lists (incomplete export)")
+            raise ManifestError(
+                f"{directory.name}: {name} is missing or not the {entry['size']} bytes its {NAME} lists (incomplete export)"
+            )
 
 
 def verify(directory: str | os.PathLike) -> dict:
@@ -106,16 +122,23 @@ def verify(directory: str | os.PathLike) -> dict:
     want = manifest["files"]
     have = {p.name for p in directory.iterdir() if p.name != NAME}
     if missing := sorted(want.keys() - have):
-        raise ManifestError(f"{directory}: file {missing[0]} is missing (listed in {NAME}){f'; also {missing[1:]}' if len(missing) > 1 else ''}")
+        raise ManifestError(
+            f"{directory}: file {missing[0]} is missing (listed in {NAME}){f'; also {missing[1:]}' if len(missing) > 1 else ''}"
+        )
     if extra := sorted(have - want.keys()):
-        raise ManifestError(f"{directory}: unexpected file {extra[0]} (not in {NAME}){f'; also {extra[1:]}' if len(extra) > 1 else ''}")
+        raise ManifestError(
+            f"{directory}: unexpected file {extra[0]} (not in {NAME}){f'; also {extra[1:]}' if len(extra) > 1 else ''}"
+        )
     for name in sorted(want):
         file = directory / name
         size = file.stat().st_size
         if size != want[name]["size"]:
-            raise ManifestError(f"{file}: size {size} bytes, the manifest says {want[name]['size']} (truncated or rewritten)")
+            raise ManifestError(
+                f"{file}: size {size} bytes, the manifest says {want[name]['size']} (truncated or rewritten)"
+            )
         digest, _ = sha256_file(file)
         if digest != want[name]["sha256"]:
-            raise ManifestError(f"{file}: sha256 {digest} differs from the manifest's {want[name]['sha256']} (corrupted)")
+            raise ManifestError(
+                f"{file}: sha256 {digest} differs from the manifest's {want[name]['sha256']} (corrupted)"
+            )
     return manifest
-

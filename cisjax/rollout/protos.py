@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,7 +84,7 @@ def _generate(dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load() -> SimpleNamespace:
     """(rollout_pb2, rollout_pb2_grpc, health_pb2, health_pb2_grpc), generating them if needed."""
     key = _key()
@@ -100,5 +100,8 @@ def load() -> SimpleNamespace:
             continue  # unwritable cache: fall back to the temp dir
     if str(dest) not in sys.path:
         sys.path.insert(0, str(dest))
-    mods = {n: importlib.import_module(f"{_PKG}.{n}") for n in ("rollout_pb2", "rollout_pb2_grpc", "health_pb2", "health_pb2_grpc")}
+    mods = {
+        n: importlib.import_module(f"{_PKG}.{n}")
+        for n in ("rollout_pb2", "rollout_pb2_grpc", "health_pb2", "health_pb2_grpc")
+    }
     return SimpleNamespace(**mods)

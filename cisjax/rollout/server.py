@@ -98,7 +98,9 @@ class Backend:
         """Sample params.n continuations of one prompt; returns a list of SampleResult."""
         raise NotImplementedError
 
-    def score(self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool = False) -> dict:
+    def score(
+        self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool = False
+    ) -> dict:
         """{"logprobs": [...], "top_ids": [[...]], "top_logprobs": [[...]], "routing": ndarray [R, layers, k]} of the response tokens."""
         raise NotImplementedError
 
@@ -114,7 +116,9 @@ class Backend:
         """Future of the list of SampleResult, each with timing {"started", "finished"} (time.monotonic)."""
         return self._serial().submit(self._timed_generate, prompt_ids, prompt_id, params)
 
-    def submit_score(self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool) -> futures.Future:
+    def submit_score(
+        self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool
+    ) -> futures.Future:
         """Future of score()'s dict plus "version", the weights it was computed with."""
         return self._serial().submit(self._versioned_score, prompt_ids, response_ids, temperature, top_k, routing)
 
@@ -170,9 +174,15 @@ def check_params(p, vocab_size: int) -> Params:
     if bad:
         raise RequestError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return Params(
-        n=p.n, temperature=float(p.temperature) if not p.greedy else 1.0, top_p=float(top_p), top_k=int(p.top_k),
-        max_new_tokens=int(p.max_new_tokens), stop_token_ids=frozenset(p.stop_token_ids),
-        seed=p.seed if p.HasField("seed") else None, greedy=bool(p.greedy), logprobs=int(p.logprobs),
+        n=p.n,
+        temperature=float(p.temperature) if not p.greedy else 1.0,
+        top_p=float(top_p),
+        top_k=int(p.top_k),
+        max_new_tokens=int(p.max_new_tokens),
+        stop_token_ids=frozenset(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        greedy=bool(p.greedy),
+        logprobs=int(p.logprobs),
         return_routing=bool(p.return_routing),
     )
 
@@ -190,13 +200,17 @@ def check_ids(ids, what: str, vocab_size: int, *, allow_empty: bool = False) -> 
 def confined(path: str, export_root: Path | None) -> Path:
     """The resolved `path` if it lies under `export_root` (symlinks resolved), else a RequestError."""
     if export_root is None:
-        raise RequestError("this server was started without --export-root: weight updates from a directory are disabled",
-                           grpc.StatusCode.FAILED_PRECONDITION)
+        raise RequestError(
+            "this server was started without --export-root: weight updates from a directory are disabled",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
     if not path:
         raise RequestError("weights directory path is empty")
     real = Path(os.path.realpath(export_root / path if not os.path.isabs(path) else path))
     if real != export_root and export_root not in real.parents:
-        raise RequestError(f"weights path {path!r} is outside the server's export root", grpc.StatusCode.PERMISSION_DENIED)
+        raise RequestError(
+            f"weights path {path!r} is outside the server's export root", grpc.StatusCode.PERMISSION_DENIED
+        )
     if not real.is_dir():
         raise RequestError(f"weights path {path!r} is not a directory", grpc.StatusCode.NOT_FOUND)
     return real
@@ -208,8 +222,10 @@ def check_export(root: Path) -> None:
     size here; every byte when the caller sends checksums). A plain HF directory without a manifest
     is accepted."""
     if root.name.startswith(".tmp-"):
-        raise RequestError(f"{root.name} is an export being written (or abandoned by a killed writer), not a complete export",
-                           grpc.StatusCode.FAILED_PRECONDITION)
+        raise RequestError(
+            f"{root.name} is an export being written (or abandoned by a killed writer), not a complete export",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
     try:
         manifest_lib.check_sizes(root)
     except manifest_lib.ManifestError as err:
@@ -225,7 +241,9 @@ def check_manifest(root: Path, sha256: dict) -> None:
         if not f.is_file():
             raise RequestError(f"checksum manifest names {name!r}, which is missing", grpc.StatusCode.NOT_FOUND)
         if manifest_lib.sha256_file(f)[0] != digest.lower():
-            raise RequestError(f"checksum mismatch for {name!r}: the export is incomplete or corrupt", grpc.StatusCode.DATA_LOSS)
+            raise RequestError(
+                f"checksum mismatch for {name!r}: the export is incomplete or corrupt", grpc.StatusCode.DATA_LOSS
+            )
 
 
 # ----------------------------------------------------------------------------- servicer
@@ -241,11 +259,16 @@ def check_same_model(path: Path, config_json: dict) -> None:
 
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        raise RequestError(f"{path.name}: no config.json (expected an HF directory written by cisjax export)", grpc.StatusCode.NOT_FOUND)
+        raise RequestError(
+            f"{path.name}: no config.json (expected an HF directory written by cisjax export)",
+            grpc.StatusCode.NOT_FOUND,
+        )
     new_cfg = json.loads(cfg_path.read_text())
     for key in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers"):
         if new_cfg.get(key) != config_json.get(key):
-            raise RequestError(f"{path.name}: config.json {key}={new_cfg.get(key)!r} differs from the served model's {config_json.get(key)!r}")
+            raise RequestError(
+                f"{path.name}: config.json {key}={new_cfg.get(key)!r} differs from the served model's {config_json.get(key)!r}"
+            )
 
 
 def checkpoint_tensor_names(folder) -> set:
@@ -314,22 +337,37 @@ class RolloutServicer:
             prompts = [check_ids(p.token_ids, f"prompt {i}", b.vocab_size) for i, p in enumerate(request.prompts)]
             for i, ids in enumerate(prompts):
                 if len(ids) + params.max_new_tokens > b.max_model_len:
-                    raise RequestError(f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context length {b.max_model_len}")
+                    raise RequestError(
+                        f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context length {b.max_model_len}"
+                    )
         except RequestError as err:
             _abort(context, err)
         # every prompt goes to the engine at once (it batches them with other calls' work); samples
         # stream back as each prompt finishes
-        pending = {b.submit_generate(ids, prompt.id, params): (i, prompt.id) for i, (ids, prompt) in enumerate(zip(prompts, request.prompts))}
+        pending = {
+            b.submit_generate(ids, prompt.id, params): (i, prompt.id)
+            for i, (ids, prompt) in enumerate(zip(prompts, request.prompts))
+        }
         for fut, (i, prompt_id) in _as_completed(pending, context, b):
             samples = _result(context, "generate", fut)
             for s in samples:
                 out = self.pb.Sample(
-                    prompt_index=i, prompt_id=prompt_id, sample_index=s.sample_index, token_ids=s.token_ids,
-                    logprobs=s.logprobs, finish_reason=_FINISH[s.finish_reason], versions=s.versions,
-                    timing=self.pb.Timing(queue_s=max(0.0, s.timing["started"] - arrived), generate_s=s.timing["finished"] - s.timing["started"]),
+                    prompt_index=i,
+                    prompt_id=prompt_id,
+                    sample_index=s.sample_index,
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    finish_reason=_FINISH[s.finish_reason],
+                    versions=s.versions,
+                    timing=self.pb.Timing(
+                        queue_s=max(0.0, s.timing["started"] - arrived),
+                        generate_s=s.timing["finished"] - s.timing["started"],
+                    ),
                 )
                 if s.top_ids is not None:
-                    out.top_logprobs.extend(self.pb.TopLogprobs(token_ids=a, logprobs=b_) for a, b_ in zip(s.top_ids, s.top_logprobs))
+                    out.top_logprobs.extend(
+                        self.pb.TopLogprobs(token_ids=a, logprobs=b_) for a, b_ in zip(s.top_ids, s.top_logprobs)
+                    )
                 if s.routing is not None:
                     out.routing.CopyFrom(self._routing(s.routing))
                 yield self.pb.GenerateResponse(sample=out)
@@ -355,16 +393,23 @@ class RolloutServicer:
                 p = check_ids(s.prompt_ids, f"sequence {i} prompt_ids", b.vocab_size)
                 r = check_ids(s.response_ids, f"sequence {i} response_ids", b.vocab_size, allow_empty=True)
                 if len(p) + len(r) > b.max_model_len:
-                    raise RequestError(f"sequence {i}: {len(p) + len(r)} tokens exceed the model's context length {b.max_model_len}")
+                    raise RequestError(
+                        f"sequence {i}: {len(p) + len(r)} tokens exceed the model's context length {b.max_model_len}"
+                    )
                 seqs.append((p, r))
         except RequestError as err:
             _abort(context, err)
-        pending = {b.submit_score(p, r, temperature, request.logprobs, request.return_routing): i for i, (p, r) in enumerate(seqs)}
+        pending = {
+            b.submit_score(p, r, temperature, request.logprobs, request.return_routing): i
+            for i, (p, r) in enumerate(seqs)
+        }
         for fut, i in _as_completed(pending, context, b):
             res = _result(context, "score", fut)
             out = self.pb.ScoreResponse(index=i, logprobs=res["logprobs"], version=res["version"])
             if request.logprobs:
-                out.top_logprobs.extend(self.pb.TopLogprobs(token_ids=a, logprobs=c) for a, c in zip(res["top_ids"], res["top_logprobs"]))
+                out.top_logprobs.extend(
+                    self.pb.TopLogprobs(token_ids=a, logprobs=c) for a, c in zip(res["top_ids"], res["top_logprobs"])
+                )
             if request.return_routing:
                 out.routing.CopyFrom(self._routing(res["routing"]))
             yield out
@@ -400,7 +445,9 @@ class RolloutServicer:
                         buffers[c.name] = (c.dtype, tuple(c.shape), bytearray(nbytes), [0])
                     dtype, shape, buf, filled = buffers[c.name]
                     if c.offset < 0 or c.offset + len(c.data) > len(buf):
-                        raise RequestError(f"tensor {c.name!r}: chunk [{c.offset}, {c.offset + len(c.data)}) outside its {len(buf)} bytes")
+                        raise RequestError(
+                            f"tensor {c.name!r}: chunk [{c.offset}, {c.offset + len(c.data)}) outside its {len(buf)} bytes"
+                        )
                     buf[c.offset : c.offset + len(c.data)] = c.data
                     filled[0] += len(c.data)
                 tensors = {}
@@ -415,14 +462,19 @@ class RolloutServicer:
                 current = self.backend.version
                 new = version or current + 1
                 if new <= current:
-                    raise RequestError(f"version {new} is not above the current version {current}", grpc.StatusCode.FAILED_PRECONDITION)
+                    raise RequestError(
+                        f"version {new} is not above the current version {current}", grpc.StatusCode.FAILED_PRECONDITION
+                    )
                 try:
                     self.backend.update(source[0], source[1], new)
                 except RequestError:
                     raise
                 except Exception as err:  # the backend keeps its old weights
                     log.exception("weight reload failed")
-                    raise RequestError(f"reload failed, still serving version {current}: {type(err).__name__}: {err}", grpc.StatusCode.FAILED_PRECONDITION) from err
+                    raise RequestError(
+                        f"reload failed, still serving version {current}: {type(err).__name__}: {err}",
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    ) from err
                 log.info("weights version %d -> %d", current, self.backend.version)
         except RequestError as err:
             _abort(context, err)
@@ -430,8 +482,15 @@ class RolloutServicer:
 
     def Info(self, request, context):
         b = self.backend
-        return self.pb.InfoResponse(engine=b.engine, model=b.model, dtype=b.dtype, version=b.version, architecture=b.architecture,
-                                    vocab_size=b.vocab_size, max_model_len=b.max_model_len)
+        return self.pb.InfoResponse(
+            engine=b.engine,
+            model=b.model,
+            dtype=b.dtype,
+            version=b.version,
+            architecture=b.architecture,
+            vocab_size=b.vocab_size,
+            max_model_len=b.max_model_len,
+        )
 
 
 def _as_completed(pending: dict, context, backend: Backend):
@@ -536,7 +595,9 @@ class TokenAuth(grpc.ServerInterceptor):
 # ----------------------------------------------------------------------------- server
 
 
-def build_server(backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 64):
+def build_server(
+    backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 64
+):
     """(grpc server started on host:port, health servicer, bound port)."""
     if host not in LOCALHOST and not token:
         raise errors.UserError(f"refusing to bind {host}: binding a non-localhost address requires --token")
@@ -560,20 +621,52 @@ def build_server(backend: Backend, *, host: str, port: int, token: str | None, e
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="transformers", help="inference engine (default transformers, the torch reference)")
+    p.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="transformers",
+        help="inference engine (default transformers, the torch reference)",
+    )
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--port", type=int, required=True, help="port to listen on (0 = any free port, printed)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; anything else requires --token)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="engine dtype (default bfloat16)")
-    p.add_argument("--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)")
-    p.add_argument("--export-root", default=None, help="UpdateWeights may only load directories under this one (unset: directory updates disabled)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; anything else requires --token)"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="engine dtype (default bfloat16)"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("CISJAX_ROLLOUT_TOKEN"),
+        help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)",
+    )
+    p.add_argument(
+        "--export-root",
+        default=None,
+        help="UpdateWeights may only load directories under this one (unset: directory updates disabled)",
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
-    p.add_argument("--exit-with-parent", action="store_true",
-                   help="stop (as on SIGTERM) when the process that started this one exits, even SIGKILLed: what "
-                   "`cisjax train` asks of its embedded server, which runs in its own session")
-    p.add_argument("--max-model-len", type=int, default=0, help="vllm: context length (default: the model's max_position_embeddings)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the engine shards the model over (default 1)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)")
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop (as on SIGTERM) when the process that started this one exits, even SIGKILLed: what "
+        "`cisjax train` asks of its embedded server, which runs in its own session",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="vllm: context length (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the engine shards the model over (default 1)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
@@ -588,12 +681,17 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         raise errors.MissingInput(f"--export-root {args.export_root} is not a directory")
     options = {}
     if args.backend == "vllm":
-        options = dict(max_model_len=args.max_model_len or None, tensor_parallel_size=args.tensor_parallel_size,
-                       gpu_memory_utilization=args.gpu_memory_utilization or None)
+        options = dict(
+            max_model_len=args.max_model_len or None,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization or None,
+        )
     elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len:
         raise errors.UserError("--max-model-len, --tensor-parallel-size and --gpu-memory-utilization are vllm options")
     backend = importlib.import_module(BACKENDS[args.backend]).Backend(args.model, dtype=args.dtype, **options)
-    server, health, port = build_server(backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root)
+    server, health, port = build_server(
+        backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root
+    )
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -613,7 +711,10 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
                     stop.set()
 
         threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
-    print(f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}", flush=True)
+    print(
+        f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}",
+        flush=True,
+    )
     stop.wait()
     health.set(protos.load().health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=args.grace).wait()

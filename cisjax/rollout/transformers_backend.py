@@ -87,7 +87,9 @@ class Backend(server_lib.Backend):
                 h.remove()
 
     def _load(self, model_dir):
-        m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.torch_dtype, attn_implementation="eager")
+        m = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=self.torch_dtype, attn_implementation="eager"
+        )
         return m.eval()
 
     # ------------------------------------------------------------------ generate
@@ -104,7 +106,11 @@ class Backend(server_lib.Backend):
             for s in samples:
                 j = s.sample_index
                 rows = [prefill[j]] + [st[j] for st in steps]
-                s.routing = np.stack(rows[: len(s.token_ids)]) if s.token_ids else np.zeros((0, prefill.shape[1], prefill.shape[2]), np.int32)
+                s.routing = (
+                    np.stack(rows[: len(s.token_ids)])
+                    if s.token_ids
+                    else np.zeros((0, prefill.shape[1], prefill.shape[2]), np.int32)
+                )
         return samples
 
     def _generate(self, prompt_ids, prompt_id, params: Params):
@@ -124,7 +130,11 @@ class Backend(server_lib.Backend):
             else:
                 cdf = torch.cumsum(lp.exp(), -1)
                 u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])
-                chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp_max(lp.shape[-1] - 1)
+                chosen = (
+                    torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+                    .squeeze(-1)
+                    .clamp_max(lp.shape[-1] - 1)
+                )
             if tops is not None:
                 k = min(params.logprobs, lp.shape[-1])
                 top_v, top_i = torch.topk(lp, k, dim=-1)
@@ -144,9 +154,13 @@ class Backend(server_lib.Backend):
             out = self.m(input_ids=chosen.unsqueeze(-1), past_key_values=out.past_key_values, use_cache=True)
         return [
             SampleResult(
-                sample_index=j, token_ids=tokens[j], logprobs=lps[j], finish_reason=finish[j] or "length",
+                sample_index=j,
+                token_ids=tokens[j],
+                logprobs=lps[j],
+                finish_reason=finish[j] or "length",
                 versions=[version] * len(tokens[j]),
-                top_ids=[a for a, _ in tops[j]] if tops else None, top_logprobs=[b for _, b in tops[j]] if tops else None,
+                top_ids=[a for a, _ in tops[j]] if tops else None,
+                top_logprobs=[b for _, b in tops[j]] if tops else None,
             )
             for j in range(n)
         ]

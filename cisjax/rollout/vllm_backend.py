@@ -23,7 +23,6 @@ import gc
 import itertools
 import json
 import logging
-import os
 import queue
 import secrets
 import shutil
@@ -89,7 +88,11 @@ def _set_routing_capture(worker, on: bool) -> int:
     for module in worker.model_runner.get_model().modules():
         router = getattr(module, "router", None)
         if isinstance(router, FusedMoERouter):
-            fn = (lambda ids, layer=n: _CAPTURED.append((layer, ids.detach().cpu().numpy().astype(np.int32)))) if on else None
+            fn = (
+                (lambda ids, layer=n: _CAPTURED.append((layer, ids.detach().cpu().numpy().astype(np.int32))))
+                if on
+                else None
+            )
             router.set_capture_fn(fn)
             n += 1
     return n
@@ -130,8 +133,16 @@ class _Call:
 class Backend(server_lib.Backend):
     engine = "vllm"
 
-    def __init__(self, model_dir: str, *, dtype: str = "bfloat16", max_model_len: int | None = None, seed: int = 0,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
+    ):
         self.model = str(model_dir)
         self.dtype = dtype
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
@@ -150,15 +161,22 @@ class Backend(server_lib.Backend):
         self.moe_layers = self.llm.collective_rpc(_set_routing_capture, args=(False,))[0]
         self.supports_routing = self.moe_layers > 0
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("call", _Call) | ("exclusive", fn, future) | ("cancel", future) | ("stop",)
+        self._inbox: queue.SimpleQueue = (
+            queue.SimpleQueue()
+        )  # ("call", _Call) | ("exclusive", fn, future) | ("cancel", future) | ("stop",)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
     def _start(self, weights_dir: Path):
         """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights)."""
         llm = vllm.LLM(
-            model=self.model, skip_tokenizer_init=True, dtype=self.dtype, seed=self.engine_seed,
-            max_model_len=self.max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs",
+            model=self.model,
+            skip_tokenizer_init=True,
+            dtype=self.dtype,
+            seed=self.engine_seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # Score at temperature != 1 needs the whole vocabulary of prompt logprobs
             enable_prefix_caching=True,
             # A prompt's prefill split over steps discards the token sampled at its end, and vLLM then rewinds
@@ -168,7 +186,9 @@ class Backend(server_lib.Backend):
             **self.engine_options,
         )
         if self.architecture in MLA_ARCHITECTURES and _on_cpu():
-            log.info("MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope))
+            log.info(
+                "MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope)
+            )
         if Path(weights_dir) != Path(self.model):
             self._reload(llm, weights_dir)
         return llm
@@ -184,7 +204,9 @@ class Backend(server_lib.Backend):
     def _loop(self) -> None:
         engine_calls: dict = {}  # request id -> _Call, admitted
         held: collections.deque = collections.deque()  # calls waiting behind exclusive work
-        exclusive: collections.deque = collections.deque()  # (fn, future, fn resolves the future itself), run once the engine is idle
+        exclusive: collections.deque = (
+            collections.deque()
+        )  # (fn, future, fn resolves the future itself), run once the engine is idle
         while True:
             busy = bool(engine_calls)
             block = not busy and not exclusive and not held
@@ -330,8 +352,13 @@ class Backend(server_lib.Backend):
     def submit_generate(self, prompt_ids, prompt_id, params: Params) -> futures.Future:
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         common = dict(
-            max_tokens=params.max_new_tokens, stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True,
-            logprobs=params.logprobs, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=sorted(params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=params.logprobs,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         requests = []
@@ -339,20 +366,36 @@ class Backend(server_lib.Backend):
             if params.greedy:
                 sp = SamplingParams(n=1, temperature=0.0, **common)
             else:
-                sp = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
-                                    seed=sample_seed(seed, prompt_id, j), **common)
+                sp = SamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k or 0,
+                    seed=sample_seed(seed, prompt_id, j),
+                    **common,
+                )
             requests.append((f"g{next(self._ids)}", prompt, sp))
-        return self._submit(requests, lambda call, outs: _samples(call, outs, params, len(prompt_ids)), params.return_routing)
+        return self._submit(
+            requests, lambda call, outs: _samples(call, outs, params, len(prompt_ids)), params.return_routing
+        )
 
     # ------------------------------------------------------------------ score
     def submit_score(self, prompt_ids, response_ids, temperature, top_k, routing) -> futures.Future:
         full = temperature != 1.0
         seq = list(prompt_ids) + list(response_ids)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else top_k, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+        sp = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=-1 if full else top_k,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         requests = [(f"s{next(self._ids)}", TokensPrompt(prompt_token_ids=seq), sp)]
-        return self._submit(requests, lambda call, outs: _scored(call, outs[0], len(prompt_ids), list(response_ids), temperature, top_k, routing),
-                            routing and bool(response_ids))
+        return self._submit(
+            requests,
+            lambda call, outs: _scored(call, outs[0], len(prompt_ids), list(response_ids), temperature, top_k, routing),
+            routing and bool(response_ids),
+        )
 
     # ------------------------------------------------------------------ weights
     def update(self, kind: str, source, version: int) -> None:
@@ -430,7 +473,10 @@ def _finish_reason(reason) -> str:
 
 def _ranked(d: dict, k: int) -> list:
     """(token id, logprob) of a vLLM logprobs dict's top-k by rank, best first, finite only."""
-    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[0])
+    ranked = sorted(
+        ((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None and lp.rank <= k),
+        key=lambda x: x[0],
+    )
     return [(tid, float(v)) for _, tid, v in ranked if np.isfinite(v)][:k]
 
 
@@ -455,23 +501,34 @@ def _samples(call: _Call, outs: list, params: Params, prompt_len: int) -> list:
                 ranked = _ranked(d, params.logprobs)
                 top_ids.append([a for a, _ in ranked])
                 top_lps.append([b for _, b in ranked])
-        results.append(SampleResult(
-            sample_index=j, token_ids=tokens, logprobs=lps, finish_reason=_finish_reason(c.finish_reason),
-            versions=[call.version] * len(tokens), top_ids=top_ids if params.logprobs else None,
-            top_logprobs=top_lps if params.logprobs else None,
-            routing=_routing_rows(call.captured[j], prompt_len - 1, len(tokens)) if call.routing else None,
-            timing={"started": call.started, "finished": finished},
-        ))
+        results.append(
+            SampleResult(
+                sample_index=j,
+                token_ids=tokens,
+                logprobs=lps,
+                finish_reason=_finish_reason(c.finish_reason),
+                versions=[call.version] * len(tokens),
+                top_ids=top_ids if params.logprobs else None,
+                top_logprobs=top_lps if params.logprobs else None,
+                routing=_routing_rows(call.captured[j], prompt_len - 1, len(tokens)) if call.routing else None,
+                timing={"started": call.started, "finished": finished},
+            )
+        )
     return results
 
 
-def _scored(call: _Call, res, prompt_len: int, response_ids: list, temperature: float, top_k: int, routing: bool) -> dict:
+def _scored(
+    call: _Call, res, prompt_len: int, response_ids: list, temperature: float, top_k: int, routing: bool
+) -> dict:
     out = {"logprobs": [], "version": call.version}
     if top_k:
         out["top_ids"], out["top_logprobs"] = [], []
     if routing:
-        out["routing"] = (_routing_rows(call.captured[0], prompt_len - 1, len(response_ids)) if call.routing
-                          else np.zeros((0, 0, 0), np.int32))
+        out["routing"] = (
+            _routing_rows(call.captured[0], prompt_len - 1, len(response_ids))
+            if call.routing
+            else np.zeros((0, 0, 0), np.int32)
+        )
     if not response_ids:
         return out
     dicts = res.prompt_logprobs[prompt_len:]  # entry i: the distribution over token i given tokens < i

@@ -28,8 +28,15 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multiple: int, length_multiple: int = 64,
-                advantages_cfg=None, max_length: int = 0) -> tuple[TrainBatch, dict]:
+def build_batch(
+    groups: list[list[Rollout]],
+    *,
+    micro_batches: int,
+    rows_multiple: int,
+    length_multiple: int = 64,
+    advantages_cfg=None,
+    max_length: int = 0,
+) -> tuple[TrainBatch, dict]:
     """A TrainBatch [M, B, T] of numpy arrays with `prox_logprobs` zero (filled by the proximal rescoring).
 
     One response per row (prompt then response, left-aligned); row r of the batch is group r // N,
@@ -63,8 +70,9 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
     b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
     total = micro_batches * b
 
-    built = rows_lib.build([rows_lib.Seq(r.prompt_ids, r.response_ids) for r in rows], rows_lib.one_per_row(len(rows)), t,
-                           rows=total)
+    built = rows_lib.build(
+        [rows_lib.Seq(r.prompt_ids, r.response_ids) for r in rows], rows_lib.one_per_row(len(rows)), t, rows=total
+    )
     mask = built.response_RxT
     infer = np.zeros((total, t), np.float32)
     for i, r in enumerate(rows):
@@ -73,8 +81,18 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
     # advantages over the real rows, laid out [G, N, T]
     g = len(groups)
     a = advantages_cfg
-    kw = {} if a is None else dict(reward_scale=float(a.reward_scale), reward_bias=float(a.reward_bias), group_norm=bool(a.group_norm),
-                                   group_eps=float(a.group_eps), batch_norm=bool(a.batch_norm), batch_eps=float(a.batch_eps))
+    kw = (
+        {}
+        if a is None
+        else dict(
+            reward_scale=float(a.reward_scale),
+            reward_bias=float(a.reward_bias),
+            group_norm=bool(a.group_norm),
+            group_eps=float(a.group_eps),
+            batch_norm=bool(a.batch_norm),
+            batch_eps=float(a.batch_eps),
+        )
+    )
     rewards_GxN = np.asarray([[r.reward for r in grp] for grp in groups], np.float32)
     adv_GxNxT = np.asarray(adv_lib.compute_advantages(rewards_GxN, mask[: g * n].reshape(g, n, t), **kw))
     advantages = np.zeros((total, t), np.float32)
@@ -82,9 +100,16 @@ def build_batch(groups: list[list[Rollout]], *, micro_batches: int, rows_multipl
 
     shape = (micro_batches, b, t)
     batch = TrainBatch(
-        tokens_MxBxT=built.tokens_RxT.reshape(shape), positions_MxBxT=built.positions_RxT.reshape(shape),
-        segment_ids_MxBxT=built.segments_RxT.reshape(shape), targets_MxBxT=built.targets_RxT.reshape(shape), loss_mask_MxBxT=mask.reshape(shape), infer_logprobs_MxBxT=infer.reshape(shape),
-        prox_logprobs_MxBxT=np.zeros(shape, np.float32), advantages_MxBxT=advantages.reshape(shape),
+        tokens_MxBxT=built.tokens_RxT.reshape(shape),
+        positions_MxBxT=built.positions_RxT.reshape(shape),
+        segment_ids_MxBxT=built.segments_RxT.reshape(shape),
+        targets_MxBxT=built.targets_RxT.reshape(shape),
+        loss_mask_MxBxT=mask.reshape(shape),
+        infer_logprobs_MxBxT=infer.reshape(shape),
+        prox_logprobs_MxBxT=np.zeros(shape, np.float32),
+        advantages_MxBxT=advantages.reshape(shape),
     )
-    info = dict(rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)])
+    info = dict(
+        rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)]
+    )
     return batch, info

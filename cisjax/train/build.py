@@ -48,7 +48,16 @@ def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
     graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     state_sh = state_lib.shardings(state)
-    return Run(cfg=cfg, mesh=mesh, rules=rules, graphdef=graphdef, hf_config=hf, tx=tx, state=state,
-               state_shardings=state_sh, train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
-               rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params),
-               rows_multiple=sharding.axis_multiple(mesh, rules, "batch"))
+    return Run(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        hf_config=hf,
+        tx=tx,
+        state=state,
+        state_shardings=state_sh,
+        train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
+        rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params),
+        rows_multiple=sharding.axis_multiple(mesh, rules, "batch"),
+    )

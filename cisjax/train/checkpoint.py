@@ -244,7 +244,11 @@ class Checkpointer:
             return steps[-1]
         step = int(step)
         if step not in steps:
-            why = f" ({self.step_dir(step)} has no {COMMIT_FILE}: incomplete)" if os.path.isdir(self.step_dir(step)) else ""
+            why = (
+                f" ({self.step_dir(step)} has no {COMMIT_FILE}: incomplete)"
+                if os.path.isdir(self.step_dir(step))
+                else ""
+            )
             raise CheckpointError(f"{self.directory}: no checkpoint for step {step}{why}; available steps: {steps}")
         return step
 

@@ -34,9 +34,10 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     import jax
 
     from cisjax import sharding
-    from cisjax.rollout.client import SamplingParams
     from cisjax.rl import corrections
-    from cisjax.train import metrics as metrics_lib, rollouts as rollouts_lib
+    from cisjax.rollout.client import SamplingParams
+    from cisjax.train import metrics as metrics_lib
+    from cisjax.train import rollouts as rollouts_lib
     from cisjax.train import state as state_lib
     from cisjax.train import step as step_lib
     from cisjax.train.build import build
@@ -54,8 +55,12 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     # --- mesh, model, optimizer, state, the jitted step and rescoring ----------------------------
     run = build(cfg)
     mesh, rules, state, train_step, rescore = run.mesh, run.rules, run.state, run.train_step, run.rescore
-    ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every,
-                        metadata={"model": str(cfg.model.path)})
+    ckpt = Checkpointer(
+        cfg.checkpoint.dir or run_dir / "checkpoints",
+        keep=cfg.checkpoint.keep,
+        every=cfg.checkpoint.every,
+        metadata={"model": str(cfg.model.path)},
+    )
     data_state = None
     if resume:
         if ckpt.latest_step() is None:
@@ -75,10 +80,15 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             problems = data_lib.load_problems(cfg.data.source, cfg.data.split, kind=cfg.data.kind)
             if cfg.data.limit:
                 problems = problems[: cfg.data.limit]
-            formatter = data_lib.PromptFormatter(cfg.data.tokenizer or cfg.model.path, instruction=cfg.data.instruction,
-                                                 chat_template=cfg.data.chat_template)
+            formatter = data_lib.PromptFormatter(
+                cfg.data.tokenizer or cfg.model.path,
+                instruction=cfg.data.instruction,
+                chat_template=cfg.data.chat_template,
+            )
             problems = data_lib.drop_long_prompts(problems, formatter, cfg.data.max_prompt_tokens)
-            stream = data_lib.PromptStream(problems, batch_size=cfg.data.prompts_per_step, seed=cfg.seed, epochs=cfg.data.epochs)
+            stream = data_lib.PromptStream(
+                problems, batch_size=cfg.data.prompts_per_step, seed=cfg.seed, epochs=cfg.data.epochs
+            )
             if data_state:
                 stream.restore(data_state)
             pool = rewards_lib.RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
@@ -90,8 +100,10 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         available = distributed.broadcast(stream.total_steps if lead else None)
         total = int(cfg.run.steps) or available
         if total > available:  # found now, not when the prompts run out mid-run
-            raise errors.UserError(f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
-                             f"{cfg.data.prompts_per_step}, data.epochs={cfg.data.epochs}); raise data.epochs or lower run.steps")
+            raise errors.UserError(
+                f"run.steps={total}, but the data give {available} steps (data.prompts_per_step="
+                f"{cfg.data.prompts_per_step}, data.epochs={cfg.data.epochs}); raise data.epochs or lower run.steps"
+            )
         publisher = Publisher.for_run(run, client, run_dir=str(run_dir))
         if start > 0:  # resumed: the (fresh) server holds the initial weights, version 0; send the state's own
             if lead and publisher.root is not None:
@@ -99,11 +111,18 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             publisher.publish(state.params, version=start)
         version = start  # the params of step s are weights version s
 
-        sampling = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                                  stop_token_ids=list(formatter.stop_token_ids) if lead else [], seed=None)
+        sampling = SamplingParams(
+            n=cfg.rollout.group_size,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_token_ids=list(formatter.stop_token_ids) if lead else [],
+            seed=None,
+        )
 
         if lead:
+
             def generate(problems, index):
                 prompts = [formatter.encode(p.question) for p in problems]
                 # a fixed rollout.seed makes the run's samples reproducible: one seed per batch
@@ -120,13 +139,28 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 for r, s in zip((r for g in groups for r in g), scores):
                     r.reward = float(s)
 
-            producer = rollouts_lib.RolloutProducer(stream, generate, reward, max_staleness=cfg.rollout.max_staleness,
-                                                    first_index=start, published_version=version,
-                                                    server_version=lambda: client.expected_version)
+            producer = rollouts_lib.RolloutProducer(
+                stream,
+                generate,
+                reward,
+                max_staleness=cfg.rollout.max_staleness,
+                first_index=start,
+                published_version=version,
+                server_version=lambda: client.expected_version,
+            )
 
-        mlog = metrics_lib.MetricsLog(run_dir, total_steps=total, start_step=start, tensorboard=cfg.run.tensorboard and lead,
-                                      progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on",
-                                      print_every=cfg.run.print_every) if lead else None
+        mlog = (
+            metrics_lib.MetricsLog(
+                run_dir,
+                total_steps=total,
+                start_step=start,
+                tensorboard=cfg.run.tensorboard and lead,
+                progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on",
+                print_every=cfg.run.print_every,
+            )
+            if lead
+            else None
+        )
         corr_kw = step_lib.correction_kwargs(cfg)
         last: dict = {}
         stopped = False
@@ -143,7 +177,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             wait_s = time.monotonic() - t0
             # 2. the batch (process 0 builds it; every process holds the same host copy)
             host, info, versions_rows = _host_batch(ro, cfg, run.rows_multiple) if lead else (None, None, None)
-            host, versions_rows, roll_metrics = distributed.broadcast((host, versions_rows, _rollout_metrics(ro, s)) if lead else None)
+            host, versions_rows, roll_metrics = distributed.broadcast(
+                (host, versions_rows, _rollout_metrics(ro, s)) if lead else None
+            )
             batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
             # 3. proximal rescoring with the params of this step
             t0 = time.monotonic()
@@ -165,7 +201,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             t0 = time.monotonic()
             report = publisher.publish(state.params, version=s + 1)
             publish_s = time.monotonic() - t0
-            state = state_lib.with_counters(state, policy_version=s + 1, data_position=int(roll_metrics["data/position"]))
+            state = state_lib.with_counters(
+                state, policy_version=s + 1, data_position=int(roll_metrics["data/position"])
+            )
             if lead:
                 producer.published(s + 1)
             step_s = time.monotonic() - t_step
@@ -174,16 +212,29 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             out = {f"train/{k}": v for k, v in m.items()}
             out.update(roll_metrics)
             out.update(report.metrics())
-            out.update({"reward_mean": roll_metrics["reward/mean"], "accuracy": roll_metrics["reward/accuracy"],
-                        "response_len": roll_metrics["rollout/response_len"], "grad_norm": m["grad_norm"], "entropy": m["entropy"],
-                        "corr/acted_frac": m.get("acted_frac", 0.0), "staleness_mean": roll_metrics["rollout/staleness_mean"],
-                        "skipped_steps": float(m["skipped"]),
-                        "time/rollout_wait_s": wait_s, "time/rescore_s": rescore_s, "time/train_s": train_s,
-                        "time/publish_s": publish_s, "time/step_s": step_s,
-                        "tokens_per_s": m["tokens"] / max(step_s, 1e-9)})
+            out.update(
+                {
+                    "reward_mean": roll_metrics["reward/mean"],
+                    "accuracy": roll_metrics["reward/accuracy"],
+                    "response_len": roll_metrics["rollout/response_len"],
+                    "grad_norm": m["grad_norm"],
+                    "entropy": m["entropy"],
+                    "corr/acted_frac": m.get("acted_frac", 0.0),
+                    "staleness_mean": roll_metrics["rollout/staleness_mean"],
+                    "skipped_steps": float(m["skipped"]),
+                    "time/rollout_wait_s": wait_s,
+                    "time/rescore_s": rescore_s,
+                    "time/train_s": train_s,
+                    "time/publish_s": publish_s,
+                    "time/step_s": step_s,
+                    "tokens_per_s": m["tokens"] / max(step_s, 1e-9),
+                }
+            )
             if lead:
                 out.update({"time/generate_s": ro.timings["generate_s"], "time/reward_s": ro.timings["reward_s"]})
-                out.update({f"reward/pool_{k}": float(v) for k, v in pool.metrics().items()})  # cumulative: lost scores show
+                out.update(
+                    {f"reward/pool_{k}": float(v) for k, v in pool.metrics().items()}
+                )  # cumulative: lost scores show
                 out.update(evaluated)
                 mlog.log(s, out)
             last = out
@@ -239,8 +290,13 @@ def _host_batch(ro, cfg, rows_multiple):
     """Process 0: the TrainBatch of a step's rollouts and the per-token rollout version [M*B, T]."""
     from cisjax.train import batching
 
-    batch, info = batching.build_batch(ro.groups, micro_batches=cfg.train.micro_batches, rows_multiple=rows_multiple,
-                                       length_multiple=cfg.train.length_multiple, advantages_cfg=cfg.advantages)
+    batch, info = batching.build_batch(
+        ro.groups,
+        micro_batches=cfg.train.micro_batches,
+        rows_multiple=rows_multiple,
+        length_multiple=cfg.train.length_multiple,
+        advantages_cfg=cfg.advantages,
+    )
     m, b, t = batch.tokens_MxBxT.shape
     versions = np.full((m * b, t), -1, np.int64)
     for row, (gi, si) in enumerate(info["index"]):
@@ -260,16 +316,21 @@ def _rollout_metrics(ro, step: int) -> dict:
     stale = step - versions  # the params of step s are version s
     solved = np.asarray([max(r.reward for r in g) for g in ro.groups])
     boxed = [last_boxed(t) is not None for ts in ro.texts for t in ts]  # format compliance, whatever the answer
-    return {"reward/mean": rewards.mean(), "reward/accuracy": float((rewards >= 1.0).mean()),
-            "reward/solved_groups": float((solved >= 1.0).mean()),
-            "reward/all_same_groups": float(np.mean([len({r.reward for r in g}) == 1 for g in ro.groups])),
-            "rollout/response_len": lengths.mean(), "rollout/response_len_max": lengths.max(),
-            "rollout/truncated": float(np.mean([r.finish_reason == "length" for r in rs])),
-            "rollout/staleness_mean": float(stale.mean()) if stale.size else 0.0,
-            "rollout/staleness_max": float(stale.max()) if stale.size else 0.0,
-            "rollout/samples": float(len(rs)), "rollout/tokens": float(lengths.sum()),
-            "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0,
-            "data/position": float(prompts_handed_out(ro.data_state))}
+    return {
+        "reward/mean": rewards.mean(),
+        "reward/accuracy": float((rewards >= 1.0).mean()),
+        "reward/solved_groups": float((solved >= 1.0).mean()),
+        "reward/all_same_groups": float(np.mean([len({r.reward for r in g}) == 1 for g in ro.groups])),
+        "rollout/response_len": lengths.mean(),
+        "rollout/response_len_max": lengths.max(),
+        "rollout/truncated": float(np.mean([r.finish_reason == "length" for r in rs])),
+        "rollout/staleness_mean": float(stale.mean()) if stale.size else 0.0,
+        "rollout/staleness_max": float(stale.max()) if stale.size else 0.0,
+        "rollout/samples": float(len(rs)),
+        "rollout/tokens": float(lengths.sum()),
+        "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0,
+        "data/position": float(prompts_handed_out(ro.data_state)),
+    }
 
 
 def prompts_handed_out(data_state: dict) -> int:
@@ -285,9 +346,19 @@ def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr
     infer = np.asarray(host.infer_logprobs_MxBxT).reshape(m * b, t)
     mask = np.asarray(host.loss_mask_MxBxT).reshape(m * b, t)
     c = corrections.correction(cfg.correction.method, prox, infer, mask, **corr_kw)
-    metrics_lib.write_dump(run_dir, step, infer_logprobs=infer, prox_logprobs=prox, mask=mask, weights=np.asarray(c.weights_BxT),
-                           acted=np.asarray(c.acted_BxT), token_versions=versions_rows, current_version=step,
-                           sample_tokens=cfg.run.dump_tokens, seed=cfg.seed)
+    metrics_lib.write_dump(
+        run_dir,
+        step,
+        infer_logprobs=infer,
+        prox_logprobs=prox,
+        mask=mask,
+        weights=np.asarray(c.weights_BxT),
+        acted=np.asarray(c.acted_BxT),
+        token_versions=versions_rows,
+        current_version=step,
+        sample_tokens=cfg.run.dump_tokens,
+        seed=cfg.seed,
+    )
 
 
 def _rollout_service(cfg, run_dir: Path):
@@ -295,10 +366,19 @@ def _rollout_service(cfg, run_dir: Path):
     from cisjax.train import server_proc
 
     r = cfg.rollout
-    return server_proc.connect(r.server, model_dir=cfg.model.path, export_root=Path(cfg.publish.dir or run_dir / "exports"),
-                               log_path=run_dir / "rollout_server.log", backend=r.backend, dtype=r.dtype, kv_cache_gib=r.kv_cache_gib,
-                               token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None, timeout_s=r.timeout_s,
-                               retry_s=r.retry_s, startup_s=r.startup_s)
+    return server_proc.connect(
+        r.server,
+        model_dir=cfg.model.path,
+        export_root=Path(cfg.publish.dir or run_dir / "exports"),
+        log_path=run_dir / "rollout_server.log",
+        backend=r.backend,
+        dtype=r.dtype,
+        kv_cache_gib=r.kv_cache_gib,
+        token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None,
+        timeout_s=r.timeout_s,
+        retry_s=r.retry_s,
+        startup_s=r.startup_s,
+    )
 
 
 # ----------------------------------------------------------------------------- the command
@@ -306,7 +386,11 @@ def _rollout_service(cfg, run_dir: Path):
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="config file (configs/*.py) returning a ConfigDict")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of the run (same data order and versions)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint of the run (same data order and versions)",
+    )
 
 
 def _init_distributed() -> None:
@@ -318,8 +402,13 @@ def _init_distributed() -> None:
     import jax
 
     jax.distributed.initialize()
-    log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    log.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:

@@ -12,7 +12,16 @@ import numpy as np
 
 from cisjax import errors
 
-SHOWN = ("reward_mean", "accuracy", "response_len", "grad_norm", "corr/acted_frac", "staleness_mean", "time/step_s", "eval/average")
+SHOWN = (
+    "reward_mean",
+    "accuracy",
+    "response_len",
+    "grad_norm",
+    "corr/acted_frac",
+    "staleness_mean",
+    "time/step_s",
+    "eval/average",
+)
 
 
 def _clean(v):
@@ -25,8 +34,16 @@ class MetricsLog:
     run loses nothing logged), mirrors every number to TensorBoard under `run_dir/tb`, and shows a
     progress line on a terminal. On resume the file is truncated to the steps before `start_step`."""
 
-    def __init__(self, run_dir, *, total_steps: int, start_step: int = 0, tensorboard: bool = True, progress: bool | None = None,
-                 print_every: int = 1):
+    def __init__(
+        self,
+        run_dir,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool | None = None,
+        print_every: int = 1,
+    ):
         if print_every < 1:
             raise errors.UserError(f"run.print_every must be >= 1, got {print_every}")
         self.print_every, self.start = print_every, start_step
@@ -46,15 +63,25 @@ class MetricsLog:
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                      TextColumn("{task.description}"), transient=False)
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                transient=False,
+            )
             self._task = self._progress.add_task("", total=total_steps, completed=start_step)
             self._progress.start()
 
     def _truncate(self, start_step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) < start_step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) < start_step
+        ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
@@ -83,8 +110,20 @@ class MetricsLog:
         self._file.close()
 
 
-def write_dump(run_dir, step: int, *, infer_logprobs, prox_logprobs, mask, weights, acted, token_versions, current_version: int,
-               sample_tokens: int, seed: int) -> Path:
+def write_dump(
+    run_dir,
+    step: int,
+    *,
+    infer_logprobs,
+    prox_logprobs,
+    mask,
+    weights,
+    acted,
+    token_versions,
+    current_version: int,
+    sample_tokens: int,
+    seed: int,
+) -> Path:
     """A sample of the step's valid tokens (operators.md's token dump) as `run_dir/dumps/step_XXXXXXX.npz`:
     logp_infer, logp_prox, rollout version, current version, loss mask, weight, acted-on flag (and
     row, position). Written to a temp name then renamed."""
@@ -98,10 +137,16 @@ def write_dump(run_dir, step: int, *, infer_logprobs, prox_logprobs, mask, weigh
     path = out / f"step_{step:07d}.npz"
     tmp = out / f".step_{step:07d}.tmp.npz"
     np.savez_compressed(
-        tmp, logp_infer=np.asarray(infer_logprobs)[rows, cols].astype(np.float32), logp_prox=np.asarray(prox_logprobs)[rows, cols].astype(np.float32),
-        rollout_version=np.asarray(token_versions)[rows, cols].astype(np.int64), current_version=np.full(len(rows), current_version, np.int64),
-        loss_mask=mask[rows, cols], weight=np.asarray(weights)[rows, cols].astype(np.float32), acted=np.asarray(acted)[rows, cols].astype(bool),
-        row=rows.astype(np.int32), position=cols.astype(np.int32),
+        tmp,
+        logp_infer=np.asarray(infer_logprobs)[rows, cols].astype(np.float32),
+        logp_prox=np.asarray(prox_logprobs)[rows, cols].astype(np.float32),
+        rollout_version=np.asarray(token_versions)[rows, cols].astype(np.int64),
+        current_version=np.full(len(rows), current_version, np.int64),
+        loss_mask=mask[rows, cols],
+        weight=np.asarray(weights)[rows, cols].astype(np.float32),
+        acted=np.asarray(acted)[rows, cols].astype(bool),
+        row=rows.astype(np.int32),
+        position=cols.astype(np.int32),
     )
     os.replace(tmp, path)
     return path

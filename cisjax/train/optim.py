@@ -25,7 +25,9 @@ def make_schedule(train_cfg):
     if warmup < 0 or lr < 0:
         raise errors.UserError(f"train.warmup_steps={warmup} and train.lr={lr} must be non-negative")
     if kind != "constant" and total <= warmup:
-        raise errors.UserError(f"train.schedule={kind} needs train.total_steps ({total}) > train.warmup_steps ({warmup})")
+        raise errors.UserError(
+            f"train.schedule={kind} needs train.total_steps ({total}) > train.warmup_steps ({warmup})"
+        )
     if not 0.0 <= final <= 1.0:
         raise errors.UserError(f"train.final_lr_ratio={final} must lie in [0, 1]")
 
@@ -49,7 +51,10 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     if train_cfg.grad_clip < 0:
         raise errors.UserError(f"train.grad_clip={train_cfg.grad_clip} must be >= 0 (0 = off)")
     adamw = optax.adamw(
-        learning_rate=make_schedule(train_cfg), b1=float(train_cfg.b1), b2=float(train_cfg.b2), eps=float(train_cfg.eps),
+        learning_rate=make_schedule(train_cfg),
+        b1=float(train_cfg.b1),
+        b2=float(train_cfg.b2),
+        eps=float(train_cfg.eps),
         weight_decay=float(train_cfg.weight_decay),
     )
     if train_cfg.grad_clip > 0:

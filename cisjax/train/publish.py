@@ -59,8 +59,13 @@ class PublishReport:
 
     def metrics(self) -> dict:
         """Flat numbers for the training log."""
-        out = {"publish/version": float(self.version), "publish/bytes": float(self.bytes), "publish/export_s": self.export_s,
-               "publish/reload_s": self.reload_s, "publish/canary_s": self.canary_s}
+        out = {
+            "publish/version": float(self.version),
+            "publish/bytes": float(self.bytes),
+            "publish/export_s": self.export_s,
+            "publish/reload_s": self.reload_s,
+            "publish/canary_s": self.canary_s,
+        }
         if self.canary is not None:
             out.update({"publish/canary_mean_abs": self.canary.mean_abs, "publish/canary_max_abs": self.canary.max_abs})
         return out
@@ -109,8 +114,6 @@ class _TimedTensors:
                 pass
 
 
-
-
 def canary_shape(cfg, mesh, rules) -> tuple[int, int]:
     """(rows, length) of the canary's [1, rows, length] batch: publish.canary's sequences, padded to the mesh's
     batch and length shards."""
@@ -125,15 +128,28 @@ def canary_logprobs_fn(graphdef, cfg, mesh, rules):
     (the server scores at temperature 1) through the step's forward, on the params rounded to publish.dtype (the
     weights the engine got: the step's own bf16 compute rounds its matmul weights anyway; the router, norms and fp32
     compute see the difference)."""
-    return _canary_logprobs_fn(graphdef, mesh, sharding.freeze(rules), runtime.resolve_precision(cfg),
-                               int(cfg.logprobs.chunk_size), cfg.publish.dtype or None)
+    return _canary_logprobs_fn(
+        graphdef,
+        mesh,
+        sharding.freeze(rules),
+        runtime.resolve_precision(cfg),
+        int(cfg.logprobs.chunk_size),
+        cfg.publish.dtype or None,
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size: int, dtype: str | None):
     # cached: the Publishers of one model share one compilation
-    return forward.make_batch_logprobs(graphdef, mesh, dict(rules), precision=precision, temperature=1.0,
-                                       chunk_size=chunk_size, round_to=dtype_of(dtype) if dtype else None)
+    return forward.make_batch_logprobs(
+        graphdef,
+        mesh,
+        dict(rules),
+        precision=precision,
+        temperature=1.0,
+        chunk_size=chunk_size,
+        round_to=dtype_of(dtype) if dtype else None,
+    )
 
 
 class Publisher:
@@ -157,8 +173,18 @@ class Publisher:
     only process 0 talks to the server; failures are agreed so that every process raises together.
     """
 
-    def __init__(self, graphdef, hf_config, cfg, client, mesh, rules, *, root: str | os.PathLike | None = None,
-                 run_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        graphdef,
+        hf_config,
+        cfg,
+        client,
+        mesh,
+        rules,
+        *,
+        root: str | os.PathLike | None = None,
+        run_dir: str | os.PathLike | None = None,
+    ):
         from cisjax.records import TrainBatch
 
         pc = cfg.publish
@@ -174,7 +200,9 @@ class Publisher:
         if root is None:
             root = pc.dir or (Path(run_dir) / "exports" if run_dir else None)
         if self.mode == "disk" and not root:
-            raise errors.UserError("publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)")
+            raise errors.UserError(
+                "publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)"
+            )
         self.root = Path(root) if root else None
         self.server_dir = pc.server_dir or None
         self.publishes = 0
@@ -190,12 +218,21 @@ class Publisher:
         self.sequences = []
         if self.every:
             vocab = int(self.hf_config["vocab_size"])
-            self.sequences = canary_lib.canary_sequences(vocab, num=int(c.num_sequences), prompt_len=int(c.prompt_len),
-                                                         response_len=int(c.response_len), seed=int(cfg.seed))
+            self.sequences = canary_lib.canary_sequences(
+                vocab,
+                num=int(c.num_sequences),
+                prompt_len=int(c.prompt_len),
+                response_len=int(c.response_len),
+                seed=int(cfg.seed),
+            )
             self._logprobs_fn = canary_logprobs_fn(graphdef, cfg, mesh, self.rules)
             rows, length = canary_shape(cfg, mesh, self.rules)
-            built = rows_lib.build([rows_lib.Seq(p, r) for p, r in self.sequences], rows_lib.one_per_row(len(self.sequences)),
-                                   length, rows=rows)
+            built = rows_lib.build(
+                [rows_lib.Seq(p, r) for p, r in self.sequences],
+                rows_lib.one_per_row(len(self.sequences)),
+                length,
+                rows=rows,
+            )
             zeros = np.zeros((1, rows, length), np.float32)
             host = TrainBatch(*(x[None] for x in built[:4]), built.response_RxT[None], zeros, zeros, zeros)
             self._batch = sharding.place(host, mesh, self.rules, sharding.BATCH_AXES)
@@ -225,8 +262,15 @@ class Publisher:
         jax.block_until_ready(params)  # the step that produced them is not export time
         t0 = time.perf_counter()
         if self.mode == "disk":
-            path = export_lib.export(model, self.hf_config, self.root, version, dtype=self.dtype, keep=self.keep,
-                                     metadata={"source": "publish"})
+            path = export_lib.export(
+                model,
+                self.hf_config,
+                self.root,
+                version,
+                dtype=self.dtype,
+                keep=self.keep,
+                metadata={"source": "publish"},
+            )
             export_s = time.perf_counter() - t0
             nbytes = hf_io.HFTensors(model, self.hf_config, self.dtype).nbytes
             served, error = None, None
@@ -234,8 +278,9 @@ class Publisher:
                 try:
                     manifest = export_lib.read_manifest(path)
                     target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
-                    served = self.client.update_weights(target, version=version,
-                                                        checksums={n: f["sha256"] for n, f in manifest["files"].items()})
+                    served = self.client.update_weights(
+                        target, version=version, checksums={n: f["sha256"] for n, f in manifest["files"].items()}
+                    )
                 except Exception as e:
                     error = e
             reload_s = time.perf_counter() - t0 - export_s
@@ -261,7 +306,9 @@ class Publisher:
                 raise PublishError(f"publishing version {version} failed on process 0; see its log")
             if isinstance(error, PublishError):
                 raise error
-            raise PublishError(f"publishing version {version} ({self.mode}) failed: {type(error).__name__}: {error}") from error
+            raise PublishError(
+                f"publishing version {version} ({self.mode}) failed: {type(error).__name__}: {error}"
+            ) from error
 
         report, canary_s = None, 0.0
         if self.canary_due():
@@ -269,10 +316,26 @@ class Publisher:
             report = self._canary(params, version, path)
             canary_s = time.perf_counter() - t1
         self.publishes += 1
-        out = PublishReport(version=version, mode=self.mode, path=str(path) if path else None, bytes=int(nbytes), export_s=export_s,
-                            reload_s=reload_s, canary_s=canary_s, canary=report)
-        log.debug("published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s", version, self.mode, nbytes / 1e6,
-                 export_s, reload_s, canary_s, f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "")
+        out = PublishReport(
+            version=version,
+            mode=self.mode,
+            path=str(path) if path else None,
+            bytes=int(nbytes),
+            export_s=export_s,
+            reload_s=reload_s,
+            canary_s=canary_s,
+            canary=report,
+        )
+        log.debug(
+            "published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s",
+            version,
+            self.mode,
+            nbytes / 1e6,
+            export_s,
+            reload_s,
+            canary_s,
+            f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "",
+        )
         return out
 
     def _canary(self, params, version: int, path: Path | None):
@@ -284,7 +347,10 @@ class Publisher:
                 scored = self.client.score(self.sequences, temperature=1.0)
                 stale = sorted({s["version"] for s in scored} - {version})
                 if stale:
-                    code, message = _MISMATCH, f"weight canary FAILED: the server scored with version(s) {stale}, not the published {version}"
+                    code, message = (
+                        _MISMATCH,
+                        f"weight canary FAILED: the server scored with version(s) {stale}, not the published {version}",
+                    )
                 else:
                     report = canary_lib.compare(trainer, [s["logprobs"] for s in scored], **self.bounds)
                     if not report.ok:
@@ -300,10 +366,14 @@ class Publisher:
             expected = hf_io.HFTensors((self.graphdef, params), self.hf_config, self.dtype)
             if self.is_writer:
                 families = canary_lib.family_differences(expected, hf_io.SafetensorsDir(path))
-                message += ("\nexported files vs the trainer's params (per tensor family, worst first):\n"
-                            + canary_lib.format_differences(families))
+                message += (
+                    "\nexported files vs the trainer's params (per tensor family, worst first):\n"
+                    + canary_lib.format_differences(families)
+                )
                 if not any(f.note or f.max_abs > 0 for f in families):
-                    message += "\n  -> the export is faithful: the engine's reload or its forward differs from the trainer's"
+                    message += (
+                        "\n  -> the export is faithful: the engine's reload or its forward differs from the trainer's"
+                    )
             else:
                 for _ in expected.items():  # the gathers are collective
                     pass

@@ -34,8 +34,17 @@ class RolloutProducer:
     problems) -> None` (fills Rollout.reward) are the loop's callables; `stream` is a
     cisjax.data.PromptStream. An error on the thread is raised by the next `get`."""
 
-    def __init__(self, stream, generate, reward, *, max_staleness: int, first_index: int, published_version: int,
-                 server_version=None):
+    def __init__(
+        self,
+        stream,
+        generate,
+        reward,
+        *,
+        max_staleness: int,
+        first_index: int,
+        published_version: int,
+        server_version=None,
+    ):
         if max_staleness < 0:
             raise errors.UserError(f"max_staleness must be >= 0, got {max_staleness}")
         self.stream, self._generate, self._reward = stream, generate, reward
@@ -63,7 +72,9 @@ class RolloutProducer:
         with self._cv:
             while index not in self._ready:
                 if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
+                    raise RuntimeError(
+                        f"rollout producer failed: {type(self._error).__name__}: {self._error}"
+                    ) from self._error
                 if self._stop:
                     raise RuntimeError("rollout producer stopped")
                 left = None if deadline is None else deadline - time.monotonic()
@@ -85,7 +96,9 @@ class RolloutProducer:
                 with self._cv:
                     # batch s may start once version s - max_staleness is served; and at most
                     # max_staleness + 1 batches wait unconsumed
-                    while not self._stop and (self._published < self._next - self.max_staleness or len(self._ready) > self.max_staleness):
+                    while not self._stop and (
+                        self._published < self._next - self.max_staleness or len(self._ready) > self.max_staleness
+                    ):
                         self._cv.wait(timeout=1.0)
                     if self._stop:
                         return
@@ -105,8 +118,14 @@ class RolloutProducer:
                 t1 = time.monotonic()
                 self._reward(groups, texts, problems)
                 t2 = time.monotonic()
-                out = StepRollouts(index=index, groups=groups, data_state=self.stream.state(), server_version=version,
-                                   timings={"generate_s": t1 - t0, "reward_s": t2 - t1}, texts=texts)
+                out = StepRollouts(
+                    index=index,
+                    groups=groups,
+                    data_state=self.stream.state(),
+                    server_version=version,
+                    timings={"generate_s": t1 - t0, "reward_s": t2 - t1},
+                    texts=texts,
+                )
                 with self._cv:
                     self._ready[index] = out
                     self._next = index + 1
@@ -120,6 +139,18 @@ class RolloutProducer:
 
 def rollouts_from_samples(samples, problems) -> list:
     """Client Samples ([prompt][sample]) -> groups of Rollout (reward 0 until scored)."""
-    return [[Rollout(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs, versions=s.versions, reward=0.0,
-                     finish_reason=s.finish_reason, problem_id=str(getattr(p, "id", i))) for s in per]
-            for i, (per, p) in enumerate(zip(samples, problems))]
+    return [
+        [
+            Rollout(
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                logprobs=s.logprobs,
+                versions=s.versions,
+                reward=0.0,
+                finish_reason=s.finish_reason,
+                problem_id=str(getattr(p, "id", i)),
+            )
+            for s in per
+        ]
+        for i, (per, p) in enumerate(zip(samples, problems))
+    ]

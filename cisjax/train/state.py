@@ -58,8 +58,9 @@ def place(state: TrainState, tx: optax.GradientTransformation, mesh) -> TrainSta
 def with_counters(state: TrainState, *, policy_version: int, data_position: int) -> TrainState:
     """The state with the loop's two counters set (host ints, the same on every process), each kept on its sharding."""
     put = lambda old, v: jax.device_put(np.int32(v), old.sharding)  # noqa: E731
-    return state._replace(policy_version=put(state.policy_version, policy_version),
-                          data_position=put(state.data_position, data_position))
+    return state._replace(
+        policy_version=put(state.policy_version, policy_version), data_position=put(state.data_position, data_position)
+    )
 
 
 def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
@@ -68,10 +69,18 @@ def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
     anything (cisjax plan)."""
     replicated = NamedSharding(mesh, P())
     opt_sh = _opt_shardings(tx, params, mesh)
-    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_sh)
+    opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_sh
+    )
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return TrainState(step=scalar, params=params, opt_state=opt_state, policy_version=scalar, data_position=scalar,
-                      skipped_steps=scalar)
+    return TrainState(
+        step=scalar,
+        params=params,
+        opt_state=opt_state,
+        policy_version=scalar,
+        data_position=scalar,
+        skipped_steps=scalar,
+    )
 
 
 def _opt_shardings(tx, params, mesh):
@@ -101,5 +110,7 @@ def check_placed(tree, mesh, what: str = "state leaf") -> None:
     """Raise if a leaf is not on `mesh` (a state made without the mesh; params loaded without it)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not (isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh):
-            raise ValueError(f"{what} {jax.tree_util.keystr(path)} is not on the mesh {dict(mesh.shape)} (params: load "
-                             f"or init them with the mesh; the rest: train.state.create(..., mesh=mesh))")
+            raise ValueError(
+                f"{what} {jax.tree_util.keystr(path)} is not on the mesh {dict(mesh.shape)} (params: load "
+                f"or init them with the mesh; the rest: train.state.create(..., mesh=mesh))"
+            )

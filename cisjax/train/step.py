@@ -35,23 +35,40 @@ class TrainStep:
 def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None):
     """The proximal rescoring, jitted: `(params, batch) -> logprobs_MxBxT` through the step's own forward (same
     precision, temperature and chunking; forward.make_batch_logprobs)."""
-    return forward.make_batch_logprobs(graphdef, mesh, rules, precision=runtime.resolve_precision(cfg),
-                                       temperature=cfg.logprobs.temperature, chunk_size=cfg.logprobs.chunk_size,
-                                       params_shardings=params_shardings)
+    return forward.make_batch_logprobs(
+        graphdef,
+        mesh,
+        rules,
+        precision=runtime.resolve_precision(cfg),
+        temperature=cfg.logprobs.temperature,
+        chunk_size=cfg.logprobs.chunk_size,
+        params_shardings=params_shardings,
+    )
 
 
 def correction_kwargs(cfg) -> dict:
     c = cfg.correction
     bound = lambda x: None if x is None else float(x)  # noqa: E731  (None = the method's default; 0 is a bound)
-    return dict(lam=float(c.lam), kappa=float(c.kappa), cap=float(c.cap), low=bound(c.low), high=bound(c.high),
-                threshold=float(c.threshold))
+    return dict(
+        lam=float(c.lam),
+        kappa=float(c.kappa),
+        cap=float(c.cap),
+        low=bound(c.low),
+        high=bound(c.high),
+        threshold=float(c.threshold),
+    )
 
 
 def _loss_kwargs(cfg) -> dict:
     lc = cfg.loss
-    return dict(aggregation=lc.aggregation, clip_low=float(lc.clip_low), clip_high=float(lc.clip_high),
-                gspo=cfg.correction.method == "gspo", gspo_clip_low=float(lc.gspo_clip_low),
-                gspo_clip_high=float(lc.gspo_clip_high))
+    return dict(
+        aggregation=lc.aggregation,
+        clip_low=float(lc.clip_low),
+        clip_high=float(lc.clip_high),
+        gspo=cfg.correction.method == "gspo",
+        gspo_clip_low=float(lc.gspo_clip_low),
+        gspo_clip_high=float(lc.gspo_clip_high),
+    )
 
 
 def make_loss_fn(graphdef, cfg, mesh, rules):
@@ -67,8 +84,14 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
         raise errors.UserError(f"train.loss_scale={scale} must be positive")
     method = cfg.correction.method
     corr_kw, loss_kw = correction_kwargs(cfg), _loss_kwargs(cfg)
-    fwd = forward.make_forward(graphdef, mesh, rules, precision=precision, temperature=cfg.logprobs.temperature,
-                               chunk_size=cfg.logprobs.chunk_size)
+    fwd = forward.make_forward(
+        graphdef,
+        mesh,
+        rules,
+        precision=precision,
+        temperature=cfg.logprobs.temperature,
+        chunk_size=cfg.logprobs.chunk_size,
+    )
 
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
@@ -76,12 +99,25 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
         logp_BxT, entropy_BxT = stats.logprobs_N, stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT
         weights_BxT, corr_metrics = corrections.correction_weights(
-            method, mb.prox_logprobs_MxBxT, mb.infer_logprobs_MxBxT, mask_BxT, **corr_kw)
+            method, mb.prox_logprobs_MxBxT, mb.infer_logprobs_MxBxT, mask_BxT, **corr_kw
+        )
         loss, loss_metrics = loss_lib.policy_loss(
-            logp_BxT, mb.prox_logprobs_MxBxT, weights_BxT, mb.advantages_MxBxT, mask_BxT, denominator=denominator, **loss_kw)
+            logp_BxT,
+            mb.prox_logprobs_MxBxT,
+            weights_BxT,
+            mb.advantages_MxBxT,
+            mask_BxT,
+            denominator=denominator,
+            **loss_kw,
+        )
         entropy_sum = jnp.sum(jnp.where(mask_BxT, lax.stop_gradient(entropy_BxT), 0.0))
-        aux = dict(loss=loss, entropy_sum=entropy_sum, tokens=jnp.sum(mask_BxT.astype(jnp.float32)), corr=corr_metrics,
-                   loss_metrics=loss_metrics)
+        aux = dict(
+            loss=loss,
+            entropy_sum=entropy_sum,
+            tokens=jnp.sum(mask_BxT.astype(jnp.float32)),
+            corr=corr_metrics,
+            loss_metrics=loss_metrics,
+        )
         return loss.astype(jnp.float32) * scale, aux
 
     loss_fn.loss_scale = scale
@@ -165,8 +201,9 @@ def make_train_step(graphdef, tx, cfg, mesh, rules, state_shardings) -> TrainSte
         return new_state, metrics
 
     batch_sh = TrainBatch(*([bsh] * len(TrainBatch._fields)))
-    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, replicated),
-                     donate_argnums=0)
+    jitted = jax.jit(
+        step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, replicated), donate_argnums=0
+    )
 
     out = TrainStep(jitted, bsh)
     return out

@@ -14,10 +14,10 @@ from cisjax.models.moe import IMPLS as MOE_IMPLS
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout.server import BACKENDS
-from cisjax.sharding import MESH_AXES, rules_from_config
-from cisjax.train.publish import MODES as PUBLISH_MODES
 from cisjax.runtime import PRECISIONS
+from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train.optim import SCHEDULES
+from cisjax.train.publish import MODES as PUBLISH_MODES
 
 __all__ = ["ENGINE_DTYPES", "PROGRESS", "check", "problems"]
 
@@ -34,7 +34,9 @@ def check(cfg, *, inputs: bool = True) -> None:
     (model.path, data.source): for the benches, which build the model and the batches themselves."""
     found = problems(cfg, inputs=inputs)
     if found:
-        raise errors.UserError(f"{len(found)} problem{'s' if len(found) > 1 else ''} in the config:\n  - " + "\n  - ".join(found))
+        raise errors.UserError(
+            f"{len(found)} problem{'s' if len(found) > 1 else ''} in the config:\n  - " + "\n  - ".join(found)
+        )
 
 
 def problems(cfg, *, inputs: bool = True) -> list[str]:
@@ -76,8 +78,18 @@ class _Checker:
         except errors.UserError as err:
             self.add(f"{path}={self.get(path)!r}: {err}")
 
-    def number(self, path: str, *, low=None, high=None, low_open=False, high_open=False, integer=False,
-               allow_none=False, why: str = ""):
+    def number(
+        self,
+        path: str,
+        *,
+        low=None,
+        high=None,
+        low_open=False,
+        high_open=False,
+        integer=False,
+        allow_none=False,
+        why: str = "",
+    ):
         """The field's value if it is a (finite, for floats) number in the range, else None and a problem."""
         value = self.get(path)
         if value is None and allow_none:
@@ -114,7 +126,9 @@ def _model(c: _Checker, inputs: bool) -> None:
 def _mesh(c: _Checker) -> None:
     # Only what needs no devices: the product against the available devices is sharding.make_mesh's.
     sizes = {a: c.get(f"mesh.{a}") for a in MESH_AXES}
-    bad = [a for a, s in sizes.items() if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
+    bad = [
+        a for a, s in sizes.items() if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)
+    ]
     for a in bad:
         c.add(f"mesh.{a}={sizes[a]!r} must be a positive integer or -1 (the rest of the devices)")
     rest = [a for a, s in sizes.items() if s == -1 and a not in bad]
@@ -127,11 +141,17 @@ def _logprobs_and_correction(c: _Checker) -> None:
     c.number("logprobs.chunk_size", low=1, integer=True)
     t_train = c.number("logprobs.temperature", low=0, low_open=True)
     c.number("logprobs.top_k", low=0, integer=True)
-    t_roll = c.number("rollout.temperature", low=0, low_open=True,
-                      why=" (the trainer computes p at this temperature; 0 = greedy has no logprobs)")
+    t_roll = c.number(
+        "rollout.temperature",
+        low=0,
+        low_open=True,
+        why=" (the trainer computes p at this temperature; 0 = greedy has no logprobs)",
+    )
     if t_train is not None and t_roll is not None and float(t_train) != float(t_roll):
-        c.add(f"rollout.temperature={t_roll} but logprobs.temperature={t_train}: the trainer must score at the "
-              "sampling temperature")
+        c.add(
+            f"rollout.temperature={t_roll} but logprobs.temperature={t_train}: the trainer must score at the "
+            "sampling temperature"
+        )
 
     method = c.get("correction.method")
     c.one_of("correction.method", METHODS)
@@ -148,13 +168,17 @@ def _logprobs_and_correction(c: _Checker) -> None:
         eff_low = d_low if c.get("correction.low") is None else low
         eff_high = d_high if c.get("correction.high") is None else high
         if eff_low is not None and eff_high is not None and eff_low > eff_high:
-            c.add(f"correction.low={c.get('correction.low')} > correction.high={c.get('correction.high')} "
-                  f"(None = {method}'s default [{d_low}, {d_high}]): the kept range is empty")
+            c.add(
+                f"correction.low={c.get('correction.low')} > correction.high={c.get('correction.high')} "
+                f"(None = {method}'s default [{d_low}, {d_high}]): the kept range is empty"
+            )
     elif method in METHODS:
         for path in ("correction.low", "correction.high"):
             if c.get(path) is not None:
-                c.add(f"{path}={c.get(path)} is set but correction.method={method} does not read it (only "
-                      f"{', '.join(DEFAULT_BOUNDS)} do); set it to None")
+                c.add(
+                    f"{path}={c.get(path)} is set but correction.method={method} does not read it (only "
+                    f"{', '.join(DEFAULT_BOUNDS)} do); set it to None"
+                )
 
 
 def _advantages_and_loss(c: _Checker) -> None:
@@ -163,12 +187,18 @@ def _advantages_and_loss(c: _Checker) -> None:
     for what in ("group", "batch"):
         on = c.get(f"advantages.{what}_norm")
         # eps 0 makes a group (batch) of equal rewards (advantages) 0 / 0 = NaN
-        c.number(f"advantages.{what}_eps", low=0, low_open=bool(on),
-                 why=f" with advantages.{what}_norm on (a group of equal values gives 0 / 0)" if on else "")
+        c.number(
+            f"advantages.{what}_eps",
+            low=0,
+            low_open=bool(on),
+            why=f" with advantages.{what}_norm on (a group of equal values gives 0 / 0)" if on else "",
+        )
     group = c.number("rollout.group_size", low=1, integer=True)
     if group is not None and group < 2 and c.get("advantages.group_norm"):
-        c.add(f"rollout.group_size={group} with advantages.group_norm: a group needs >= 2 samples, or every "
-              "advantage is 0")
+        c.add(
+            f"rollout.group_size={group} with advantages.group_norm: a group needs >= 2 samples, or every "
+            "advantage is 0"
+        )
 
     c.one_of("loss.aggregation", AGGREGATIONS)
     c.number("loss.clip_low", low=0, high=1, high_open=True)
@@ -177,8 +207,10 @@ def _advantages_and_loss(c: _Checker) -> None:
     c.number("loss.gspo_clip_high", low=0)
     kl = c.number("loss.kl_coef", low=0)
     if kl:
-        c.add(f"loss.kl_coef={kl}: a KL term needs reference-policy logprobs, which the trainer does not compute "
-              "(only 0 is supported)")
+        c.add(
+            f"loss.kl_coef={kl}: a KL term needs reference-policy logprobs, which the trainer does not compute "
+            "(only 0 is supported)"
+        )
 
 
 def _train(c: _Checker) -> None:
@@ -197,10 +229,17 @@ def _train(c: _Checker) -> None:
     if decays and warmup is not None and total is not None and total <= warmup:
         c.add(f"train.schedule={schedule} needs train.total_steps ({total}) > train.warmup_steps ({warmup})")
     steps = c.get("run.steps")
-    if (decays and total is not None and isinstance(steps, numbers.Integral) and steps > total
-            and c.get("train.final_lr_ratio") == 0):
-        c.add(f"run.steps={steps} > train.total_steps={total} with train.schedule={schedule} and "
-              "train.final_lr_ratio=0: the steps past the horizon train at learning rate 0")
+    if (
+        decays
+        and total is not None
+        and isinstance(steps, numbers.Integral)
+        and steps > total
+        and c.get("train.final_lr_ratio") == 0
+    ):
+        c.add(
+            f"run.steps={steps} > train.total_steps={total} with train.schedule={schedule} and "
+            "train.final_lr_ratio=0: the steps past the horizon train at learning rate 0"
+        )
     c.number("train.micro_batches", low=1, integer=True)
     c.number("train.length_multiple", low=1, integer=True)
     c.one_of("train.precision", PRECISIONS)

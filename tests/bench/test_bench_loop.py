@@ -9,11 +9,20 @@ from cisjax.bench import loop as bench_loop
 from tests.train import looputil
 
 
-
 def test_summary_against_hand_values():
-    rows = [{"time/step_s": s, "time/generate_s": g, "time/reward_s": 0.5, "time/rescore_s": 0.25, "time/train_s": 0.5,
-             "time/publish_s": 0.25, "time/rollout_wait_s": w, "staleness_mean": 1.0}
-            for s, g, w in ((3.0, 1.5, 0.0), (5.0, 2.5, 1.0), (4.0, 3.5, 2.0))]
+    rows = [
+        {
+            "time/step_s": s,
+            "time/generate_s": g,
+            "time/reward_s": 0.5,
+            "time/rescore_s": 0.25,
+            "time/train_s": 0.5,
+            "time/publish_s": 0.25,
+            "time/rollout_wait_s": w,
+            "staleness_mean": 1.0,
+        }
+        for s, g, w in ((3.0, 1.5, 0.0), (5.0, 2.5, 1.0), (4.0, 3.5, 2.0))
+    ]
     t = bench_loop.phase_times(rows)
     assert t == {"step_s": 4.0, "rollout_s": 3.0, "train_s": 1.0, "wait_s": 1.0, "staleness_mean": 1.0, "steps": 3}
     sync = dict(t, step_s=4.0)
@@ -26,18 +35,44 @@ def test_summary_against_hand_values():
     assert contended["meets_target"] and contended["async_over_bound"] == pytest.approx(3.3 / 3.2)
     assert contended["async_over_sync_bound"] == pytest.approx(3.3 / 2.0)  # reported, not the target's ratio
 
+
 @pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
 def test_bench_loop_tiny(tmp_path):
     prepared = looputil.prepare(tmp_path / "demo")
     out = tmp_path / "bench.json"
-    argv = ["bench", "loop", "--steps", "3", "--skip", "1", "--json", str(out), "--dir", str(tmp_path / "runs"),
-            f"--config.model.path={prepared / 'model'}", f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
-            "--config.rollout.backend=transformers", "--config.rollout.dtype=float32", "--config.publish.dtype=float32",
-            "--config.data.prompts_per_step=8", "--config.rollout.group_size=2", "--config.rollout.max_new_tokens=8",
-            "--config.publish.canary.num_sequences=2", "--config.publish.canary.response_len=8", "--config.reward.workers=1",
-            "--config.run.tensorboard=false", "--config.run.dump_every=0"]
-    res = subprocess.run([*looputil.cisjax_command(), *argv], capture_output=True, text=True, timeout=900,
-                         env=looputil.subprocess_env(tmp_path / "cache"), cwd=str(looputil.REPO))
+    argv = [
+        "bench",
+        "loop",
+        "--steps",
+        "3",
+        "--skip",
+        "1",
+        "--json",
+        str(out),
+        "--dir",
+        str(tmp_path / "runs"),
+        f"--config.model.path={prepared / 'model'}",
+        f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
+        "--config.rollout.backend=transformers",
+        "--config.rollout.dtype=float32",
+        "--config.publish.dtype=float32",
+        "--config.data.prompts_per_step=8",
+        "--config.rollout.group_size=2",
+        "--config.rollout.max_new_tokens=8",
+        "--config.publish.canary.num_sequences=2",
+        "--config.publish.canary.response_len=8",
+        "--config.reward.workers=1",
+        "--config.run.tensorboard=false",
+        "--config.run.dump_every=0",
+    ]
+    res = subprocess.run(
+        [*looputil.cisjax_command(), *argv],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=looputil.subprocess_env(tmp_path / "cache"),
+        cwd=str(looputil.REPO),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "async step / max(rollout, train)" in res.stdout
     r = json.loads(out.read_text())

@@ -14,14 +14,36 @@ pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout 
 
 SKIP_VLLM = os.environ.get("CISJAX_SKIP_VLLM") == "1"
 # hidden / expert widths multiples of 32 (vLLM's CPU MoE kernel pads others); head_dim 32
-TINY_MODEL = ["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--experts", "4", "--top-k", "2",
-              "--moe-intermediate", "32", "--shared-intermediate", "64", "--vocab", "256"]
+TINY_MODEL = [
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--experts",
+    "4",
+    "--top-k",
+    "2",
+    "--moe-intermediate",
+    "32",
+    "--shared-intermediate",
+    "64",
+    "--vocab",
+    "256",
+]
 
 
 def _bench(argv, tmp_path) -> dict:
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "-m", "cisjax.cli", "bench", *argv, "--json", str(out)], capture_output=True, text=True,
-                         timeout=600)  # the benches set the vLLM environment (cisjax.rollout.engine_env)
+    res = subprocess.run(
+        [sys.executable, "-m", "cisjax.cli", "bench", *argv, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # the benches set the vLLM environment (cisjax.rollout.engine_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "target >=" in res.stdout, res.stdout
     return json.loads(out.read_text())
@@ -29,8 +51,21 @@ def _bench(argv, tmp_path) -> dict:
 
 def test_bench_export_tiny(tmp_path):
     backend = "transformers" if SKIP_VLLM else "vllm"
-    res = _bench(["export", *TINY_MODEL, "--repeats", "1", "--backend", backend, "--server-dtype", "float32", "--dir", str(tmp_path / "disk")],
-                 tmp_path)
+    res = _bench(
+        [
+            "export",
+            *TINY_MODEL,
+            "--repeats",
+            "1",
+            "--backend",
+            backend,
+            "--server-dtype",
+            "float32",
+            "--dir",
+            str(tmp_path / "disk"),
+        ],
+        tmp_path,
+    )
     rows = {r["key"]: r for r in res["rows"]}
     assert set(rows) == {"plain", "export", "reload", "export_reload", "stream", "stream_params"}
     assert res["bytes"] > 0 and res["tensor_bytes"] > 0 and res["params"] > 0
@@ -38,15 +73,39 @@ def test_bench_export_tiny(tmp_path):
         assert r["seconds"] > 0 and r["bytes_per_s"] > 0 and r["ratio"] > 0, r
     assert res["headline"] == "export_reload" and res["ratio"] == rows["export_reload"]["ratio"]
     assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 0.5
-    assert set(res["export_breakdown_s"]) == {"save", "save_convert", "save_write_fsync", "manifest", "sha256_pass", "commit_prune"}
+    assert set(res["export_breakdown_s"]) == {
+        "save",
+        "save_convert",
+        "save_write_fsync",
+        "manifest",
+        "sha256_pass",
+        "commit_prune",
+    }
     assert res["server_exit_code"] == 0
     assert not any((tmp_path / "disk").iterdir()), "the bench leaves nothing behind in --dir"
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
 def test_bench_rollout_tiny(tmp_path):
-    res = _bench(["rollout", *TINY_MODEL, "--prompts", "4", "--prompt-len", "8", "--n", "2", "--max-new-tokens", "8", "--clients", "2",
-                  "--repeats", "1"], tmp_path)
+    res = _bench(
+        [
+            "rollout",
+            *TINY_MODEL,
+            "--prompts",
+            "4",
+            "--prompt-len",
+            "8",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--clients",
+            "2",
+            "--repeats",
+            "1",
+        ],
+        tmp_path,
+    )
     rows = {r["key"]: r for r in res["rows"]}
     assert set(rows) == {"inproc", "grpc", "grpc_concurrent"}
     for r in rows.values():

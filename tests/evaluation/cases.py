@@ -36,8 +36,22 @@ SVAMP = [
 ]
 
 MATH500 = [
-    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", "\\left( 3, \\frac{\\pi}{2} \\right)", "boxed", True, "exact"),
-    ("\\boxed{(3,\\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", "boxed", True, "math_verify"),
+    (
+        "\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "boxed",
+        True,
+        "exact",
+    ),
+    (
+        "\\boxed{(3,\\frac{\\pi}{2})}",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "(3,\\frac{\\pi}{2})",
+        "boxed",
+        True,
+        "math_verify",
+    ),
     ("\\boxed{\\dfrac{14}{3}}", "\\frac{14}{3}", "\\dfrac{14}{3}", "boxed", True, "exact"),  # \dfrac
     ("\\boxed{0.5}", "\\frac{1}{2}", "0.5", "boxed", True, "math_verify"),  # decimal vs fraction
     ("\\boxed{0.33}", "\\frac{1}{3}", "0.33", "boxed", False, "math_verify"),
@@ -46,10 +60,24 @@ MATH500 = [
     ("\\boxed{[-2, 7]}", "[-2,7]", "[-2, 7]", "boxed", True, "exact"),
     ("\\boxed{x \\in [-2, 7]}", "[-2,7]", "x \\in [-2, 7]", "boxed", True, "math_verify"),  # an interval
     ("\\boxed{1,-2}", "-2,1", "1,-2", "boxed", True, "math_verify"),  # two answers in another order
-    ("\\boxed{\\frac{\\sqrt{21}}{5}}", "\\frac{\\sqrt{21}}{5}", "\\frac{\\sqrt{21}}{5}", "boxed", True, "exact"),  # nested braces
+    (
+        "\\boxed{\\frac{\\sqrt{21}}{5}}",
+        "\\frac{\\sqrt{21}}{5}",
+        "\\frac{\\sqrt{21}}{5}",
+        "boxed",
+        True,
+        "exact",
+    ),  # nested braces
     ("\\boxed{90^\\circ}", "90", "90^\\circ", "boxed", True, "math_verify"),  # degrees
     ("The answer is $\\frac{1}{8}$.", "\\frac{1}{8}", "\\frac{1}{8}", "answer_is", True, "exact"),
-    ("\\boxed{3} and then \\boxed{\\frac{1}{", "3", "1", "last_number", False, "math_verify"),  # the last box is cut off
+    (
+        "\\boxed{3} and then \\boxed{\\frac{1}{",
+        "3",
+        "1",
+        "last_number",
+        False,
+        "math_verify",
+    ),  # the last box is cut off
     ("\\boxed{p - q}", "p - q", "p - q", "boxed", True, "exact"),
     ("\\boxed{0.35625}", ".35625", "0.35625", "boxed", True, "math_verify"),
 ]
@@ -71,15 +99,50 @@ MINERVA = [
 
 OLYMPIADBENCH = [
     ("\\boxed{\\frac{1}{2 n+2}}", "\\frac{1}{2 n+2}", "\\frac{1}{2 n+2}", "boxed", True, "exact"),
-    ("\\boxed{\\frac{1}{2(n+1)}}", "\\frac{1}{2 n+2}", "\\frac{1}{2(n+1)}", "boxed", True, "math_verify"),  # another form
-    ("\\boxed{90^{\\circ}, 60^{\\circ}}", "90^{\\circ}, 60^{\\circ}", "90^{\\circ}, 60^{\\circ}", "boxed", True, "exact"),
-    ("\\boxed{60^\\circ, 90^\\circ}", "90^{\\circ}, 60^{\\circ}", "60^\\circ, 90^\\circ", "boxed", True, "math_verify"),  # several answers
+    (
+        "\\boxed{\\frac{1}{2(n+1)}}",
+        "\\frac{1}{2 n+2}",
+        "\\frac{1}{2(n+1)}",
+        "boxed",
+        True,
+        "math_verify",
+    ),  # another form
+    (
+        "\\boxed{90^{\\circ}, 60^{\\circ}}",
+        "90^{\\circ}, 60^{\\circ}",
+        "90^{\\circ}, 60^{\\circ}",
+        "boxed",
+        True,
+        "exact",
+    ),
+    (
+        "\\boxed{60^\\circ, 90^\\circ}",
+        "90^{\\circ}, 60^{\\circ}",
+        "60^\\circ, 90^\\circ",
+        "boxed",
+        True,
+        "math_verify",
+    ),  # several answers
     ("\\boxed{(3,2),(1,1)}", "(1,1), (3,2)", "(3,2),(1,1)", "boxed", True, "math_verify"),
     ("\\boxed{(1,1)}", "(1,1), (3,2)", "(1,1)", "boxed", False, "math_verify"),  # one of two answers
     ("\\boxed{2^{1009}}", "2^{1009}", "2^{1009}", "boxed", True, "exact"),
-    ("\\boxed{(-\\infty, 0) \\cup \\{1\\}}", "(-\\infty, 0) \\cup\\{1\\}", "(-\\infty, 0) \\cup \\{1\\}", "boxed", True, "exact"),  # escaped braces
+    (
+        "\\boxed{(-\\infty, 0) \\cup \\{1\\}}",
+        "(-\\infty, 0) \\cup\\{1\\}",
+        "(-\\infty, 0) \\cup \\{1\\}",
+        "boxed",
+        True,
+        "exact",
+    ),  # escaped braces
     ("\\boxed{\\dfrac{9}{32}}", "\\frac{9}{32}", "\\dfrac{9}{32}", "boxed", True, "exact"),
-    ("\\boxed{\\frac{9\\sqrt{2}}{32}}", "M=\\frac{9}{32} \\sqrt{2}", "\\frac{9\\sqrt{2}}{32}", "boxed", True, "math_verify"),
+    (
+        "\\boxed{\\frac{9\\sqrt{2}}{32}}",
+        "M=\\frac{9}{32} \\sqrt{2}",
+        "\\frac{9\\sqrt{2}}{32}",
+        "boxed",
+        True,
+        "math_verify",
+    ),
     ("\\boxed{-1+\\sqrt{2}}", "\\sqrt{2}-1", "-1+\\sqrt{2}", "boxed", True, "math_verify"),
     ("\\boxed{15, 5}", "5,15", "15, 5", "boxed", True, "math_verify"),
     ("\\boxed{2^{12}}", "4096", "2^{12}", "boxed", True, "math_verify"),
@@ -87,5 +150,10 @@ OLYMPIADBENCH = [
 ]
 
 # set name -> (cases, numeric set?)
-BY_SET = {"gsm8k": (GSM8K, True), "svamp": (SVAMP, True), "math500": (MATH500, False), "minerva": (MINERVA, False),
-          "olympiadbench": (OLYMPIADBENCH, False)}
+BY_SET = {
+    "gsm8k": (GSM8K, True),
+    "svamp": (SVAMP, True),
+    "math500": (MATH500, False),
+    "minerva": (MINERVA, False),
+    "olympiadbench": (OLYMPIADBENCH, False),
+}

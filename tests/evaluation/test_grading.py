@@ -43,9 +43,15 @@ def test_grades_by_hand(pool, name):
 
 @pytest.mark.parametrize(
     "answer, gold, numeric, expected",
-    [(None, "1", True, Grade(False, "no_answer")), ("  ", "1", False, Grade(False, "no_answer")),
-     ("$\\frac{1}{2}$", "\\dfrac{1}{2}", False, Grade(True, "exact")), ("7", "7", False, Grade(True, "exact")),
-     ("8", "7", True, Grade(False, "numeric")), ("8", "7", False, None), ("\\frac{14}{2}", "7", True, None)],
+    [
+        (None, "1", True, Grade(False, "no_answer")),
+        ("  ", "1", False, Grade(False, "no_answer")),
+        ("$\\frac{1}{2}$", "\\dfrac{1}{2}", False, Grade(True, "exact")),
+        ("7", "7", False, Grade(True, "exact")),
+        ("8", "7", True, Grade(False, "numeric")),
+        ("8", "7", False, None),
+        ("\\frac{14}{2}", "7", True, None),
+    ],
 )
 def test_grade_locally(answer, gold, numeric, expected):
     assert grade_locally(answer, gold, numeric=numeric) == expected
@@ -54,10 +60,17 @@ def test_grade_locally(answer, gold, numeric, expected):
 def test_a_hanging_grader_grades_wrong_and_the_rest_go_on():
     with RewardPool(workers=2, timeout_s=TIMEOUT_S, batch_deadline_s=60.0, fn=f"{__name__}:hangs_on_marker") as pool:
         t0 = time.monotonic()
-        grades = grade_all(["HANG", "\\frac{2}{4}", "RAISE", "\\frac{1}{3}", "5"], ["1", "0.5", "1", "0.5", "5"], [False] * 5, pool)
+        grades = grade_all(
+            ["HANG", "\\frac{2}{4}", "RAISE", "\\frac{1}{3}", "5"], ["1", "0.5", "1", "0.5", "5"], [False] * 5, pool
+        )
         elapsed = time.monotonic() - t0
-        assert grades == [Grade(False, "timeout"), Grade(True, "math_verify"), Grade(False, "error"), Grade(False, "math_verify"),
-                          Grade(True, "exact")]
+        assert grades == [
+            Grade(False, "timeout"),
+            Grade(True, "math_verify"),
+            Grade(False, "error"),
+            Grade(False, "math_verify"),
+            Grade(True, "exact"),
+        ]
         assert elapsed < TIMEOUT_S + 5.0, elapsed  # the hard timeout, not the hang
         assert pool.metrics()["timed_out"] == 1 and pool.metrics()["errors"] == 1
         assert grade_all(["\\frac{3}{6}"], ["0.5"], [False], pool) == [Grade(True, "math_verify")]  # the pool lives on

@@ -10,12 +10,14 @@ from cisjax.evaluation.scores import average, avg_at_k, ks_for, pass_at_k, summa
 @pytest.mark.parametrize(
     "n, c, k, expected",
     [
-        (1, 1, 1, 1.0), (1, 0, 1, 0.0),
+        (1, 1, 1, 1.0),
+        (1, 0, 1, 0.0),
         (4, 1, 1, 1 / 4),  # pass@1 = c / n
         (5, 2, 2, 7 / 10),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
         (10, 3, 5, 11 / 12),  # 1 - C(7,5)/C(10,5) = 1 - 21/252
         (4, 2, 3, 1.0),  # C(2,3) = 0: every 3 of the 4 hold a correct one
-        (10, 0, 10, 0.0), (3, 3, 2, 1.0),
+        (10, 0, 10, 0.0),
+        (3, 3, 2, 1.0),
         (8, 1, 4, 1 / 2),  # 1 - C(7,4)/C(8,4) = 1 - 35/70
         (16, 4, 2, 9 / 20),  # 1 - C(12,2)/C(16,2) = 1 - 66/120
     ],
@@ -42,12 +44,23 @@ def test_ks_for():
 
 
 def _sample(pid, correct, rule="boxed", method="exact", tokens=10, finish="stop"):
-    return {"id": pid, "correct": correct, "rule": rule, "graded_by": method, "response_tokens": tokens, "finish_reason": finish}
+    return {
+        "id": pid,
+        "correct": correct,
+        "rule": rule,
+        "graded_by": method,
+        "response_tokens": tokens,
+        "finish_reason": finish,
+    }
 
 
 def test_summarize_greedy():
-    samples = [_sample("a", True, tokens=10), _sample("b", False, rule="none", method="no_answer", tokens=30, finish="length"),
-               _sample("c", True, rule="answer_is", method="numeric", tokens=20), _sample("d", False, rule="last_number", method="math_verify", tokens=40)]
+    samples = [
+        _sample("a", True, tokens=10),
+        _sample("b", False, rule="none", method="no_answer", tokens=30, finish="length"),
+        _sample("c", True, rule="answer_is", method="numeric", tokens=20),
+        _sample("d", False, rule="last_number", method="math_verify", tokens=40),
+    ]
     s = summarize(samples, 1)
     assert s["accuracy"] == 0.5 and s["count"] == 4 and s["samples"] == 4
     assert s["answered"] == 0.75 and s["mean_response_tokens"] == 25.0 and s["truncated"] == 0.25
@@ -58,7 +71,9 @@ def test_summarize_greedy():
 
 def test_summarize_sampled():
     # two problems, 4 samples each: a has 1 correct, b has 2
-    samples = [_sample("a", c) for c in (True, False, False, False)] + [_sample("b", c) for c in (True, True, False, False)]
+    samples = [_sample("a", c) for c in (True, False, False, False)] + [
+        _sample("b", c) for c in (True, True, False, False)
+    ]
     s = summarize(samples, 4)
     assert math.isclose(s["accuracy"], (1 / 4 + 2 / 4) / 2) and s["avg@4"] == s["accuracy"]
     assert math.isclose(s["pass@1"], (1 / 4 + 2 / 4) / 2)

@@ -14,8 +14,13 @@ EVAL = FIXTURES / "eval"
 
 
 def test_the_full_sizes_are_the_issues():
-    assert {n: b.full_size for n, b in BENCHMARKS.items()} == {"gsm8k": 1319, "math500": 500, "svamp": 1000, "minerva": 272,
-                                                               "olympiadbench": 675}
+    assert {n: b.full_size for n, b in BENCHMARKS.items()} == {
+        "gsm8k": 1319,
+        "math500": 500,
+        "svamp": 1000,
+        "minerva": 272,
+        "olympiadbench": 675,
+    }
     assert {n for n, b in BENCHMARKS.items() if b.numeric} == {"gsm8k", "svamp"}
 
 
@@ -30,7 +35,10 @@ def test_parse_sets():
 def test_parse_data():
     assert parse_data("data/dir") == ("data/dir", {})
     assert parse_data("hf") == ("hf", {})
-    assert parse_data("d, gsm8k=a.jsonl ,minerva_math=hf:x/y:z@train") == ("d", {"gsm8k": "a.jsonl", "minerva": "hf:x/y:z@train"})
+    assert parse_data("d, gsm8k=a.jsonl ,minerva_math=hf:x/y:z@train") == (
+        "d",
+        {"gsm8k": "a.jsonl", "minerva": "hf:x/y:z@train"},
+    )
     with pytest.raises(ValueError, match="unknown eval set 'aime'"):
         parse_data("aime=x.jsonl")
     with pytest.raises(ValueError, match="two default sources"):
@@ -68,7 +76,10 @@ def test_missing_data_is_named(tmp_path):
 def test_load_set_limit_and_size_note():
     s = load_set("math500", str(EVAL), {}, limit=2)
     assert [p.id for p in s.problems] == ["test/precalculus/807.json", "test/intermediate_algebra/1994.json"]
-    assert s.source_size == 3 and s.size_note == f"{EVAL / 'math500.jsonl'} holds 3 problems; the full math500 test set has 500"
+    assert (
+        s.source_size == 3
+        and s.size_note == f"{EVAL / 'math500.jsonl'} holds 3 problems; the full math500 test set has 500"
+    )
     assert len(load_set("math500", str(EVAL), {}).problems) == 3
 
 
@@ -81,7 +92,9 @@ def test_a_file_of_the_full_size_has_no_note(tmp_path):
 
 def test_a_row_without_an_answer_is_named(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n" + json.dumps({"problem": "q", "answer": " "}) + "\n")
+    path.write_text(
+        json.dumps({"problem": "p", "answer": "1"}) + "\n" + json.dumps({"problem": "q", "answer": " "}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"eval set math500 \(.*m.jsonl\): problem math500/test/1 has no gold answer"):
         load_set("math500", None, {"math500": str(path)})
     path.write_text(json.dumps({"problem": "p"}) + "\n")
@@ -101,15 +114,26 @@ def qwen3_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("style, text", [
-    ("train", "<|im_start|>user\nWhat is 1+1?\nPlease put your final answer within \\boxed{}.<|im_end|>\n"),
-    ("paper-eval", "<|im_start|>user\nWhat is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"),
-    ("qwen25-math-cot", "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
-                        "<|im_start|>user\nWhat is 1+1?<|im_end|>\n"),
-])
+@pytest.mark.parametrize(
+    "style, text",
+    [
+        ("train", "<|im_start|>user\nWhat is 1+1?\nPlease put your final answer within \\boxed{}.<|im_end|>\n"),
+        (
+            "paper-eval",
+            "<|im_start|>user\nWhat is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n",
+        ),
+        (
+            "qwen25-math-cot",
+            "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+            "<|im_start|>user\nWhat is 1+1?<|im_end|>\n",
+        ),
+    ],
+)
 def test_prompt_styles(qwen3_dir, style, text):
     fmt = prompts.formatter(style, qwen3_dir)
-    assert fmt.text("What is 1+1?") == text + "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's template, thinking off
+    assert (
+        fmt.text("What is 1+1?") == text + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )  # Qwen3's template, thinking off
 
 
 def test_unknown_prompt_style():

@@ -12,7 +12,7 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
-from cisjax.mismatch import command, measure, records  # noqa: E402
+from cisjax.mismatch import command, records  # noqa: E402
 from cisjax.train import metrics as metrics_lib  # noqa: E402
 from tests.train import looputil  # noqa: E402
 
@@ -33,14 +33,25 @@ def servers(tmp_path_factory):
     started = []
     try:
         for backend in ("vllm", "transformers"):
-            s = ChildServer(backend=backend, model_dir=str(prepared / "model"), export_root=str(root / "exports"), dtype="float32",
-                            log_path=root / f"{backend}.log", startup_s=300)
+            s = ChildServer(
+                backend=backend,
+                model_dir=str(prepared / "model"),
+                export_root=str(root / "exports"),
+                dtype="float32",
+                log_path=root / f"{backend}.log",
+                startup_s=300,
+            )
             started.append(s)
         for s in started:
             with RolloutClient(s.target) as c:
                 s.wait_ready(c)
-        yield {"model": prepared / "model", "data": prepared / "data" / "heldout.jsonl", "vllm": started[0].target,
-               "transformers": started[1].target, "root": root}
+        yield {
+            "model": prepared / "model",
+            "data": prepared / "data" / "heldout.jsonl",
+            "vllm": started[0].target,
+            "transformers": started[1].target,
+            "root": root,
+        }
     finally:
         for s in started:
             s.stop()
@@ -49,9 +60,30 @@ def servers(tmp_path_factory):
 def _args(servers, out, **kw):
     p = argparse.ArgumentParser()
     command.add_args(p)
-    argv = ["measure", "--out", str(out), "--model", str(servers["model"]), "--prompts", str(servers.get("prompts", servers["data"])),
-            "--kind", "gsm8k", "--num-prompts", str(N_PROMPTS), "--n", str(N), "--max-new-tokens", str(NEW), "--seed", "3",
-            "--server", servers["vllm"], "--transformers-server", servers["transformers"], "--no-progress"]
+    argv = [
+        "measure",
+        "--out",
+        str(out),
+        "--model",
+        str(servers["model"]),
+        "--prompts",
+        str(servers.get("prompts", servers["data"])),
+        "--kind",
+        "gsm8k",
+        "--num-prompts",
+        str(N_PROMPTS),
+        "--n",
+        str(N),
+        "--max-new-tokens",
+        str(NEW),
+        "--seed",
+        "3",
+        "--server",
+        servers["vllm"],
+        "--transformers-server",
+        servers["transformers"],
+        "--no-progress",
+    ]
     for k, v in kw.items():
         flag = "--" + k.replace("_", "-")
         argv += [flag] if v is True else [flag, str(v)]
@@ -61,7 +93,15 @@ def _args(servers, out, **kw):
 @pytest.fixture(scope="module")
 def measured(servers):
     out = servers["root"] / "out"
-    args = _args(servers, out, pairs="xla-vllm,xla-transformers", dtype="float32", topk=TOPK, probe_positions=PROBES, routing=True)
+    args = _args(
+        servers,
+        out,
+        pairs="xla-vllm,xla-transformers",
+        dtype="float32",
+        topk=TOPK,
+        probe_positions=PROBES,
+        routing=True,
+    )
     assert command.run(args, []) == 0
     return out
 
@@ -100,7 +140,9 @@ def test_pairs_load_with_consistent_tokens(measured, servers):
             if len(where):
                 hits += 1
                 assert abs(k["logp_p"][j, where[0]] - m.tokens["logp"][t]) < 1e-4
-        assert hits >= 1  # the untrained model is near uniform over its 100 ids: some sampled tokens are outside the top 20
+        assert (
+            hits >= 1
+        )  # the untrained model is near uniform over its 100 ids: some sampled tokens are outside the top 20
         r = m.routing
         moe_layers = hf["num_hidden_layers"]
         assert r["experts_p"].shape == r["experts_q"].shape == (moe_layers, PROBES, hf["num_experts_per_tok"])
@@ -114,14 +156,28 @@ def test_dump_reader(tmp_path, servers):
     for step in (2, 4, 6, 8, 10, 12):
         shape = (3, 10)
         infer = -rng.exponential(1.0, shape)
-        metrics_lib.write_dump(run_dir, step, infer_logprobs=infer, prox_logprobs=infer + rng.normal(0, 0.01, shape),
-                               mask=rng.random(shape) < 0.7, weights=np.ones(shape), acted=np.zeros(shape, bool),
-                               token_versions=np.full(shape, step - 1), current_version=step, sample_tokens=8, seed=0)
+        metrics_lib.write_dump(
+            run_dir,
+            step,
+            infer_logprobs=infer,
+            prox_logprobs=infer + rng.normal(0, 0.01, shape),
+            mask=rng.random(shape) < 0.7,
+            weights=np.ones(shape),
+            acted=np.zeros(shape, bool),
+            token_versions=np.full(shape, step - 1),
+            current_version=step,
+            sample_tokens=8,
+            seed=0,
+        )
     args = _args(servers, tmp_path / "out", dump=run_dir)
     args.model = args.prompts = None
     assert command.run(args, []) == 0
     m = records.load(tmp_path / "out" / "train-dump")
-    assert m.meta["pair"] == "train-dump" and m.meta["side_p"] == "xla (proximal)" and m.meta["side_q"] == "vllm (sampling)"
+    assert (
+        m.meta["pair"] == "train-dump"
+        and m.meta["side_p"] == "xla (proximal)"
+        and m.meta["side_q"] == "vllm (sampling)"
+    )
     assert m.n_tokens == 6 * 8 and m.meta["staleness_mean"] == 1.0
     np.testing.assert_array_equal(np.bincount(m.tokens["phase"]), [16, 16, 16])  # steps 2,4 | 6,8 | 10,12
     assert m.meta["phase_steps"] == {"early": [2, 4], "middle": [6, 8], "late": [10, 12]}
@@ -183,8 +239,14 @@ def test_report_of_a_real_measurement_has_every_table_and_plot(measured, tmp_pat
             assert h in md, h
     assert "Omitted for" not in md  # top-K and routing were measured: no table left out
     assert "identity k = p + (1−p)e^ε: max error" in md
-    for name in ("ccdf_delta.png", "ccdf_eps.png", "eps_vs_uncertainty.png", "mad_vs_uncertainty.png",
-                 "plane_xla-vllm.png", "plane_xla-transformers.png"):
+    for name in (
+        "ccdf_delta.png",
+        "ccdf_eps.png",
+        "eps_vs_uncertainty.png",
+        "mad_vs_uncertainty.png",
+        "plane_xla-vllm.png",
+        "plane_xla-transformers.png",
+    ):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md, name
     doc = json.loads((out / "summary.json").read_text())

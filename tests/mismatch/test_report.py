@@ -14,12 +14,21 @@ N_SURE = 100  # tokens with p = q = 1 exactly: eps not finite
 EPS_UP, EPS_DOWN = 1.5, -2.5
 P_MOVED = 0.3
 
-HEADINGS = ("## Checks", "### Controls", "## Per-logit perturbation δ (tab:appA_delta_stats)",
-            "## δ by N_flip (tab:appA_routing)", "## Log-odds displacement ε (tab:appA_epsilon_stats)",
-            "### ε by training phase", "## ε by confidence (tab:appA_confidence)",
-            "## MAD of ε and log k over 18 log bins of 1 − p", "## Moments E[e^{αε}] and E[((1−p)e^ε)^α]",
-            "## Share of Var(k) by side of k = 1", "## Truncation bias E[k − f(k)] per confidence bin, CIS vs TIS",
-            "## Fraction of tokens each operator acts on", "## The p_train – p_infer plane")
+HEADINGS = (
+    "## Checks",
+    "### Controls",
+    "## Per-logit perturbation δ (tab:appA_delta_stats)",
+    "## δ by N_flip (tab:appA_routing)",
+    "## Log-odds displacement ε (tab:appA_epsilon_stats)",
+    "### ε by training phase",
+    "## ε by confidence (tab:appA_confidence)",
+    "## MAD of ε and log k over 18 log bins of 1 − p",
+    "## Moments E[e^{αε}] and E[((1−p)e^ε)^α]",
+    "## Share of Var(k) by side of k = 1",
+    "## Truncation bias E[k − f(k)] per confidence bin, CIS vs TIS",
+    "## Fraction of tokens each operator acts on",
+    "## The p_train – p_infer plane",
+)
 
 
 def logq_from_eps(logp, eps):
@@ -32,28 +41,47 @@ def measurement(pair, vocab, topk=True, phase=True):
     """N tokens: p in {0.3, 0.95, 0.9995} with q = p exactly, N_SURE with p = q = 1, and four moved tokens at
     p = 0.3: three with eps = +1.5 (k = 3.43: TIS and CIS truncate, IcePop keeps), one with eps = -2.5 (k = 0.357:
     IcePop masks it, the caps leave it)."""
-    p = np.tile([0.3, 0.95, 0.9995], N)[:N - N_SURE]
+    p = np.tile([0.3, 0.95, 0.9995], N)[: N - N_SURE]
     logp = np.concatenate([np.log(p), np.zeros(N_SURE)]).astype(np.float32)
     logq = logp.copy()
     moved = [0, 3, 6, 9]  # p = 0.3 (every third token)
     for i, e in zip(moved, (EPS_UP, EPS_UP, EPS_UP, EPS_DOWN)):
         logq[i] = logq_from_eps(float(logp[i]), e)
-    tokens = dict(logp=logp, logq=logq, seq_id=np.repeat(np.arange(10), N // 10).astype(np.int32),
-                  position=np.tile(np.arange(N // 10), 10).astype(np.int32), token_id=np.arange(N, dtype=np.int32))
+    tokens = dict(
+        logp=logp,
+        logq=logq,
+        seq_id=np.repeat(np.arange(10), N // 10).astype(np.int32),
+        position=np.tile(np.arange(N // 10), 10).astype(np.int32),
+        token_id=np.arange(N, dtype=np.int32),
+    )
     if phase:
         tokens["phase"] = (np.arange(N) * 3 // N).astype(np.int8)
-    m = records.Measurement(meta={"pair": pair, "side_p": "xla/bfloat16", "side_q": "vllm/bfloat16", "model": pair,
-                                  "vocab_size": vocab, "control_rescore_max_abs_diff": 0.0}, tokens=tokens)
+    m = records.Measurement(
+        meta={
+            "pair": pair,
+            "side_p": "xla/bfloat16",
+            "side_q": "vllm/bfloat16",
+            "model": pair,
+            "vocab_size": vocab,
+            "control_rescore_max_abs_diff": 0.0,
+        },
+        tokens=tokens,
+    )
     if topk:
         # 2 positions, K = 3; ids {1, 2, 3} vs {1, 2, 4}: 2 pairs each; delta = logp_q - logp_p = 0, 0.6 | -1.2, 0
-        m.topk = dict(token_index=np.array([5, 7]), ids_p=np.array([[1, 2, 3], [1, 2, 3]]),
-                      logp_p=np.array([[-0.5, -1.0, -2.0], [-0.2, -1.5, -3.0]]),
-                      ids_q=np.array([[1, 2, 4], [2, 1, 4]]),
-                      logp_q=np.array([[-0.5, -0.4, -2.5], [-1.5, -1.4, -3.5]]))
+        m.topk = dict(
+            token_index=np.array([5, 7]),
+            ids_p=np.array([[1, 2, 3], [1, 2, 3]]),
+            logp_p=np.array([[-0.5, -1.0, -2.0], [-0.2, -1.5, -3.0]]),
+            ids_q=np.array([[1, 2, 4], [2, 1, 4]]),
+            logp_q=np.array([[-0.5, -0.4, -2.5], [-1.5, -1.4, -3.5]]),
+        )
         # 2 layers, top-2 experts: position 0 agrees everywhere (N_flip 0), position 1 differs in one layer
-        m.routing = dict(token_index=np.array([5, 7]),
-                         experts_p=np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]]]),
-                         experts_q=np.array([[[1, 0], [2, 5]], [[0, 1], [3, 2]]]))
+        m.routing = dict(
+            token_index=np.array([5, 7]),
+            experts_p=np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]]]),
+            experts_q=np.array([[[1, 0], [2, 5]], [[0, 1], [3, 2]]]),
+        )
     return m
 
 
@@ -86,8 +114,14 @@ def test_report_tables_and_known_values(two):
     assert "| Paired entries | 4 |" in md and "| P(\\|δ\\|>0.5) | 50% |" in md and "| max \\|δ\\| | 1.2 |" in md
     assert "Omitted for xla-vllm-dense: no topk.npz" in md
     assert "**Warning:** the measurements come from different vocabularies" in md
-    for name in ("ccdf_delta.png", "ccdf_eps.png", "eps_vs_uncertainty.png", "mad_vs_uncertainty.png",
-                 "plane_xla-vllm-moe.png", "plane_xla-vllm-dense.png"):
+    for name in (
+        "ccdf_delta.png",
+        "ccdf_eps.png",
+        "eps_vs_uncertainty.png",
+        "mad_vs_uncertainty.png",
+        "plane_xla-vllm-moe.png",
+        "plane_xla-vllm-dense.png",
+    ):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
         assert f"]({name})" in md, name

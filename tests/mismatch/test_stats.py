@@ -63,8 +63,14 @@ def test_identity_holds_on_finite_tokens():
     eps = S.eps_from_logprobs(logp, logq)
     assert np.isnan(eps[6]) and np.isfinite(np.delete(eps, 6)).all()
     assert S.identity_max_error(logp, logq, eps) < 1e-12
-    assert S.identity_max_error(logp.astype(np.float32), logq.astype(np.float32),
-                                S.eps_from_logprobs(logp.astype(np.float32), logq.astype(np.float32))) < 1e-12
+    assert (
+        S.identity_max_error(
+            logp.astype(np.float32),
+            logq.astype(np.float32),
+            S.eps_from_logprobs(logp.astype(np.float32), logq.astype(np.float32)),
+        )
+        < 1e-12
+    )
 
 
 def test_identity_error_hand_values():
@@ -210,7 +216,7 @@ def test_uncertainty_bins_eps():
     logq = logq_from_eps(logp, np.concatenate([e for _, e in groups]))
     out = S.uncertainty_bins(logp, logq, edges)  # 1 - p = 1e-4 lies below edges[0]: dropped
     np.testing.assert_array_equal(out["tokens"], [3, 4, 1])
-    np.testing.assert_allclose(out["centers"], [10 ** -2.5, 10 ** -1.5, 10 ** -0.5], rtol=1e-12)
+    np.testing.assert_allclose(out["centers"], [10**-2.5, 10**-1.5, 10**-0.5], rtol=1e-12)
     # bin 1: median 0.1, |eps - 0.1| = .3, .1, .1, .5 -> MAD 0.2
     np.testing.assert_allclose(out["median_eps"], [0.0, 0.1, 0.3], atol=1e-12)
     np.testing.assert_allclose(out["mad_eps"], [1.0, 0.2, 0.0], atol=1e-12)
@@ -252,7 +258,7 @@ def test_average_ranks_ties():
 def test_spearman_hand_values():
     x = np.array([0.3, -1.0, 2.0, 0.0, 5.0, 1.5])
     assert S.spearman(x, np.exp(x)) == pytest.approx(1.0)  # monotone transform
-    assert S.spearman(x, -x ** 3) == pytest.approx(-1.0)  # reversed
+    assert S.spearman(x, -(x**3)) == pytest.approx(-1.0)  # reversed
     # x ranks 1, 2.5, 2.5, 4 vs y ranks 1, 3, 2, 4: dot of deviations 4.5, sums of squares 4.5 and 5 -> 3 / sqrt(10)
     assert S.spearman([1.0, 2.0, 2.0, 3.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(3 / math.sqrt(10))
     # x ranks 1.5, 1.5, 3.5, 3.5: dot 4, sums of squares 4 and 5 -> 2 / sqrt(5)
@@ -357,14 +363,20 @@ def test_acted_fractions_token_operators():
 
 def test_acted_fractions_sequence_operators():
     lengths = np.array([1, 0, 1, 3, 1])  # responses {t0}, {}, {t1}, {t2, t3, t4}, {t5}
-    out = S.acted_fractions(*_acted_inputs(), ["seq_tis", "seq_mis", "tis", "cis_two_sided", "kpop_shipped"],
-                            response_lengths=lengths, chunk_tokens=4)
+    out = S.acted_fractions(
+        *_acted_inputs(),
+        ["seq_tis", "seq_mis", "tis", "cis_two_sided", "kpop_shipped"],
+        response_lengths=lengths,
+        chunk_tokens=4,
+    )
     # K per response: 3, 0.25, 1.5 * 1 * 10 = 15, 1. seq_tis (K > 2): {t0}, {t2..t4}; seq_mis (K outside [0.5, 2])
     # also rejects {t1}. The empty response counts in neither fraction.
-    assert out["acted_frac"] == pytest.approx(dict(seq_tis=4 / 6, seq_mis=5 / 6, tis=2 / 6, cis_two_sided=4 / 6,
-                                                   kpop_shipped=1 / 6))
-    assert out["acted_seq_frac"] == pytest.approx(dict(seq_tis=0.5, seq_mis=0.75, tis=0.5, cis_two_sided=0.75,
-                                                       kpop_shipped=0.25))
+    assert out["acted_frac"] == pytest.approx(
+        dict(seq_tis=4 / 6, seq_mis=5 / 6, tis=2 / 6, cis_two_sided=4 / 6, kpop_shipped=1 / 6)
+    )
+    assert out["acted_seq_frac"] == pytest.approx(
+        dict(seq_tis=0.5, seq_mis=0.75, tis=0.5, cis_two_sided=0.75, kpop_shipped=0.25)
+    )
 
 
 def test_acted_fractions_bad_inputs():
@@ -379,8 +391,17 @@ def test_acted_fractions_bad_inputs():
 
 # ----------------------------------------------------------------------------- bad inputs
 
-LOGPROB_FUNCS = [S.eps_from_logprobs, S.eps_stats, S.eps_by_confidence, S.uncertainty_bins, S.confidence_invariance,
-                 S.displacement_moments, S.variance_share_by_side, S.truncation_bias, S.acted_fractions]
+LOGPROB_FUNCS = [
+    S.eps_from_logprobs,
+    S.eps_stats,
+    S.eps_by_confidence,
+    S.uncertainty_bins,
+    S.confidence_invariance,
+    S.displacement_moments,
+    S.variance_share_by_side,
+    S.truncation_bias,
+    S.acted_fractions,
+]
 
 
 @pytest.mark.parametrize("fn", LOGPROB_FUNCS, ids=lambda f: f.__name__)

@@ -27,7 +27,9 @@ def run(model, tokens_BxL, positions_BxL=None, segment_ids_BxL=None) -> tuple[np
     return np.asarray(logits), (None if ids is None else np.asarray(ids))
 
 
-def assert_matches_hf(model_dir: str, model, tokens_BxL: np.ndarray, *, logits_tol=LOGITS_TOL, logprob_tol=LOGPROB_TOL) -> dict:
+def assert_matches_hf(
+    model_dir: str, model, tokens_BxL: np.ndarray, *, logits_tol=LOGITS_TOL, logprob_tol=LOGPROB_TOL
+) -> dict:
     """Our fp32 forward vs the torch fp32 reference on the same tokens: logits, log-softmax and the
     sorted routed expert ids of every MoE layer on every token. Returns the max errors."""
     ref_logits, ref_ids = hf_forward(model_dir, tokens_BxL)

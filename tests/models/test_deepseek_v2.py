@@ -10,24 +10,49 @@ from tests.models.parity import assert_matches_hf
 
 # Each config below overrides tests.helpers.TINY_FAMILIES["deepseek_v2"] (hidden 48, 3 layers, kv LoRA 16, 8 routed experts
 # top 3, 2 shared; save_tiny_hf's initializer_range 0.1 is large enough that attention visibly moves the logits).
-YARN = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=128, mscale=0.9, mscale_all_dim=0.7)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=1000.0,
+    factor=4.0,
+    original_max_position_embeddings=128,
+    mscale=0.9,
+    mscale_all_dim=0.7,
+)
 
 CONFIGS = {
     # q LoRA, yarn with mscale/mscale_all_dim, group-limited routing, a leading dense layer, biases,
     # rms_norm_eps != the latent norms' fixed 1e-6
     "lora_yarn_group": dict(
-        q_lora_rank=24, rope_parameters=YARN, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, rms_norm_eps=1e-5,
+        q_lora_rank=24,
+        rope_parameters=YARN,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        rms_norm_eps=1e-5,
     ),
     # no q LoRA, default rope, greedy, all layers MoE, tied head; HF ignores norm_topk_prob here
     "plain_greedy_tied": dict(
-        q_lora_rank=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0), topk_method="greedy",
-        first_k_dense_replace=0, tie_word_embeddings=True, norm_topk_prob=True, n_shared_experts=1,
+        q_lora_rank=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        topk_method="greedy",
+        first_k_dense_replace=0,
+        tie_word_embeddings=True,
+        norm_topk_prob=True,
+        n_shared_experts=1,
     ),
     # yarn without mscale_all_dim (no softmax-scale correction), legacy rope_scaling spelling
     "nolora_yarn_plain_scale": dict(
-        q_lora_rank=None, rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64), rope_theta=500.0,
-        topk_method="group_limited_greedy", n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=0.5,
+        q_lora_rank=None,
+        rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64),
+        rope_theta=500.0,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=0.5,
         num_hidden_layers=2,
     ),
 }
@@ -58,13 +83,32 @@ def test_save_round_trip(tiny, tmp_path):
 
 def test_config_spellings_and_defaults():
     new = dict(
-        vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, max_position_embeddings=163840, num_attention_heads=2, num_experts_per_tok=1,
-        n_routed_experts=4, q_lora_rank=None, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
-        original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707),
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        max_position_embeddings=163840,
+        num_attention_heads=2,
+        num_experts_per_tok=1,
+        n_routed_experts=4,
+        q_lora_rank=None,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
     )
     old = {k: v for k, v in new.items() if k != "rope_parameters"}
-    old.update(num_experts=old.pop("n_routed_experts"), rope_theta=10000.0,
-               rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707))
+    old.update(
+        num_experts=old.pop("n_routed_experts"),
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707
+        ),
+    )
     a, b = deepseek_v2.Config.from_hf(new), deepseek_v2.Config.from_hf(old)
     assert a == b and a.q_lora_rank is None and a.num_experts == 4
     # DeepSeek-V2-Lite's softmax scale: (0.1 * 0.707 * ln 40 + 1)^2 / sqrt(192)

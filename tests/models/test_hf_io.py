@@ -129,7 +129,12 @@ def test_wrong_shape(src, tmp_path):
     import torch
 
     name = "model.layers.0.self_attn.k_proj.weight"
-    raises(variant(src, tmp_path, edit_tensors=lambda t: t.update({name: torch.zeros(24, 32)})), name, "[24, 32]", "[16, 32]")
+    raises(
+        variant(src, tmp_path, edit_tensors=lambda t: t.update({name: torch.zeros(24, 32)})),
+        name,
+        "[24, 32]",
+        "[16, 32]",
+    )
 
 
 def test_unused_tensor(src, tmp_path):
@@ -153,7 +158,13 @@ def test_tied_checkpoint_with_stray_lm_head_loads(src_tied, tmp_path):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("hidden_size", "32"), ("num_experts_per_tok", 2.5), ("rms_norm_eps", "1e-6"), ("tie_word_embeddings", "false"), ("mlp_only_layers", [0.5])],
+    [
+        ("hidden_size", "32"),
+        ("num_experts_per_tok", 2.5),
+        ("rms_norm_eps", "1e-6"),
+        ("tie_word_embeddings", "false"),
+        ("mlp_only_layers", [0.5]),
+    ],
 )
 def test_bad_config_field(src, tmp_path, field, value):
     raises(variant(src, tmp_path, config=lambda hf: hf.update({field: value})), repr(field))
@@ -271,7 +282,12 @@ def test_iter_tensors_is_lazy_and_equals_the_files(src, monkeypatch):
     assert fetched == []
     got = {}
     for spec, (name, arr) in zip(specs, stream):
-        assert name == spec.name and arr.shape == spec.shape and arr.dtype == np.dtype(ml_dtypes.bfloat16) and arr.flags.c_contiguous
+        assert (
+            name == spec.name
+            and arr.shape == spec.shape
+            and arr.dtype == np.dtype(ml_dtypes.bfloat16)
+            and arr.flags.c_contiguous
+        )
         got[name] = arr
     assert len(got) == len(want)
     experts = [n for n in want if ".mlp.experts." in n]

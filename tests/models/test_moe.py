@@ -67,7 +67,9 @@ def test_route_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown topk method"):
         moe.route(logits, k=2, method="noaux_tc")
     with pytest.raises(ValueError, match="unknown moe impl"):
-        moe.moe_ffn(jnp.zeros((2, 4)), *(jnp.zeros((3, 4, 4)),) * 3, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), impl="nope")
+        moe.moe_ffn(
+            jnp.zeros((2, 4)), *(jnp.zeros((3, 4, 4)),) * 3, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), impl="nope"
+        )
 
 
 # ----------------------------------------------------------------------------- moe_ffn vs a float64 loop
@@ -154,7 +156,14 @@ CASES = {
     # 40 rows over experts 0..3 (10 each): tile 5 divides every group, 64 (-> 40, 20: capped at the rows) does not
     "balanced": (20, 8, 6, 5, _ids_cycle(20, 2, [0, 1, 2, 3]), (5, 64)),
     # uneven groups of 1, 29, 36, 34 rows (experts 0, 5 empty): full and masked tiles, a 1-row group
-    "uneven": (50, 8, 4, 6, [[4, 1] if i == 0 else [2, 3] if i < 17 else [3, 4] if i < 37 else [2, 4] for i in range(50)], (16, 8, 1)),
+    "uneven": (
+        50,
+        8,
+        4,
+        6,
+        [[4, 1] if i == 0 else [2, 3] if i < 17 else [3, 4] if i < 37 else [2, 4] for i in range(50)],
+        (16, 8, 1),
+    ),
     # groups of 37, 90, 113, 60 rows: tile 64 (-> 64, 16) and 256 (-> 256, 64, 16) run 2x16 + 5 masked,
     # 64 + 16 + 10, 64 + 3x16 + 1, 3x16 + 12; tile 32 (-> 32, 16) 32 + 5, 2x32 + 16 + 10, 3x32 + 16 + 1, 32 + 16 + 12
     "levels": (150, 8, 4, 5, [[0, 1] if i < 37 else [1, 2] if i < 90 else [2, 3] for i in range(150)], (64, 256, 32)),
@@ -196,7 +205,9 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
         assert y.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
         for a, ref in zip((y, *grads), (y_ref, *grads_ref)):
             a = np.asarray(a, np.float32)
-            np.testing.assert_allclose(a, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=f"bf16 {impl} tile={tile}")
+            np.testing.assert_allclose(
+                a, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=f"bf16 {impl} tile={tile}"
+            )
 
 
 def test_tile_sizes_and_choose_tile():
@@ -215,12 +226,32 @@ def test_tile_sizes_and_choose_tile():
 
 
 def test_moe_module_routes_then_dispatches():
-    mod = moe.MoE(8, 4, 6, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=jnp.float32,
-                  method="group_limited_greedy", n_group=3, topk_group=2, scaling=1.5)
+    mod = moe.MoE(
+        8,
+        4,
+        6,
+        2,
+        rngs=nnx.Rngs(0),
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+        method="group_limited_greedy",
+        n_group=3,
+        topk_group=2,
+        scaling=1.5,
+    )
     x_BxLxD = jax.random.normal(jax.random.key(1), (2, 5, 8))
     y, ids_BxLxK = nnx.jit(lambda m, x: m(x))(mod, x_BxLxD)
     x_NxD = np.asarray(x_BxLxD).reshape(10, 8)
-    w_ref, ids_ref = moe.route(x_NxD @ np.asarray(mod.router_DxE[...]), k=2, method="group_limited_greedy", n_group=3, topk_group=2, scaling=1.5)
+    w_ref, ids_ref = moe.route(
+        x_NxD @ np.asarray(mod.router_DxE[...]),
+        k=2,
+        method="group_limited_greedy",
+        n_group=3,
+        topk_group=2,
+        scaling=1.5,
+    )
     np.testing.assert_array_equal(np.asarray(ids_BxLxK).reshape(10, 2), ids_ref)
-    y_ref, _ = ref_moe(x_NxD, mod.wg_ExDxF[...], mod.wu_ExDxF[...], mod.wo_ExFxD[...], ids_ref, w_ref, np.zeros((10, 8)))
+    y_ref, _ = ref_moe(
+        x_NxD, mod.wg_ExDxF[...], mod.wu_ExDxF[...], mod.wo_ExFxD[...], ids_ref, w_ref, np.zeros((10, 8))
+    )
     np.testing.assert_allclose(np.asarray(y).reshape(10, 8), y_ref, rtol=2e-5, atol=2e-6)

@@ -10,12 +10,31 @@ from tests.models.parity import LOGITS_TOL, LOGPROB_TOL, assert_same_routing, pa
 # Families under test; another joins by adding a row, and every test below runs on each.
 FAMILIES = {  # name -> (tests.helpers.TINY_FAMILIES family, overrides of its base config)
     "qwen2_moe": ("qwen2_moe", {}),
-    "deepseek_v2": ("deepseek_v2", dict(
-        hidden_size=32, num_hidden_layers=2, q_lora_rank=16, v_head_dim=8, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
-        max_position_embeddings=128,
-        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8),
-    )),
+    "deepseek_v2": (
+        "deepseek_v2",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            q_lora_rank=16,
+            v_head_dim=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.0,
+            max_position_embeddings=128,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        ),
+    ),
 }
 LENGTH = 24
 SEQ_LENS = (5, 9, 3, 12, 4, 5)
@@ -96,7 +115,11 @@ def test_packed_matches_hf_per_sequence(family):
             ref_logits, ref_ids = hf_forward(model_dir, tokens[r : r + 1, a:b])
             assert np.abs(logits[r, a:b] - ref_logits[0]).max() <= LOGITS_TOL
             assert np.abs(log_softmax(logits[r, a:b]) - log_softmax(ref_logits[0])).max() <= LOGPROB_TOL
-            assert_same_routing(None if ids is None else ids[:, r, a:b], None if ref_ids is None else ref_ids[:, 0], f"row {r} [{a}:{b}]")
+            assert_same_routing(
+                None if ids is None else ids[:, r, a:b],
+                None if ref_ids is None else ref_ids[:, 0],
+                f"row {r} [{a}:{b}]",
+            )
             checked += 1
     assert checked == len(seqs)
 
@@ -126,4 +149,7 @@ def test_attention_stays_inside_segments(family):
             after_lp, after_ids = after[tuple(s)]
             assert np.abs(after_lp - before_lp).max() <= SAME, f"segment {i} moved when segment {victim} changed"
             assert_same_routing(after_ids, before_ids, f"segment {i}")
-        assert tuple(changed[victim]) in after and np.abs(after[tuple(changed[victim])][0] - base[tuple(seqs[victim])][0]).max() > 1e-3
+        assert (
+            tuple(changed[victim]) in after
+            and np.abs(after[tuple(changed[victim])][0] - base[tuple(seqs[victim])][0]).max() > 1e-3
+        )

@@ -12,7 +12,10 @@ CASES = {
     "untied_mha": dict(),
     "tied_gqa": dict(tie_word_embeddings=True, num_key_value_heads=2),
     "untied_mqa_headdim_rope": dict(
-        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
 }
 LENGTHS = (1, 7, 33)
@@ -36,7 +39,9 @@ def saved(tiny_hf_dir):
 def test_parity(saved, name, length):
     model_dir, model, cfg = saved(name)
     assert model.moe_layers == []
-    tokens_BxL = np.random.default_rng(length).integers(0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32)
+    tokens_BxL = np.random.default_rng(length).integers(
+        0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32
+    )
     assert_matches_hf(model_dir, model, tokens_BxL)  # also: expert ids None on both sides
 
 

@@ -15,11 +15,19 @@ from tests.models.parity import LOGITS_TOL, assert_matches_hf, run
 CASES = {
     "top2_gqa": (dict(), (1, 7, 33)),
     "top1": (dict(num_experts_per_tok=1), (7,)),
-    "top4_norm_mha_headdim": (dict(num_experts_per_tok=4, norm_topk_prob=True, num_key_value_heads=4, head_dim=16), (33,)),
+    "top4_norm_mha_headdim": (
+        dict(num_experts_per_tok=4, norm_topk_prob=True, num_key_value_heads=4, head_dim=16),
+        (33,),
+    ),
     "sparse_step2": (dict(num_hidden_layers=4, decoder_sparse_step=2), (7,)),
     "mlp_only_layers": (dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True), (33,)),
     "tied_nobias_mqa_rope": (
-        dict(tie_word_embeddings=True, qkv_bias=False, num_key_value_heads=1, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+        dict(
+            tie_word_embeddings=True,
+            qkv_bias=False,
+            num_key_value_heads=1,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        ),
         (33,),
     ),
 }
@@ -42,7 +50,9 @@ def saved(tiny_hf_dir):
 @pytest.mark.parametrize("name,length", [(n, length) for n, (_, lengths) in CASES.items() for length in lengths])
 def test_parity(saved, name, length):
     model_dir, model, cfg = saved(name)
-    tokens_BxL = np.random.default_rng(length).integers(0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32)
+    tokens_BxL = np.random.default_rng(length).integers(
+        0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32
+    )
     assert_matches_hf(model_dir, model, tokens_BxL)
 
 
@@ -53,7 +63,11 @@ def test_layer_kinds(saved):
     _, model, _ = saved("mlp_only_layers")
     assert model.moe_layers == [0, 2]
     _, model, cfg = saved("tied_nobias_mqa_rope")
-    assert cfg.tie_word_embeddings and not cfg.qkv_bias and dict(cfg.rope) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    assert (
+        cfg.tie_word_embeddings
+        and not cfg.qkv_bias
+        and dict(cfg.rope) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    )
 
 
 def test_legacy_config_spellings(saved, tmp_path):

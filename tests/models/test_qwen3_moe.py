@@ -17,7 +17,11 @@ CASES = {
     "sparse_step2": (dict(num_hidden_layers=4, decoder_sparse_step=2), {}, (7,)),
     "mlp_only_layers": (dict(num_hidden_layers=3, mlp_only_layers=[0, 2], norm_topk_prob=True), {}, (33,)),
     "tied_top4_norm": (dict(tie_word_embeddings=True, num_experts_per_tok=4, norm_topk_prob=True), {}, (1, 7, 33)),
-    "attention_bias": (dict(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}), {}, (7,)),
+    "attention_bias": (
+        dict(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+        {},
+        (7,),
+    ),
     "dense_impl": (dict(norm_topk_prob=True), dict(moe_impl="dense"), (33,)),
     "ragged_impl": (dict(num_experts_per_tok=4), dict(moe_impl="ragged"), (7,)),
 }
@@ -42,7 +46,9 @@ def saved(tiny_hf_dir):
 def test_parity(saved, name, length):
     model_dir, model, cfg = saved(name)
     assert len(model.moe_layers) == sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) > 0
-    tokens_BxL = np.random.default_rng(length).integers(0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32)
+    tokens_BxL = np.random.default_rng(length).integers(
+        0, cfg.vocab_size, (3 if length == 1 else 2, length), dtype=np.int32
+    )
     assert_matches_hf(model_dir, model, tokens_BxL)  # also: routing captured for every MoE layer, identical
 
 

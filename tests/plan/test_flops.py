@@ -7,16 +7,44 @@ from cisjax.models import hf_io
 from cisjax.plan import flops
 
 # D 64, 4 query heads of 16, 2 kv heads, 8 experts top-2 of width 32, a shared expert of 48, vocabulary 100.
-QWEN2_MOE = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=64, rope_theta=1e4)
+QWEN2_MOE = dict(
+    architectures=["Qwen2MoeForCausalLM"],
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=64,
+    rope_theta=1e4,
+)
 # MLA: 4 heads, q width 8 + 4 (rope), v width 8, kv latent 16, no q LoRA; layer 0 dense (96), layer 1 MoE: 4 experts
 # top-2 of width 16 and one shared expert of 16.
-DEEPSEEK_V2 = dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
-                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4,
-                   num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, max_position_embeddings=64,
-                   rope_theta=1e4)
+DEEPSEEK_V2 = dict(
+    architectures=["DeepseekV2ForCausalLM"],
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    max_position_embeddings=64,
+    rope_theta=1e4,
+)
 
 
 def abstract(hf):
@@ -36,7 +64,11 @@ def test_qwen2_moe_by_hand():
     assert flops.forward_flops(model, rows, t) == {"attention": attention, "mlp": 0, "moe": moe, "head": head}
     assert flops.layer_counts(model) == {"attention": 2, "mlp": 0, "moe": 2, "head": 1}
     assert flops.train_flops(flops.forward_flops(model, rows, t), 3) == {
-        "attention": 9 * attention, "mlp": 0, "moe": 9 * moe, "head": 12 * head}  # head: 4 passes (recompute)
+        "attention": 9 * attention,
+        "mlp": 0,
+        "moe": 9 * moe,
+        "head": 12 * head,
+    }  # head: 4 passes (recompute)
     assert flops.rescore_flops(flops.forward_flops(model, rows, t), 3)["moe"] == 3 * moe
     # parameters: embed and head 2 x 6400, final norm 64; per layer: projections 12288 + q/k/v biases 128 + 2 norms
     # 128 + router 512 + experts 8 x 3 x 64 x 32 = 49152 + shared 9216 + gate 64 = 71488
@@ -53,7 +85,12 @@ def test_deepseek_v2_by_hand():
     attention = 2 * (4 * 2 * 7424 + 4**2 * 4 * 20)
     mlp = 4 * 2 * 3 * 64 * 96  # the dense first layer
     moe = 4 * 2 * (64 * 4 + 3 * 64 * 16 + 2 * 3 * 64 * 16)  # router, one shared expert, 2 of 4 routed
-    assert flops.forward_flops(model, rows, t) == {"attention": attention, "mlp": mlp, "moe": moe, "head": 4 * 2 * 64 * 100}
+    assert flops.forward_flops(model, rows, t) == {
+        "attention": attention,
+        "mlp": mlp,
+        "moe": moe,
+        "head": 4 * 2 * 64 * 100,
+    }
     assert flops.layer_counts(model) == {"attention": 2, "mlp": 1, "moe": 1, "head": 1}
 
 
@@ -63,8 +100,12 @@ def test_paper_models_active_parameters():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "configs" / "models"
-    expected = {"qwen15_moe_a27b": (14_315_784_192, 2_689_173_504), "deepseek_v2_lite": (15_706_484_224, 2_661_150_208),
-                "qwen3_30b_a3b": (30_532_122_624, 3_353_032_704), "qwen15_14b": (14_167_290_880, 14_167_290_880)}
+    expected = {
+        "qwen15_moe_a27b": (14_315_784_192, 2_689_173_504),
+        "deepseek_v2_lite": (15_706_484_224, 2_661_150_208),
+        "qwen3_30b_a3b": (30_532_122_624, 3_353_032_704),
+        "qwen15_14b": (14_167_290_880, 14_167_290_880),
+    }
     for name, (total, active) in expected.items():
         model = abstract(json.loads((root / f"{name}.json").read_text()))
         assert (flops.total_params(model), flops.active_params(model)) == (total, active), name

@@ -12,39 +12,47 @@ from jax.sharding import PartitionSpec as P
 from cisjax.plan import hardware
 
 
-@pytest.mark.parametrize("name, chip, chips, topology", [
-    ("v5p-16", "v5p", 8, "2x2x2"),
-    ("v5p-8", "v5p", 4, "2x2x1"),
-    ("v5p-64", "v5p", 32, "2x4x4"),
-    ("v4-32", "v4", 16, "2x2x4"),
-    ("v5e-16", "v5e", 16, "4x4"),
-    ("v5litepod-16", "v5e", 16, "4x4"),
-    ("v6e-64", "v6e", 64, "8x8"),
-    ("v5p:2x2x2", "v5p", 8, "2x2x2"),
-    ("v6e:4x8", "v6e", 32, "4x8"),
-    ("h100x8", "h100", 8, "1x1x8"),
-    ("H100x16", "h100", 16, "1x2x8"),
-    ("a100x1", "a100", 1, "1x1x1"),
-])
+@pytest.mark.parametrize(
+    "name, chip, chips, topology",
+    [
+        ("v5p-16", "v5p", 8, "2x2x2"),
+        ("v5p-8", "v5p", 4, "2x2x1"),
+        ("v5p-64", "v5p", 32, "2x4x4"),
+        ("v4-32", "v4", 16, "2x2x4"),
+        ("v5e-16", "v5e", 16, "4x4"),
+        ("v5litepod-16", "v5e", 16, "4x4"),
+        ("v6e-64", "v6e", 64, "8x8"),
+        ("v5p:2x2x2", "v5p", 8, "2x2x2"),
+        ("v6e:4x8", "v6e", 32, "4x8"),
+        ("h100x8", "h100", 8, "1x1x8"),
+        ("H100x16", "h100", 16, "1x2x8"),
+        ("a100x1", "a100", 1, "1x1x1"),
+    ],
+)
 def test_target_names(name, chip, chips, topology):
     t = hardware.target(name)
     assert (t.chip.name, t.chips, t.topology) == (chip, chips, topology)
 
 
-@pytest.mark.parametrize("name, message", [
-    ("v5p-7", "TensorCores"),  # odd core count: v5p chips have two
-    ("v5p-12", "no v5p slice of 6 chips"),
-    ("v5e-3", "no v5e slice of 3 chips"),
-    ("v5p:2x2", "3 positive dimensions"),
-    ("h100x12", "multiple of 8"),
-    ("tpu-8", "unknown target"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("v5p-7", "TensorCores"),  # odd core count: v5p chips have two
+        ("v5p-12", "no v5p slice of 6 chips"),
+        ("v5e-3", "no v5e slice of 3 chips"),
+        ("v5p:2x2", "3 positive dimensions"),
+        ("h100x12", "multiple of 8"),
+        ("tpu-8", "unknown target"),
+    ],
+)
 def test_bad_target_names(name, message):
     with pytest.raises(ValueError, match=message):
         hardware.target(name)
 
 
-@pytest.mark.parametrize("name, kind", [("v5p-16", "TPU v5"), ("v4-32", "TPU v4"), ("v5e-16", "TPU v5 lite"), ("v6e-8", "TPU v6 lite")])
+@pytest.mark.parametrize(
+    "name, kind", [("v5p-16", "TPU v5"), ("v4-32", "TPU v4"), ("v5e-16", "TPU v5 lite"), ("v6e-8", "TPU v6 lite")]
+)
 def test_tpu_devices_compile_only(name, kind):
     t = hardware.target(name)
     devices = t.devices()

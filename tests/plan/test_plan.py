@@ -7,14 +7,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cisjax import cli
+from cisjax import cli, sharding
 from cisjax import config as config_lib
-from cisjax import sharding
 from cisjax.models import moe
 from cisjax.plan import command, hardware
 from cisjax.plan.programs import Compiled
@@ -24,7 +22,11 @@ from cisjax.plan.programs import Compiled
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = {  # config -> (MoE layers, dense-MLP layers) in a 2-layer cut
-    "qwen15_moe_a27b": (2, 0), "deepseek_v2_lite": (1, 1), "qwen3_30b_a3b": (2, 0), "qwen15_14b_dense": (0, 2)}
+    "qwen15_moe_a27b": (2, 0),
+    "deepseek_v2_lite": (1, 1),
+    "qwen3_30b_a3b": (2, 0),
+    "qwen15_14b_dense": (0, 2),
+}
 # The whole report, per-layer-kind FLOPs included, on the two cuts that between them hold every layer kind: GQA
 # attention, MLA, MoE with shared experts, a dense MLP, the head. The other two families' cuts compile only the train
 # step (the program that must fit): the per-kind programs are most of a report's compile time (a 14B cut's full report
@@ -43,11 +45,21 @@ def test_paper_model_cut_on_v5p16(name):
     report = paper_plan(name, rows=8, seq_len=256)
     chips = report["target"]["chips"]
     assert (report["target"]["chip"], chips, report["mesh"]["fsdp"]) == ("v5p", 8, 8)
-    assert report["shape"] == dict(micro_batches=16, rows=8, seq_len=256, rows_multiple=8, samples_per_step=1024,
-                                   tokens_per_micro_batch=2048, head_chunks=2, head_chunk_tokens=1024)
+    assert report["shape"] == dict(
+        micro_batches=16,
+        rows=8,
+        seq_len=256,
+        rows_multiple=8,
+        samples_per_step=1024,
+        tokens_per_micro_batch=2048,
+        head_chunks=2,
+        head_chunk_tokens=1024,
+    )
     assert set(report["programs"]) == {"train_step", "rescore", "canary"}
     for name_, p in report["programs"].items():
-        assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == p["usable_bytes"] - p["total_bytes"], name_
+        assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == p["usable_bytes"] - p["total_bytes"], (
+            name_
+        )
         assert p["roofline_s"] > 0 and p["seconds"] > 0
     state_bytes = 12 * report["model"]["total_params"] / chips  # fp32 params + two fp32 Adam moments, sharded
     train = report["programs"]["train_step"]["memory"]
@@ -56,7 +68,11 @@ def test_paper_model_cut_on_v5p16(name):
 
     moe_layers, mlp_layers = PAPER[name]
     kinds = report["flops"]["train_step"]["kinds"]
-    assert tuple(kinds[k]["count"] if k in kinds else 0 for k in ("moe", "mlp", "attention")) == (moe_layers, mlp_layers, 2)
+    assert tuple(kinds[k]["count"] if k in kinds else 0 for k in ("moe", "mlp", "attention")) == (
+        moe_layers,
+        mlp_layers,
+        2,
+    )
     assert kinds["head"]["times_per_step"] == 16 * 2  # micro-batches x logprob chunks
     rescore = report["flops"]["rescore"]["kinds"]
     for table in (kinds, rescore):
@@ -105,9 +121,31 @@ def test_fit_flips_when_rows_grow():
 def test_gpu_target_in_a_fresh_process(tmp_path):
     """8 H100s through XLA's CUDA plugin, with no GPU: memory from the compiler, FLOPs from its cost model."""
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "cisjax", "plan", "--config", str(ROOT / "configs" / "qwen15_moe_a27b.py"),
-                           "--topology", "h100x8", "--num-layers", "2", "--rows", "8", "--seq-len", "256",
-                           "--programs", "train_step", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cisjax",
+            "plan",
+            "--config",
+            str(ROOT / "configs" / "qwen15_moe_a27b.py"),
+            "--topology",
+            "h100x8",
+            "--num-layers",
+            "2",
+            "--rows",
+            "8",
+            "--seq-len",
+            "256",
+            "--programs",
+            "train_step",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["target"]["platform"] == "cuda" and report["target"]["chips"] == 8
@@ -122,8 +160,17 @@ def test_gpu_target_in_a_fresh_process(tmp_path):
 def test_tpu_mesh_traces_the_tpu_moe_dispatch():
     """A CPU host compiling for TPU must trace the TPU MoE path (ragged_dot), not the CPU one (tiled loops)."""
     n, d, f, e, k = 64, 32, 16, 4, 2
-    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in [((n, d), jnp.bfloat16), ((e, d, f), jnp.bfloat16), ((e, d, f), jnp.bfloat16),
-                                                     ((e, f, d), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.float32)]]
+    args = [
+        jax.ShapeDtypeStruct(s, dt)
+        for s, dt in [
+            ((n, d), jnp.bfloat16),
+            ((e, d, f), jnp.bfloat16),
+            ((e, d, f), jnp.bfloat16),
+            ((e, f, d), jnp.bfloat16),
+            ((n, k), jnp.int32),
+            ((n, k), jnp.float32),
+        ]
+    ]
 
     def lowered_text(devices):
         mesh = sharding.make_mesh({"fsdp": len(devices)}, devices)
@@ -155,12 +202,15 @@ def fake_compile(a, b, usable=None):
     return compile_at, probes
 
 
-@pytest.mark.parametrize("a, b, usable, start, best", [
-    (10.0, 1.0, 100.0, 16, 88),  # grows from 16: 32, 64 fit, 128 does not; the line through them meets 90
-    (10.0, 1.0, 100.0, 256, 88),  # shrinks from 256
-    (10.0, 1.0, 17.9, 8, 0),  # not even 8 rows fit
-    (10.0, 1.0, 18.0, 8, 8),
-])
+@pytest.mark.parametrize(
+    "a, b, usable, start, best",
+    [
+        (10.0, 1.0, 100.0, 16, 88),  # grows from 16: 32, 64 fit, 128 does not; the line through them meets 90
+        (10.0, 1.0, 100.0, 256, 88),  # shrinks from 256
+        (10.0, 1.0, 17.9, 8, 0),  # not even 8 rows fit
+        (10.0, 1.0, 18.0, 8, 8),
+    ],
+)
 @pytest.mark.parametrize("refuses", [False, True], ids=["measured", "refused"])
 def test_search_rows_finds_the_boundary(a, b, usable, start, best, refuses):
     compile_at, probes = fake_compile(a, b, usable if refuses else None)
@@ -177,13 +227,16 @@ def test_search_rows_stops_at_the_cap():
     assert result["best_rows"] == 64 and result["capped"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--topology", "v5p-12"], "no v5p slice of 6 chips"),
-    (["--topology", "v5p-16", "--mesh", "fsdp=3"], "needs 3 devices"),
-    (["--topology", "v5p-16", "--num-layers", "99"], "has 24 layers"),
-    (["--topology", "v5p-16", "--rows", "12"], "multiple of the mesh's batch shards"),
-    (["--topology", "v5p-16", "--programs", "train,foo"], "unknown"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "v5p-12"], "no v5p slice of 6 chips"),
+        (["--topology", "v5p-16", "--mesh", "fsdp=3"], "needs 3 devices"),
+        (["--topology", "v5p-16", "--num-layers", "99"], "has 24 layers"),
+        (["--topology", "v5p-16", "--rows", "12"], "multiple of the mesh's batch shards"),
+        (["--topology", "v5p-16", "--programs", "train,foo"], "unknown"),
+    ],
+)
 def test_bad_input_is_named(argv, message, capsys):
     code = cli.main(["plan", "--config", str(ROOT / "configs" / "qwen15_moe_a27b.py"), "--no-layer-costs", *argv])
     assert code == 2 and message in capsys.readouterr().err

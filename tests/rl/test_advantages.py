@@ -49,7 +49,9 @@ def test_group_normalize_random_matches_numpy_float64():
     expected = (v - v.mean(1, keepdims=True)) / (v.std(1, ddof=1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(np.asarray(group_normalize(v.astype(np.float32))), expected, rtol=2e-5, atol=2e-6)
     expected = (v - v.mean(1, keepdims=True)) / (v.std(1, ddof=1, keepdims=True) + 0.5)
-    np.testing.assert_allclose(np.asarray(group_normalize(v.astype(np.float32), eps=0.5)), expected, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(group_normalize(v.astype(np.float32), eps=0.5)), expected, rtol=2e-5, atol=2e-6
+    )
 
 
 def test_all_equal_group_and_single_sample_give_zero():
@@ -96,7 +98,13 @@ def test_compute_advantages_recipe_defaults_match_numpy():
     assert np.all(out[~mask] == 0.0)
     # The config defaults are the recipe's and the function's defaults.
     assert (cfg.reward_scale, cfg.reward_bias, cfg.group_norm, cfg.group_eps, cfg.batch_norm, cfg.batch_eps) == (
-        10.0, -0.5, True, 1e-5, True, 1e-5)
+        10.0,
+        -0.5,
+        True,
+        1e-5,
+        True,
+        1e-5,
+    )
     np.testing.assert_array_equal(np.asarray(compute_advantages(rewards, mask)), out)
 
 
@@ -113,7 +121,9 @@ def test_compute_advantages_switches():
     # Other scale/bias, batch only.
     rewards = np.array([[0.2, 0.9, 0.4]])
     mask = _mask(np.array([[4, 2, 3]]), 5)
-    out = np.asarray(compute_advantages(rewards, mask, reward_scale=2.0, reward_bias=0.1, group_norm=False, batch_eps=1e-3))
+    out = np.asarray(
+        compute_advantages(rewards, mask, reward_scale=2.0, reward_bias=0.1, group_norm=False, batch_eps=1e-3)
+    )
     ref = _np_recipe(rewards, mask, scale=2.0, bias=0.1, group_norm=False, eps=1e-3)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
 

@@ -12,8 +12,21 @@ from jax.experimental import checkify
 from cisjax.rl import corrections as C
 
 TOKEN_METHODS = ("none", "exact", "tis", "icepop", "kpop", "kpop_shipped", "gspo", "fp16", "cis", "cis_two_sided")
-METRIC_KEYS = {"acted_frac", "acted_seq_frac", "abs_logk_mean", "abs_logk_max", "logk_mean", "k3", "chi2",
-               "weight_mean", "weight_max", "tokens", "seqs", "nan_logprobs", "nonfinite_logk"}
+METRIC_KEYS = {
+    "acted_frac",
+    "acted_seq_frac",
+    "abs_logk_mean",
+    "abs_logk_max",
+    "logk_mean",
+    "k3",
+    "chi2",
+    "weight_mean",
+    "weight_max",
+    "tokens",
+    "seqs",
+    "nan_logprobs",
+    "nonfinite_logk",
+}
 LOG_EPS = 1e-8  # KPop's clamp
 
 
@@ -23,7 +36,7 @@ def logs32(x):
         return np.log(np.asarray(x, np.float64)).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(variants):
     """One jit over several (method, hyperparameters) variants: one compile per input shape keeps the file fast."""
     return jax.jit(lambda lp, lq, mask: [C.correction(m, lp, lq, mask, **dict(kw)) for m, kw in variants])
@@ -39,8 +52,10 @@ def run_many(variants, lp, lq, mask=None):
     variants = tuple((m, tuple(sorted(kw.items()))) for m, kw in variants)
     key = (variants, lp.dtype.str, lp.shape, lp.tobytes(), lq.tobytes(), mask.tobytes())
     if key not in _RESULTS:
-        _RESULTS[key] = [(np.asarray(o.weights_BxT), np.asarray(o.acted_BxT),
-                          {k: float(v) for k, v in o.metrics.items()}) for o in _jitted(variants)(lp, lq, mask)]
+        _RESULTS[key] = [
+            (np.asarray(o.weights_BxT), np.asarray(o.acted_BxT), {k: float(v) for k, v in o.metrics.items()})
+            for o in _jitted(variants)(lp, lq, mask)
+        ]
     return _RESULTS[key]
 
 
@@ -228,24 +243,97 @@ HUGE_LQ = -103.0  # q = e^-103: k = 0.05 * e^103 overflows fp32; the KPop metric
 EDGES = [
     ("p=q=1", 0.0, 0.0, dict(kpop_shipped=0)),
     # k = 1/0.999; dagger KL(q||p) = 0.0105; shipped: NaN; cap 1 + 2.3 * 5e-3 = 1.0115 > k
-    ("p=1", 0.0, logs32(0.999), dict(exact=1 / 0.999, tis=1 / 0.999, icepop=1 / 0.999, kpop=1 / 0.999,
-                                     kpop_shipped=0, seq_tis=1 / 0.999, seq_mis=1 / 0.999, cis=1 / 0.999,
-                                     cis_two_sided=1 / 0.999)),
+    (
+        "p=1",
+        0.0,
+        logs32(0.999),
+        dict(
+            exact=1 / 0.999,
+            tis=1 / 0.999,
+            icepop=1 / 0.999,
+            kpop=1 / 0.999,
+            kpop_shipped=0,
+            seq_tis=1 / 0.999,
+            seq_mis=1 / 0.999,
+            cis=1 / 0.999,
+            cis_two_sided=1 / 0.999,
+        ),
+    ),
     # k = 0.999; two-sided floor (1 + 0.999)/2 = 0.9995 lifts it
-    ("q=1", logs32(0.999), 0.0, dict(exact=0.999, tis=0.999, icepop=0.999, kpop=0.999, kpop_shipped=0,
-                                     seq_tis=0.999, seq_mis=0.999, cis=0.999, cis_two_sided=0.9995)),
+    (
+        "q=1",
+        logs32(0.999),
+        0.0,
+        dict(
+            exact=0.999,
+            tis=0.999,
+            icepop=0.999,
+            kpop=0.999,
+            kpop_shipped=0,
+            seq_tis=0.999,
+            seq_mis=0.999,
+            cis=0.999,
+            cis_two_sided=0.9995,
+        ),
+    ),
     # k = 0.01; both clamp to 1e-8 in the KPop metric (KL 0); Seq-MIS rejects K = 0.01; floor 0.5
-    ("p<<1", logs32(1e-12), logs32(1e-10), dict(exact=0.01, tis=0.01, icepop=0, kpop=0.01, kpop_shipped=0.01,
-                                               seq_tis=0.01, seq_mis=0, cis=0.01, cis_two_sided=0.5)),
+    (
+        "p<<1",
+        logs32(1e-12),
+        logs32(1e-10),
+        dict(
+            exact=0.01,
+            tis=0.01,
+            icepop=0,
+            kpop=0.01,
+            kpop_shipped=0.01,
+            seq_tis=0.01,
+            seq_mis=0,
+            cis=0.01,
+            cis_two_sided=0.5,
+        ),
+    ),
     # k = 5e8: KL(p||q) = 0.5 ln(0.5/1e-8) + 0.5 ln(0.5/(1-1e-8)) = 8.52 > 2; K clipped to e^20
-    ("k>>1e6", logs32(0.5), logs32(1e-9), dict(exact=1e6, tis=2, icepop=0, kpop=0, kpop_shipped=0, seq_tis=2,
-                                               seq_mis=0, cis=2.15, cis_two_sided=2.15)),
+    (
+        "k>>1e6",
+        logs32(0.5),
+        logs32(1e-9),
+        dict(exact=1e6, tis=2, icepop=0, kpop=0, kpop_shipped=0, seq_tis=2, seq_mis=0, cis=2.15, cis_two_sided=2.15),
+    ),
     # k = inf in fp32; KL = max(0.05 ln(0.05/1e-8) + 0.95 ln 0.95, ...) = 0.72: KPop keeps it at the 1e6 clamp
-    ("k=inf kept", logs32(0.05), HUGE_LQ, dict(exact=1e6, tis=2, icepop=0, kpop=1e6, kpop_shipped=1e6, seq_tis=2,
-                                              seq_mis=0, cis=1 + 2.3 * 0.95, cis_two_sided=1 + 2.3 * 0.95)),
+    (
+        "k=inf kept",
+        logs32(0.05),
+        HUGE_LQ,
+        dict(
+            exact=1e6,
+            tis=2,
+            icepop=0,
+            kpop=1e6,
+            kpop_shipped=1e6,
+            seq_tis=2,
+            seq_mis=0,
+            cis=1 + 2.3 * 0.95,
+            cis_two_sided=1 + 2.3 * 0.95,
+        ),
+    ),
     # k = 2e-9: KL(q||p) = 8.52; K = e^-20 after the clip; floor (1 + 1e-9)/2
-    ("k<<1e-6", logs32(1e-9), logs32(0.5), dict(exact=1e-6, tis=2e-9, icepop=0, kpop=0, kpop_shipped=0,
-                                                seq_tis=1 / E20, seq_mis=0, cis=2e-9, cis_two_sided=0.5)),
+    (
+        "k<<1e-6",
+        logs32(1e-9),
+        logs32(0.5),
+        dict(
+            exact=1e-6,
+            tis=2e-9,
+            icepop=0,
+            kpop=0,
+            kpop_shipped=0,
+            seq_tis=1 / E20,
+            seq_mis=0,
+            cis=2e-9,
+            cis_two_sided=0.5,
+        ),
+    ),
     # q = 0: log k = +inf -> treated as 0 (k = 1); KPop still masks on KL(p||1e-8) = 8.52
     ("q=0", logs32(0.5), -np.inf, dict(kpop=0, kpop_shipped=0)),
     # p = 0: log k = -inf -> k = 1; KL(q||1e-8) = 8.52
@@ -253,15 +341,39 @@ EDGES = [
     ("p=q=0", -np.inf, -np.inf, dict(cis_two_sided=1)),
 ]
 ACTED = {  # (name, method) pairs acted on
-    ("p=q=1", "kpop_shipped"), ("p=1", "kpop_shipped"), ("q=1", "kpop_shipped"), ("q=1", "cis_two_sided"),
-    ("p<<1", "icepop"), ("p<<1", "seq_mis"), ("p<<1", "cis_two_sided"),
-    ("k>>1e6", "exact"), ("k>>1e6", "tis"), ("k>>1e6", "icepop"), ("k>>1e6", "kpop"), ("k>>1e6", "kpop_shipped"),
-    ("k>>1e6", "seq_tis"), ("k>>1e6", "seq_mis"), ("k>>1e6", "cis"), ("k>>1e6", "cis_two_sided"),
-    ("k=inf kept", "exact"), ("k=inf kept", "tis"), ("k=inf kept", "icepop"), ("k=inf kept", "seq_tis"),
-    ("k=inf kept", "seq_mis"), ("k=inf kept", "cis"), ("k=inf kept", "cis_two_sided"),
-    ("k<<1e-6", "exact"), ("k<<1e-6", "icepop"), ("k<<1e-6", "kpop"), ("k<<1e-6", "kpop_shipped"),
-    ("k<<1e-6", "seq_mis"), ("k<<1e-6", "cis_two_sided"),
-    ("q=0", "kpop"), ("q=0", "kpop_shipped"), ("p=0", "kpop"), ("p=0", "kpop_shipped"),
+    ("p=q=1", "kpop_shipped"),
+    ("p=1", "kpop_shipped"),
+    ("q=1", "kpop_shipped"),
+    ("q=1", "cis_two_sided"),
+    ("p<<1", "icepop"),
+    ("p<<1", "seq_mis"),
+    ("p<<1", "cis_two_sided"),
+    ("k>>1e6", "exact"),
+    ("k>>1e6", "tis"),
+    ("k>>1e6", "icepop"),
+    ("k>>1e6", "kpop"),
+    ("k>>1e6", "kpop_shipped"),
+    ("k>>1e6", "seq_tis"),
+    ("k>>1e6", "seq_mis"),
+    ("k>>1e6", "cis"),
+    ("k>>1e6", "cis_two_sided"),
+    ("k=inf kept", "exact"),
+    ("k=inf kept", "tis"),
+    ("k=inf kept", "icepop"),
+    ("k=inf kept", "seq_tis"),
+    ("k=inf kept", "seq_mis"),
+    ("k=inf kept", "cis"),
+    ("k=inf kept", "cis_two_sided"),
+    ("k<<1e-6", "exact"),
+    ("k<<1e-6", "icepop"),
+    ("k<<1e-6", "kpop"),
+    ("k<<1e-6", "kpop_shipped"),
+    ("k<<1e-6", "seq_mis"),
+    ("k<<1e-6", "cis_two_sided"),
+    ("q=0", "kpop"),
+    ("q=0", "kpop_shipped"),
+    ("p=0", "kpop"),
+    ("p=0", "kpop_shipped"),
 }
 
 
@@ -328,8 +440,8 @@ def test_kpop_shipped_intervention_rate():
 def test_kpop_metric_fp32_matches_float64():
     rng = np.random.default_rng(1)
     n = 20000
-    lp = np.concatenate([rng.uniform(-30, 0, n), -10.0 ** rng.uniform(-12, 0.5, n), np.zeros(100)])
-    lq = np.concatenate([rng.uniform(-30, 0, n), lp[n:2 * n] + rng.normal(0, 3, n), rng.uniform(-25, 0, 100)])
+    lp = np.concatenate([rng.uniform(-30, 0, n), -(10.0 ** rng.uniform(-12, 0.5, n)), np.zeros(100)])
+    lq = np.concatenate([rng.uniform(-30, 0, n), lp[n : 2 * n] + rng.normal(0, 3, n), rng.uniform(-25, 0, 100)])
     lq = np.minimum(lq, 0.0)
     lp, lq = lp.astype(np.float32)[None], lq.astype(np.float32)[None]
     ref = ref_kpop_metric(lp, lq)
@@ -389,10 +501,18 @@ def test_random_batch_against_reference(method):
 
 def test_hparams():
     lp, lq, mask = random_batch(3)
-    variants = [("icepop", dict(low=0.7, high=1.5)), ("seq_mis", dict(low=0.3, high=30.0)), ("tis", dict(cap=1.13)),
-                ("seq_tis", dict(cap=200.0)), ("cis", dict(lam=0.89, kappa=1e-2)), ("cis_two_sided", dict(lam=0.0)),
-                ("kpop", dict(threshold=0.5)), ("kpop_shipped", dict(threshold=0.5)),
-                ("icepop", dict(low=0.5, high=5.0)), ("seq_mis", dict(low=0.5, high=2.0))]
+    variants = [
+        ("icepop", dict(low=0.7, high=1.5)),
+        ("seq_mis", dict(low=0.3, high=30.0)),
+        ("tis", dict(cap=1.13)),
+        ("seq_tis", dict(cap=200.0)),
+        ("cis", dict(lam=0.89, kappa=1e-2)),
+        ("cis_two_sided", dict(lam=0.0)),
+        ("kpop", dict(threshold=0.5)),
+        ("kpop_shipped", dict(threshold=0.5)),
+        ("icepop", dict(low=0.5, high=5.0)),
+        ("seq_mis", dict(low=0.5, high=2.0)),
+    ]
     results = run_many(variants, lp, lq, mask)
     for (method, kw), (w, acted, _) in zip(variants, results):
         w_ref, acted_ref, _ = reference(method, lp, lq, mask, **kw)
@@ -479,8 +599,11 @@ def test_combine_metrics_equals_whole_batch(method):
     lp, lq, mask = random_batch(7, b=8)
     _, _, whole = run(method, lp, lq, mask)
     empty = np.zeros_like(mask[:4])
-    parts = [run(method, lp[:4], lq[:4], mask[:4])[2], run(method, lp[4:], lq[4:], empty)[2],
-             run(method, lp[4:], lq[4:], mask[4:])[2]]
+    parts = [
+        run(method, lp[:4], lq[:4], mask[:4])[2],
+        run(method, lp[4:], lq[4:], empty)[2],
+        run(method, lp[4:], lq[4:], mask[4:])[2],
+    ]
     assert parts[1]["tokens"] == 0
     combined = {k: float(v) for k, v in C.combine_metrics(parts).items()}
     assert combined == pytest.approx(whole, rel=1e-5, abs=1e-7)
@@ -490,13 +613,24 @@ def test_combine_metrics_equals_whole_batch(method):
 
 
 def test_combine_metrics_rules_by_hand():
-    a = dict(tokens=2.0, seqs=1.0, acted_frac=0.5, acted_seq_frac=1.0, seq_ratio_mean=2.0, abs_logk_max=3.0,
-             nan_logprobs=1.0)
-    b = dict(tokens=6.0, seqs=3.0, acted_frac=0.0, acted_seq_frac=0.0, seq_ratio_mean=1.0, abs_logk_max=1.0,
-             nan_logprobs=0.0)
+    a = dict(
+        tokens=2.0, seqs=1.0, acted_frac=0.5, acted_seq_frac=1.0, seq_ratio_mean=2.0, abs_logk_max=3.0, nan_logprobs=1.0
+    )
+    b = dict(
+        tokens=6.0, seqs=3.0, acted_frac=0.0, acted_seq_frac=0.0, seq_ratio_mean=1.0, abs_logk_max=1.0, nan_logprobs=0.0
+    )
     out = {k: float(v) for k, v in C.combine_metrics([a, b]).items()}
-    assert out == pytest.approx(dict(tokens=8, seqs=4, acted_frac=1 / 8, acted_seq_frac=1 / 4, seq_ratio_mean=5 / 4,
-                                     abs_logk_max=3, nan_logprobs=1))
+    assert out == pytest.approx(
+        dict(
+            tokens=8,
+            seqs=4,
+            acted_frac=1 / 8,
+            acted_seq_frac=1 / 4,
+            seq_ratio_mean=5 / 4,
+            abs_logk_max=3,
+            nan_logprobs=1,
+        )
+    )
     with pytest.raises(ValueError, match="differ in keys"):
         C.combine_metrics([a, dict(b, extra=1.0)])
     with pytest.raises(ValueError, match="'seqs'"):
@@ -510,9 +644,15 @@ def test_validation():
     lp, lq, mask = logs32(P), logs32(Q), np.array(MASK, bool)
     with pytest.raises(ValueError, match="unknown correction method 'cis2'.*none, exact, tis"):
         C.correction_weights("cis2", lp, lq, mask)
-    bad = [("icepop", dict(low=3.0, high=2.0), "low=3.0 > high=2.0"), ("seq_mis", dict(low=-1.0), "low"),
-           ("icepop", dict(high=0.0), "high"), ("cis", dict(lam=-1.0), "lam"), ("cis", dict(kappa=1.5), "kappa"),
-           ("tis", dict(cap=0.0), "cap"), ("kpop", dict(threshold=-1.0), "threshold")]
+    bad = [
+        ("icepop", dict(low=3.0, high=2.0), "low=3.0 > high=2.0"),
+        ("seq_mis", dict(low=-1.0), "low"),
+        ("icepop", dict(high=0.0), "high"),
+        ("cis", dict(lam=-1.0), "lam"),
+        ("cis", dict(kappa=1.5), "kappa"),
+        ("tis", dict(cap=0.0), "cap"),
+        ("kpop", dict(threshold=-1.0), "threshold"),
+    ]
     for method, kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             C.correction_weights(method, lp, lq, mask, **kw)

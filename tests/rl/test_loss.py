@@ -103,7 +103,9 @@ def test_hand_cases_token_terms_and_metrics():
     for a, rho, term in zip(HAND_A, HAND_RHO, HAND_TERM):
         prox = np.log(np.float32(0.3))
         logp = np.array([[np.log(rho) + prox]], np.float32)
-        loss, _ = policy_loss(logp, np.array([[prox]]), np.ones((1, 1)), np.array([[a]]), np.ones((1, 1), bool), denominator=1.0)
+        loss, _ = policy_loss(
+            logp, np.array([[prox]]), np.ones((1, 1)), np.array([[a]]), np.ones((1, 1), bool), denominator=1.0
+        )
         np.testing.assert_allclose(float(loss), term, rtol=1e-6, atol=1e-7)
     # All seven in one row with weights: sum(w * term) = -1.1 - 2.56 - 0.5 + 0.75 + 0.8 + 1.8 + 0 = -0.81.
     prox = np.full((1, 7), np.log(0.4), np.float32)
@@ -123,7 +125,15 @@ def test_hand_cases_aggregation_modes():
     loss, m = policy_loss(logp, prox, w, adv, mask, denominator=loss_denominator(mask, "token_mean"))
     np.testing.assert_allclose(float(loss), -0.81 / 7, rtol=1e-6)
     seq_expected = (-4.16 / 3 + 3.35 / 4) / 2
-    loss, m2 = policy_loss(logp, prox, w, adv, mask, denominator=loss_denominator(mask, "seq_mean_token_mean"), aggregation="seq_mean_token_mean")
+    loss, m2 = policy_loss(
+        logp,
+        prox,
+        w,
+        adv,
+        mask,
+        denominator=loss_denominator(mask, "seq_mean_token_mean"),
+        aggregation="seq_mean_token_mean",
+    )
     np.testing.assert_allclose(float(loss), seq_expected, rtol=1e-6)
     for mm in (m, m2):  # the metrics do not depend on the aggregation
         np.testing.assert_allclose(float(mm["pg_loss"]), -0.81 / 7, rtol=1e-6)
@@ -153,7 +163,12 @@ def test_masked_tokens_leave_numerator_only():
 def test_padding_garbage_is_inert():
     logp, prox, w, adv, mask = _hand_rows()
     g_logp, g_w, g_adv, g_prox = logp.copy(), w.copy(), adv.copy(), prox.copy()
-    g_logp[0, 3], g_prox[0, 3], g_w[0, 3], g_adv[0, 3] = 500.0, -500.0, np.nan, np.nan  # exp(1000) = inf if not kept out
+    g_logp[0, 3], g_prox[0, 3], g_w[0, 3], g_adv[0, 3] = (
+        500.0,
+        -500.0,
+        np.nan,
+        np.nan,
+    )  # exp(1000) = inf if not kept out
 
     def f(lp, ww, aa, pp):
         return policy_loss(lp, pp, ww, aa, mask, denominator=7.0)
@@ -210,8 +225,17 @@ def test_micro_batch_split_gradients_add_up():
     denom = loss_denominator(mask, "seq_mean_token_mean")
 
     def f(lp, s):
-        return policy_loss(lp, prox[s], w[s], adv[s], mask[s], denominator=denom, aggregation="seq_mean_token_mean",
-                           ref_logprobs_BxT=ref[s], kl_coef=0.05)[0]
+        return policy_loss(
+            lp,
+            prox[s],
+            w[s],
+            adv[s],
+            mask[s],
+            denominator=denom,
+            aggregation="seq_mean_token_mean",
+            ref_logprobs_BxT=ref[s],
+            kl_coef=0.05,
+        )[0]
 
     g_whole = jax.grad(f)(jnp.asarray(logp), slice(0, 6))
     g_parts = np.concatenate([np.asarray(jax.grad(f)(jnp.asarray(logp[s]), s)) for s in (slice(0, 3), slice(3, 6))])
@@ -221,8 +245,14 @@ def test_micro_batch_split_gradients_add_up():
 def test_jit_and_config_fields():
     logp, prox, w, adv, mask, ref = _random_batch(2)
     cfg = get_config().loss
-    kw = dict(aggregation=cfg.aggregation, clip_low=cfg.clip_low, clip_high=cfg.clip_high, gspo_clip_low=cfg.gspo_clip_low,
-              gspo_clip_high=cfg.gspo_clip_high, kl_coef=cfg.kl_coef)
+    kw = dict(
+        aggregation=cfg.aggregation,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        gspo_clip_low=cfg.gspo_clip_low,
+        gspo_clip_high=cfg.gspo_clip_high,
+        kl_coef=cfg.kl_coef,
+    )
     f = jax.jit(functools.partial(policy_loss, **kw))
     loss, m = f(logp, prox, w, adv, mask, denominator=loss_denominator(mask, cfg.aggregation))
     eager, _ = policy_loss(logp, prox, w, adv, mask, denominator=loss_denominator(mask, cfg.aggregation), **kw)
@@ -265,7 +295,9 @@ def test_gspo_hand_values():
     np.testing.assert_allclose(float(m["seq_pg_loss"]), l.mean(), rtol=1e-5)
     np.testing.assert_allclose(float(m["pg_loss"]), (n * l).sum() / 9, rtol=1e-5)
     # Gradient w.r.t. logp, float64 by hand: d l_i / d logp_t = -Abar_i s_i / n_i when unclipped, else 0.
-    g = jax.grad(lambda lp: policy_loss(lp, *args[1:], denominator=4.0, aggregation="seq_mean_token_mean", gspo=True)[0])(jnp.asarray(logp))
+    g = jax.grad(
+        lambda lp: policy_loss(lp, *args[1:], denominator=4.0, aggregation="seq_mean_token_mean", gspo=True)[0]
+    )(jnp.asarray(logp))
     expected = np.zeros_like(log_ratio)
     expected[0, :2] = -1.0 * s[0] / 2 / 4
     expected[3, :2] = -2.0 * s[3] / 2 / 4
@@ -287,7 +319,9 @@ def test_k3_kl_hand_and_not_weighted():
     np.testing.assert_allclose(float(loss), 0.1 * k3.sum() / 2, rtol=1e-6)
     np.testing.assert_allclose(float(m["kl"]), k3.mean(), rtol=1e-6)
     # d k3 / d logp = -(e^d - 1).
-    g = jax.grad(lambda lp: policy_loss(lp, logp, zeros, zeros, mask, denominator=2.0, ref_logprobs_BxT=ref, kl_coef=0.1)[0])(jnp.asarray(logp))
+    g = jax.grad(
+        lambda lp: policy_loss(lp, logp, zeros, zeros, mask, denominator=2.0, ref_logprobs_BxT=ref, kl_coef=0.1)[0]
+    )(jnp.asarray(logp))
     np.testing.assert_allclose(np.asarray(g)[0], 0.1 * -(np.exp([0.5, -1.0]) - 1) / 2, rtol=1e-5)
     # kl_coef = 0 (the recipe) or no reference: no KL term, no metric.
     loss, m = policy_loss(logp, logp, zeros, zeros, mask, denominator=2.0, ref_logprobs_BxT=ref, kl_coef=0.0)
@@ -338,8 +372,9 @@ def test_weight_is_detached_gradient_through_logits(aggregation, traced_prox):
         logp = jnp.take_along_axis(jax.nn.log_softmax(z), jnp.asarray(targets)[..., None], -1)[..., 0]
         prox = logp - delta.astype(np.float32) if traced_prox else prox64.astype(np.float32)
         # The weight is handed over WITHOUT stop_gradient: policy_loss must detach it (and prox).
-        return policy_loss(logp, prox, cis_like_weight(logp), adv.astype(np.float32), mask, denominator=denom,
-                           aggregation=aggregation)[0]
+        return policy_loss(
+            logp, prox, cis_like_weight(logp), adv.astype(np.float32), mask, denominator=denom, aggregation=aggregation
+        )[0]
 
     grad = np.asarray(jax.grad(loss_fn)(jnp.asarray(logits)))
 

@@ -204,6 +204,8 @@ def test_pool_names_an_fn_it_cannot_import():
 
 def test_pool_reports_how_each_item_ended(pool):
     outcomes = []
-    scores = pool.score(["hang", "raise", "die", "\\boxed{1}", "\\boxed{2}"], ["1", "1", "1", "1", "1"], outcomes=outcomes)
+    scores = pool.score(
+        ["hang", "raise", "die", "\\boxed{1}", "\\boxed{2}"], ["1", "1", "1", "1", "1"], outcomes=outcomes
+    )
     assert scores == [0.0, 0.0, 0.0, 1.0, 0.0]
     assert outcomes == ["timeout", "error", "crashed", "ok", "ok"]

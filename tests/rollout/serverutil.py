@@ -14,8 +14,19 @@ def start(backend, model_dir, port, *, export_root=None, token=None, host="127.0
     """`python -m cisjax.rollout.server` (engine dtype fp32 unless told) with a 5 s shutdown grace, output captured."""
     import subprocess
 
-    proc = launch.start(backend, model_dir, port=port, dtype=dtype, host=host, export_root=export_root or None, token=token,
-                        grace_s=5.0, env=env, stdout=subprocess.PIPE, text=True)
+    proc = launch.start(
+        backend,
+        model_dir,
+        port=port,
+        dtype=dtype,
+        host=host,
+        export_root=export_root or None,
+        token=token,
+        grace_s=5.0,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     # drain the output continuously: a full pipe would block the server (it logs every reload)
     proc.output = collections.deque(maxlen=2000)
     threading.Thread(target=lambda: proc.output.extend(proc.stdout), daemon=True).start()
@@ -32,8 +43,13 @@ def wait_serving(proc, target, timeout: float, poll: float = 0.2) -> None:
     """Until the health check says SERVING; the server's output in the error if it exits or times out (killed then)."""
     with RolloutClient(target) as client:
         try:
-            launch.wait_serving(client, timeout, failed=lambda: None if proc.poll() is None else f"exited {proc.returncode}",
-                                tail=lambda: output(proc), poll_s=poll)
+            launch.wait_serving(
+                client,
+                timeout,
+                failed=lambda: None if proc.poll() is None else f"exited {proc.returncode}",
+                tail=lambda: output(proc),
+                poll_s=poll,
+            )
         except RuntimeError:
             proc.kill()
             raise

@@ -8,7 +8,6 @@ import pytest
 
 from cisjax.rollout import canary
 
-
 # ----------------------------------------------------------------------------- sequences
 
 
@@ -43,7 +42,9 @@ def test_compare_hand_computed():
     assert (r.trainer_at_worst, r.engine_at_worst) == (-1.0, -1.5)
     assert r.per_sequence_max == (0.5, 0.25)
     text = r.summary()
-    assert "ok" in text and "mean 2.500e-01" in text and "max 5.000e-01" in text and "sequence 0, response token 0" in text
+    assert (
+        "ok" in text and "mean 2.500e-01" in text and "max 5.000e-01" in text and "sequence 0, response token 0" in text
+    )
 
 
 def test_compare_bounds_each_fail_and_name_themselves():
@@ -91,15 +92,18 @@ def test_compare_length_mismatches():
 # ----------------------------------------------------------------------------- families
 
 
-@pytest.mark.parametrize("name, want", [
-    ("model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.*.mlp.experts.*.down_proj.weight"),
-    ("model.layers.12.self_attn.q_proj.bias", "model.layers.*.self_attn.q_proj.bias"),
-    ("model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.*.mlp.shared_expert.gate_proj.weight"),
-    ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-    ("model.layers.1.mlp.experts.0", "model.layers.*.mlp.experts.*"),
-    ("model.layers.1x.q_proj.weight", "model.layers.1x.q_proj.weight"),  # only whole numeric components
-])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.*.mlp.experts.*.down_proj.weight"),
+        ("model.layers.12.self_attn.q_proj.bias", "model.layers.*.self_attn.q_proj.bias"),
+        ("model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.*.mlp.shared_expert.gate_proj.weight"),
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+        ("model.layers.1.mlp.experts.0", "model.layers.*.mlp.experts.*"),
+        ("model.layers.1x.q_proj.weight", "model.layers.1x.q_proj.weight"),  # only whole numeric components
+    ],
+)
 def test_family(name, want):
     assert canary.family(name) == want
 
@@ -117,7 +121,9 @@ def test_family_differences_hand_computed():
     }
     actual = dict(expected)
     actual["model.layers.0.mlp.experts.1.down_proj.weight"] = np.array([[0.0, 5.0]])  # diff^2 = 25 -> relative 1, max 5
-    actual["model.layers.1.input_layernorm.weight"] = np.array([1.0, 1.0, 1.0, 1.5])  # diff^2 = 0.25 / 8 -> relative 0.25 / sqrt(2)
+    actual["model.layers.1.input_layernorm.weight"] = np.array(
+        [1.0, 1.0, 1.0, 1.5]
+    )  # diff^2 = 0.25 / 8 -> relative 0.25 / sqrt(2)
     del actual["model.norm.weight"]
     actual["lm_head.weight"] = np.array([[1.0], [2.0]])
     actual["model.layers.0.extra.weight"] = np.array([1.0])
@@ -131,14 +137,22 @@ def test_family_differences_hand_computed():
     assert norm.max_abs == 0.5 and norm.relative == pytest.approx(0.5 / math.sqrt(8), rel=1e-12) and norm.tensors == 2
     assert norm.worst == "model.layers.1.input_layernorm.weight"
     assert by["model.embed_tokens.weight"][1:4] == (0.0, 0.0, 1) and by["model.embed_tokens.weight"].worst == ""
-    assert by["model.norm.weight"].note == "1 missing (e.g. model.norm.weight)" and by["model.norm.weight"].max_abs == math.inf
+    assert (
+        by["model.norm.weight"].note == "1 missing (e.g. model.norm.weight)"
+        and by["model.norm.weight"].max_abs == math.inf
+    )
     assert by["lm_head.weight"].note == "shape (2, 1) != (1, 2) in lm_head.weight"
     assert by["model.layers.*.extra.weight"].note == "1 extra (e.g. model.layers.0.extra.weight)"
     assert by["model.layers.*.extra.weight"].tensors == 1
     # order: structural problems first (by family name), then by relative difference
-    assert [d.family for d in diffs] == ["lm_head.weight", "model.layers.*.extra.weight", "model.norm.weight",
-                                         "model.layers.*.mlp.experts.*.down_proj.weight", "model.layers.*.input_layernorm.weight",
-                                         "model.embed_tokens.weight"]
+    assert [d.family for d in diffs] == [
+        "lm_head.weight",
+        "model.layers.*.extra.weight",
+        "model.norm.weight",
+        "model.layers.*.mlp.experts.*.down_proj.weight",
+        "model.layers.*.input_layernorm.weight",
+        "model.embed_tokens.weight",
+    ]
     text = canary.format_differences(diffs, top=4)
     assert "1 missing" in text and "relative 1.000e+00, max |diff| 5.000e+00" in text and "and 1 more" in text
     assert "embed_tokens" not in text  # identical families are not listed
@@ -151,9 +165,15 @@ def test_family_differences_bf16_nan_and_identical():
     assert all(d.max_abs == 0 and d.relative == 0 for d in same)
     assert canary.format_differences(same) == "  all 2 tensor families identical"
     # 1.0 -> 1.0078125 (the next bfloat16 above 1): |diff| 2^-7
-    off = canary.family_differences(e, {"a.weight": np.array([1.0078125, 2.0], bf16), "b.weight": np.array([np.inf, np.nan], np.float32)})
+    off = canary.family_differences(
+        e, {"a.weight": np.array([1.0078125, 2.0], bf16), "b.weight": np.array([np.inf, np.nan], np.float32)}
+    )
     assert off[0].family == "b.weight" and off[0].max_abs == math.inf
-    assert off[1].family == "a.weight" and off[1].max_abs == 2.0 ** -7 and off[1].relative == pytest.approx(2.0 ** -7 / math.sqrt(5))
+    assert (
+        off[1].family == "a.weight"
+        and off[1].max_abs == 2.0**-7
+        and off[1].relative == pytest.approx(2.0**-7 / math.sqrt(5))
+    )
 
 
 def test_family_differences_iterates_expected_once():

@@ -27,7 +27,10 @@ def test_sha256_file_matches_hashlib_across_chunks(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(data)
     assert manifest.sha256_file(tmp_path / "f") == (hashlib.sha256(data).hexdigest(), len(data))
     (tmp_path / "e").write_bytes(b"")
-    assert manifest.sha256_file(tmp_path / "e", fsync=True) == ("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855", 0)
+    assert manifest.sha256_file(tmp_path / "e", fsync=True) == (
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        0,
+    )
 
 
 def test_round_trip(export_dir):
@@ -36,16 +39,22 @@ def test_round_trip(export_dir):
     assert written == on_disk
     assert list(on_disk) == ["format", "version", "metadata", "files"]
     assert on_disk["format"] == "cisjax-export/1" == manifest.FORMAT and on_disk["version"] == 3
-    assert on_disk["files"] == {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in FILES.items()}
+    assert on_disk["files"] == {
+        name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in FILES.items()
+    }
     assert manifest.read(export_dir) == on_disk
     assert manifest.verify(export_dir) == on_disk
     manifest.check_sizes(export_dir)
-    assert manifest.recorded_checksums(export_dir) == {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
+    assert manifest.recorded_checksums(export_dir) == {
+        name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()
+    }
 
 
 def test_digests_given_are_trusted_and_heartbeat_runs_per_hashed_file(export_dir):
     beats = []
-    written = manifest.write(export_dir, {}, digests={"model.safetensors": "ab" * 32}, heartbeat=lambda: beats.append(1))
+    written = manifest.write(
+        export_dir, {}, digests={"model.safetensors": "ab" * 32}, heartbeat=lambda: beats.append(1)
+    )
     assert written["files"]["model.safetensors"] == {"size": len(FILES["model.safetensors"]), "sha256": "ab" * 32}
     assert len(beats) == 2  # config.json and empty.bin were hashed here
     with pytest.raises(manifest.ManifestError, match=r"model\.safetensors: sha256 .* differs from the manifest's abab"):
@@ -59,7 +68,9 @@ def test_a_flipped_byte_is_named(export_dir):
     data[5000] ^= 0x01
     path.write_bytes(bytes(data))
     manifest.check_sizes(export_dir)  # same size: only hashing sees it
-    with pytest.raises(manifest.ManifestError, match=rf"{path}: sha256 {hashlib.sha256(data).hexdigest()} differs .*\(corrupted\)"):
+    with pytest.raises(
+        manifest.ManifestError, match=rf"{path}: sha256 {hashlib.sha256(data).hexdigest()} differs .*\(corrupted\)"
+    ):
         manifest.verify(export_dir)
 
 
@@ -67,9 +78,14 @@ def test_a_truncated_file_is_named(export_dir):
     manifest.write(export_dir, {})
     (export_dir / "model.safetensors").write_bytes(FILES["model.safetensors"][:-1])
     size = len(FILES["model.safetensors"])
-    with pytest.raises(manifest.ManifestError, match=rf"model\.safetensors: size {size - 1} bytes, the manifest says {size}"):
+    with pytest.raises(
+        manifest.ManifestError, match=rf"model\.safetensors: size {size - 1} bytes, the manifest says {size}"
+    ):
         manifest.verify(export_dir)
-    with pytest.raises(manifest.ManifestError, match=rf"v000003: model\.safetensors is missing or not the {size} bytes its manifest\.json lists"):
+    with pytest.raises(
+        manifest.ManifestError,
+        match=rf"v000003: model\.safetensors is missing or not the {size} bytes its manifest\.json lists",
+    ):
         manifest.check_sizes(export_dir)
 
 
@@ -95,12 +111,18 @@ def test_no_manifest_and_no_directory(tmp_path, export_dir):
         manifest.read(tmp_path / "nope")
 
 
-@pytest.mark.parametrize("text, message", [
-    (json.dumps({"format": "cisjax-export/0", "files": {}}), r"not a cisjax-export/1 manifest \(format 'cisjax-export/0'\)"),
-    (json.dumps(["cisjax-export/1"]), r"not a cisjax-export/1 manifest \(format None\)"),
-    ("{not json", "unreadable manifest"),
-    (json.dumps({"format": "cisjax-export/1", "files": {"a": {"size": 1}}}), "malformed 'files' table"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            json.dumps({"format": "cisjax-export/0", "files": {}}),
+            r"not a cisjax-export/1 manifest \(format 'cisjax-export/0'\)",
+        ),
+        (json.dumps(["cisjax-export/1"]), r"not a cisjax-export/1 manifest \(format None\)"),
+        ("{not json", "unreadable manifest"),
+        (json.dumps({"format": "cisjax-export/1", "files": {"a": {"size": 1}}}), "malformed 'files' table"),
+    ],
+)
 def test_a_bad_manifest_is_named(export_dir, text, message):
     (export_dir / manifest.NAME).write_text(text)
     with pytest.raises(manifest.ManifestError, match=message) as err:

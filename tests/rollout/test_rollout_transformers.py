@@ -11,7 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams, add_args as generate_add_args, run as generate_run
+from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
+from cisjax.rollout.client import add_args as generate_add_args
+from cisjax.rollout.client import run as generate_run
 from tests.helpers import SERVER_QWEN2_MOE, tiny_hf_config
 from tests.rollout import serverutil, xla
 
@@ -28,8 +30,9 @@ _free_port = serverutil.free_port
 
 
 def _start(model_dir, port, export_root=None, token=None, host="127.0.0.1"):
-    return serverutil.start("transformers", model_dir, port, export_root=export_root, token=token, host=host,
-                            env={"OMP_NUM_THREADS": "1"})
+    return serverutil.start(
+        "transformers", model_dir, port, export_root=export_root, token=token, host=host, env={"OMP_NUM_THREADS": "1"}
+    )
 
 
 def _wait(proc, target):
@@ -70,13 +73,18 @@ rescore, _items = xla.rescore, xla.items_of
 def test_generate_logprobs_are_the_sampling_distribution(client, dirs, tmp_path, temperature):
     model_dir, _ = dirs
     version = client.info()["version"]
-    plain = client.generate(PROMPTS, SamplingParams(n=3, temperature=temperature, max_new_tokens=8, seed=3, stop_token_ids=[5, 9, 11], logprobs=3))
+    plain = client.generate(
+        PROMPTS,
+        SamplingParams(n=3, temperature=temperature, max_new_tokens=8, seed=3, stop_token_ids=[5, 9, 11], logprobs=3),
+    )
     # top-k sampling: q is renormalised over the k survivors
     topk = client.generate(PROMPTS, SamplingParams(n=2, temperature=temperature, top_k=5, max_new_tokens=6, seed=4))
     for per in plain + topk:
         assert len(per) in (2, 3) and sorted(s.sample_index for s in per) == list(range(len(per)))
         for s in per:
-            assert s.finish_reason in ("stop", "length") and len(s.response_ids) == len(s.logprobs) == len(s.versions) > 0
+            assert (
+                s.finish_reason in ("stop", "length") and len(s.response_ids) == len(s.logprobs) == len(s.versions) > 0
+            )
             assert s.versions == [version] * len(s.response_ids)
             if s.finish_reason == "stop":
                 assert s.response_ids[-1] in (5, 9, 11) and not set(s.response_ids[:-1]) & {5, 9, 11}
@@ -84,7 +92,7 @@ def test_generate_logprobs_are_the_sampling_distribution(client, dirs, tmp_path,
                 assert len(s.response_ids) == (8 if per in plain else 6)
     ref = rescore(model_dir, _items(plain) + _items(topk), tmp_path, temperature=temperature, top_k=5)
     got = [s for per in plain + topk for s in per]
-    for s, r in zip(got[: 9], ref[: 9]):
+    for s, r in zip(got[:9], ref[:9]):
         np.testing.assert_allclose(s.logprobs, r["logprobs"], atol=1e-5)
         np.testing.assert_array_equal(s.top_ids, [ids[:3] for ids in r["topk_ids"]])
         np.testing.assert_allclose(s.top_logprobs, [lp[:3] for lp in r["topk_logprobs"]], atol=1e-5)
@@ -126,7 +134,10 @@ def test_routing_matches_cisjax(client, dirs):
 def test_score_matches_cisjax_score(client, dirs, tmp_path):
     model_dir, _ = dirs
     rng = np.random.RandomState(0)
-    items = [(rng.randint(0, VOCAB, rng.randint(1, 9)).tolist(), rng.randint(0, VOCAB, rng.randint(0, 12)).tolist()) for _ in range(5)]
+    items = [
+        (rng.randint(0, VOCAB, rng.randint(1, 9)).tolist(), rng.randint(0, VOCAB, rng.randint(0, 12)).tolist())
+        for _ in range(5)
+    ]
     got = client.score(items, temperature=0.7, logprobs=4)
     ref = rescore(model_dir, items, tmp_path, temperature=0.7, top_k=4)
     for g, r, (_, resp) in zip(got, ref, items):
@@ -135,18 +146,21 @@ def test_score_matches_cisjax_score(client, dirs, tmp_path):
         np.testing.assert_array_equal(np.array(g["topk_ids"]).reshape(-1, 4), np.array(r["topk_ids"]).reshape(-1, 4))
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(prompts=[]), "no prompts"),
-    (dict(prompts=[[]]), "prompt 0 is empty"),
-    (dict(prompts=[[1, VOCAB]]), "outside the vocabulary"),
-    (dict(prompts=[[1, -3]]), "outside the vocabulary"),
-    (dict(n=0), "n must be"),
-    (dict(max_new_tokens=10**9), "max_new_tokens"),
-    (dict(max_new_tokens=127), "context length"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(logprobs=10**6), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompts=[]), "no prompts"),
+        (dict(prompts=[[]]), "prompt 0 is empty"),
+        (dict(prompts=[[1, VOCAB]]), "outside the vocabulary"),
+        (dict(prompts=[[1, -3]]), "outside the vocabulary"),
+        (dict(n=0), "n must be"),
+        (dict(max_new_tokens=10**9), "max_new_tokens"),
+        (dict(max_new_tokens=127), "context length"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(logprobs=10**6), "logprobs"),
+    ],
+)
 def test_malformed_requests_are_invalid_argument(client, bad, message):
     prompts = bad.pop("prompts", PROMPTS)
     params = SamplingParams(**{"max_new_tokens": 4, **bad})
@@ -157,7 +171,12 @@ def test_malformed_requests_are_invalid_argument(client, bad, message):
     else:  # the client sends nothing for no prompts: ask the server directly
         pb = client.pb.rollout_pb2
         with pytest.raises(grpc.RpcError) as err:
-            list(client.stub.Generate(pb.GenerateRequest(params=pb.SamplingParams(n=1, temperature=1, max_new_tokens=4)), metadata=client.metadata))
+            list(
+                client.stub.Generate(
+                    pb.GenerateRequest(params=pb.SamplingParams(n=1, temperature=1, max_new_tokens=4)),
+                    metadata=client.metadata,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     with pytest.raises(RolloutError, match="outside the vocabulary") as err:
         client.score([([1, 2], [3, 1000])])
@@ -169,7 +188,11 @@ def test_malformed_requests_are_invalid_argument(client, bad, message):
 def test_auth(server):
     with RolloutClient(server, retry_s=1) as anon, RolloutClient(server, token="wrong", retry_s=1) as wrong:
         for c in (anon, wrong):
-            for call in (c.info, lambda: c.generate(PROMPTS, SamplingParams(max_new_tokens=2)), lambda: c.score([([1], [2])])):
+            for call in (
+                c.info,
+                lambda c=c: c.generate(PROMPTS, SamplingParams(max_new_tokens=2)),
+                lambda c=c: c.score([([1], [2])]),
+            ):
                 with pytest.raises(RolloutError) as err:
                     call()
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -180,8 +203,13 @@ def test_auth(server):
 
 
 def test_non_localhost_bind_needs_token(dirs):
-    res = subprocess.run([sys.executable, "-m", "cisjax.rollout.server", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, CISJAX_ROLLOUT_TOKEN=""))
+    res = subprocess.run(
+        [sys.executable, "-m", "cisjax.rollout.server", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, CISJAX_ROLLOUT_TOKEN=""),
+    )
     assert res.returncode == 2 and "requires --token" in res.stderr
 
 
@@ -198,14 +226,20 @@ def test_update_weights(client, dirs, tmp_path):
     state = nnx.state(model, nnx.Param)
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
+    )
     new_dir = export_root / "step_1"
     hf_io.save(model, new_dir, hf)
 
     # refused: outside the export root, missing, corrupt manifest, non-increasing version; old weights keep serving
-    for path, kw, code in [(model_dir, {}, grpc.StatusCode.PERMISSION_DENIED), (str(export_root / ".." / "x"), {}, grpc.StatusCode.PERMISSION_DENIED),
-                           (str(export_root / "nope"), {"checksums": False}, grpc.StatusCode.NOT_FOUND),
-                           (str(new_dir), {"checksums": {"model.safetensors": "0" * 64}}, grpc.StatusCode.DATA_LOSS)]:
+    for path, kw, code in [
+        (model_dir, {}, grpc.StatusCode.PERMISSION_DENIED),
+        (str(export_root / ".." / "x"), {}, grpc.StatusCode.PERMISSION_DENIED),
+        (str(export_root / "nope"), {"checksums": False}, grpc.StatusCode.NOT_FOUND),
+        (str(new_dir), {"checksums": {"model.safetensors": "0" * 64}}, grpc.StatusCode.DATA_LOSS),
+    ]:
         with pytest.raises(RolloutError, match=".") as err:
             client.update_weights(path, **kw)
         assert err.value.code == code, (path, err.value)
@@ -252,8 +286,13 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
     changed.mkdir(parents=True)
     shutil.copy(os.path.join(model_dir, "config.json"), changed / "config.json")
     rng = np.random.default_rng(5)
-    save_file({k: (v + 0.1 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()},
-              str(changed / "model.safetensors"))
+    save_file(
+        {
+            k: (v + 0.1 * rng.standard_normal(v.shape)).astype(v.dtype)
+            for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
+        },
+        str(changed / "model.safetensors"),
+    )
     port = _free_port()
     target = f"127.0.0.1:{port}"
     proc = _start(model_dir, port, export_root=export_root)
@@ -286,8 +325,25 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
 
             p = argparse.ArgumentParser()
             generate_add_args(p)
-            args = p.parse_args(["--server", target, "--input", str(inp), "--output", str(out), "--n", "2", "--max-new-tokens", "5",
-                                 "--seed", "11", "--logprobs", "2", "--routing"])
+            args = p.parse_args(
+                [
+                    "--server",
+                    target,
+                    "--input",
+                    str(inp),
+                    "--output",
+                    str(out),
+                    "--n",
+                    "2",
+                    "--max-new-tokens",
+                    "5",
+                    "--seed",
+                    "11",
+                    "--logprobs",
+                    "2",
+                    "--routing",
+                ]
+            )
             assert generate_run(args, []) == 0
             lines = [json.loads(x) for x in out.read_text().splitlines()]
             assert len(lines) == 2 * len(PROMPTS)
@@ -300,10 +356,14 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
 
 def test_process_boundaries():
     """The server never imports the trainer (nor jax); the client never imports torch/transformers."""
-    code = ("import sys; import cisjax.rollout.server, cisjax.rollout.transformers_backend; "
-            "bad = [m for m in sys.modules if m.startswith(('cisjax.train', 'cisjax.rl', 'cisjax.models', 'jax', 'flax'))]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import cisjax.rollout.server, cisjax.rollout.transformers_backend; "
+        "bad = [m for m in sys.modules if m.startswith(('cisjax.train', 'cisjax.rl', 'cisjax.models', 'jax', 'flax'))]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    code = ("import sys; import cisjax.rollout.client; from cisjax.rollout import protos; protos.load(); "
-            "bad = [m for m in sys.modules if m.startswith(('torch', 'transformers', 'vllm'))]; assert not bad, bad")
+    code = (
+        "import sys; import cisjax.rollout.client; from cisjax.rollout import protos; protos.load(); "
+        "bad = [m for m in sys.modules if m.startswith(('torch', 'transformers', 'vllm'))]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

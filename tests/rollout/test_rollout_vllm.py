@@ -101,7 +101,10 @@ LOG_K = []  # max |log q_vllm - log q_cisjax| per check, printed at the end of t
 def report_log_k():
     yield
     if LOG_K:
-        print(f"\nvllm vs cisjax score: max |log k| = {max(v for _, v in LOG_K):.3e}; " + ", ".join(f"{w}={v:.2e}" for w, v in LOG_K))
+        print(
+            f"\nvllm vs cisjax score: max |log k| = {max(v for _, v in LOG_K):.3e}; "
+            + ", ".join(f"{w}={v:.2e}" for w, v in LOG_K)
+        )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -110,7 +113,9 @@ def test_q_is_the_sampling_distribution(client, dirs, tmp_path, temperature):
     version = client.info()["version"]
     assert client.info()["engine"] == "vllm"
     cases = {
-        "plain": SamplingParams(n=3, temperature=temperature, max_new_tokens=8, seed=3, stop_token_ids=[5, 9, 11], logprobs=3),
+        "plain": SamplingParams(
+            n=3, temperature=temperature, max_new_tokens=8, seed=3, stop_token_ids=[5, 9, 11], logprobs=3
+        ),
         "top_k": SamplingParams(n=2, temperature=temperature, top_k=5, max_new_tokens=6, seed=4, logprobs=2),
         "top_p": SamplingParams(n=2, temperature=temperature, top_p=0.8, max_new_tokens=6, seed=5),
         "greedy": SamplingParams(n=1, greedy=True, max_new_tokens=6, logprobs=2),
@@ -120,19 +125,28 @@ def test_q_is_the_sampling_distribution(client, dirs, tmp_path, temperature):
         for per in samples:
             assert sorted(s.sample_index for s in per) == list(range(params.n))
             for s in per:
-                assert s.finish_reason in ("stop", "length") and len(s.response_ids) == len(s.logprobs) == len(s.versions) > 0
+                assert (
+                    s.finish_reason in ("stop", "length")
+                    and len(s.response_ids) == len(s.logprobs) == len(s.versions) > 0
+                )
                 assert s.versions == [version] * len(s.response_ids)
                 if s.finish_reason == "stop":
-                    assert s.response_ids[-1] in params.stop_token_ids and not set(s.response_ids[:-1]) & set(params.stop_token_ids)
+                    assert s.response_ids[-1] in params.stop_token_ids and not set(s.response_ids[:-1]) & set(
+                        params.stop_token_ids
+                    )
                 else:
                     assert len(s.response_ids) == params.max_new_tokens
         t = 1.0 if params.greedy else temperature
-        ref = rescore(model_dir, _items(samples), tmp_path, temperature=t, top_k=VOCAB)  # the full distribution per step
+        ref = rescore(
+            model_dir, _items(samples), tmp_path, temperature=t, top_k=VOCAB
+        )  # the full distribution per step
         err = 0.0
         for s, r in zip([s for per in samples for s in per], ref):
             for step, tok in enumerate(s.response_ids):
                 ids, lps = r["topk_ids"][step], r["topk_logprobs"][step]
-                q = _filtered(ids, lps, 0 if params.greedy else params.top_k, 1.0 if params.greedy else (params.top_p or 1.0))
+                q = _filtered(
+                    ids, lps, 0 if params.greedy else params.top_k, 1.0 if params.greedy else (params.top_p or 1.0)
+                )
                 assert np.isfinite(q[tok]), (name, step, tok)  # sampled tokens lie in the filtered support
                 err = max(err, abs(s.logprobs[step] - q[tok]))
                 if params.greedy:
@@ -167,7 +181,10 @@ def test_seeds_reproduce(client):
 def test_score_matches_cisjax_score(client, dirs, tmp_path, temperature):
     model_dir, _ = dirs
     rng = np.random.RandomState(0)
-    items = [(rng.randint(0, VOCAB, rng.randint(1, 9)).tolist(), rng.randint(0, VOCAB, rng.randint(0, 12)).tolist()) for _ in range(5)]
+    items = [
+        (rng.randint(0, VOCAB, rng.randint(1, 9)).tolist(), rng.randint(0, VOCAB, rng.randint(0, 12)).tolist())
+        for _ in range(5)
+    ]
     got = client.score(items, temperature=temperature, logprobs=4)
     ref = rescore(model_dir, items, tmp_path, temperature=temperature, top_k=4)
     err = 0.0
@@ -175,8 +192,12 @@ def test_score_matches_cisjax_score(client, dirs, tmp_path, temperature):
         assert len(g["logprobs"]) == len(resp)
         if resp:
             err = max(err, float(np.max(np.abs(np.array(g["logprobs"]) - r["logprobs"]))))
-            np.testing.assert_array_equal(np.array(g["topk_ids"]).reshape(-1, 4), np.array(r["topk_ids"]).reshape(-1, 4))
-            np.testing.assert_allclose(np.array(g["topk_logprobs"]).reshape(-1, 4), np.array(r["topk_logprobs"]).reshape(-1, 4), atol=Q_ATOL)
+            np.testing.assert_array_equal(
+                np.array(g["topk_ids"]).reshape(-1, 4), np.array(r["topk_ids"]).reshape(-1, 4)
+            )
+            np.testing.assert_allclose(
+                np.array(g["topk_logprobs"]).reshape(-1, 4), np.array(r["topk_logprobs"]).reshape(-1, 4), atol=Q_ATOL
+            )
     LOG_K.append((f"score@T{temperature}", err))
     assert err < Q_ATOL
 
@@ -191,7 +212,10 @@ def _perturbed(model_dir, out_dir, seed):
     state = nnx.state(model, nnx.Param)
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
+    )
     hf_io.save(model, out_dir, hf)
     return out_dir
 
@@ -234,7 +258,9 @@ def test_update_weights_matches_fresh_engine(client, dirs, tmp_path):
     finally:
         assert fresh.stop() == 0
     assert [[s.response_ids for s in per] for per in after] == [[s.response_ids for s in per] for per in ref]
-    diff = max(abs(a - b) for pa, pb in zip(after, ref) for sa, sb in zip(pa, pb) for a, b in zip(sa.logprobs, sb.logprobs))
+    diff = max(
+        abs(a - b) for pa, pb in zip(after, ref) for sa, sb in zip(pa, pb) for a, b in zip(sa.logprobs, sb.logprobs)
+    )
     sdiff = max(abs(a - b) for ga, gb in zip(scored, ref_scored) for a, b in zip(ga["logprobs"], gb["logprobs"]))
     LOG_K.append(("reloaded-vs-fresh", max(diff, sdiff)))
     assert diff < 1e-6 and sdiff < 1e-6, (diff, sdiff)
@@ -251,4 +277,8 @@ def test_update_weights_matches_fresh_engine(client, dirs, tmp_path):
     assert v2 == v1 + 1
     back = client.generate(PROMPTS, params)
     assert [[s.response_ids for s in per] for per in back] == [[s.response_ids for s in per] for per in before]
-    np.testing.assert_allclose([x for per in back for s in per for x in s.logprobs], [x for per in before for s in per for x in s.logprobs], atol=1e-6)
+    np.testing.assert_allclose(
+        [x for per in back for s in per for x in s.logprobs],
+        [x for per in before for s in per for x in s.logprobs],
+        atol=1e-6,
+    )

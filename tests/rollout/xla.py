@@ -6,7 +6,6 @@ import time
 import numpy as np
 
 from cisjax import cli
-
 from cisjax.models import hf_io
 from tests.models import parity
 
@@ -36,8 +35,22 @@ def rescore(model_dir, items, tmp_path, *, temperature=1.0, top_k=0, dtype="floa
     tag = f"{temperature}_{top_k}_{dtype}_{time.monotonic_ns()}"
     inp, out = tmp_path / f"rescore_in_{tag}.jsonl", tmp_path / f"rescore_out_{tag}.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in items))
-    argv = ["score", "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype", dtype,
-            "--temperature", str(temperature), "--top-k", str(top_k), "--no-progress"]
+    argv = [
+        "score",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--dtype",
+        dtype,
+        "--temperature",
+        str(temperature),
+        "--top-k",
+        str(top_k),
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 

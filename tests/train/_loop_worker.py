@@ -12,16 +12,37 @@ def config(prepared: str, run_dir: str, steps: int):
     from cisjax import config as config_lib
 
     overrides = {
-        "model.path": f"{prepared}/model", "data.source": f"{prepared}/data/heldout.jsonl", "run.dir": run_dir,
-        "run.steps": steps, "run.progress": "off", "run.tensorboard": "false", "run.dump_every": 3,
-        "mesh.data": 2, "mesh.fsdp": 2, "train.precision": "fp32", "train.lr": 1e-4, "train.length_multiple": 32,
-        "data.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
-        "rollout.backend": "transformers", "rollout.dtype": "bfloat16", "rollout.seed": 3, "rollout.max_staleness": 0,
-        "rollout.startup_s": 120, "publish.dtype": "float32", "publish.canary.num_sequences": 2,
-        "publish.canary.response_len": 8, "publish.canary.mean_abs": 0.3, "publish.canary.max_abs": 0,
-        "checkpoint.every": 2, "checkpoint.keep": 2, "reward.workers": 1,
+        "model.path": f"{prepared}/model",
+        "data.source": f"{prepared}/data/heldout.jsonl",
+        "run.dir": run_dir,
+        "run.steps": steps,
+        "run.progress": "off",
+        "run.tensorboard": "false",
+        "run.dump_every": 3,
+        "mesh.data": 2,
+        "mesh.fsdp": 2,
+        "train.precision": "fp32",
+        "train.lr": 1e-4,
+        "train.length_multiple": 32,
+        "data.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 12,
+        "rollout.backend": "transformers",
+        "rollout.dtype": "bfloat16",
+        "rollout.seed": 3,
+        "rollout.max_staleness": 0,
+        "rollout.startup_s": 120,
+        "publish.dtype": "float32",
+        "publish.canary.num_sequences": 2,
+        "publish.canary.response_len": 8,
+        "publish.canary.mean_abs": 0.3,
+        "publish.canary.max_abs": 0,
+        "checkpoint.every": 2,
+        "checkpoint.keep": 2,
+        "reward.workers": 1,
         # the untrained model earns no reward: raw (reward - 0.5) * 10 advantages still give every token a gradient
-        "advantages.group_norm": "false", "advantages.batch_norm": "false",
+        "advantages.group_norm": "false",
+        "advantages.batch_norm": "false",
     }
     return config_lib.load(None, [f"--config.{k}={v}" for k, v in overrides.items()])
 
@@ -39,8 +60,17 @@ class StopOnLastProcess:
         return jax.process_index() == jax.process_count() - 1 and self.checks > self.at
 
 
-def main(port: str, process_id: str, processes: str, devices: str, prepared: str, run_dir: str, steps: str, mode: str,
-         out: str) -> int:
+def main(
+    port: str,
+    process_id: str,
+    processes: str,
+    devices: str,
+    prepared: str,
+    run_dir: str,
+    steps: str,
+    mode: str,
+    out: str,
+) -> int:
     """`train` on PROCESSES processes x DEVICES CPU devices (coordinator on 127.0.0.1:PORT): STEPS steps from scratch
     (mode "fresh"), or ("stop@N") with a stop from step N on seen by the last process only, or continuing from the
     last checkpoint ("resume"); the last metrics and what this process started go to OUT (JSON)."""
@@ -58,13 +88,18 @@ def main(port: str, process_id: str, processes: str, devices: str, prepared: str
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if int(processes) > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(processes),
-                                   process_id=int(process_id), initialization_timeout=60)
-    assert jax.process_count() == int(processes) and jax.device_count() == 4 and jax.local_device_count() == int(devices)
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=int(processes),
+            process_id=int(process_id),
+            initialization_timeout=60,
+        )
+    assert (
+        jax.process_count() == int(processes) and jax.device_count() == 4 and jax.local_device_count() == int(devices)
+    )
 
     from cisjax.rollout import client as client_lib
-    from cisjax.train import loop
-    from cisjax.train import server_proc
+    from cisjax.train import loop, server_proc
 
     # count what this process starts and connects to (only process 0 may talk to the rollout server)
     made = {"clients": 0, "servers": 0}

@@ -43,19 +43,26 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=60
+    )
     import flax.nnx as nnx
 
     from cisjax import config as config_lib
-    from cisjax import sharding
+    from cisjax import runtime, sharding
     from cisjax.models import hf_io
-    from cisjax import runtime
-    from cisjax.train.publish import CanaryError, PublishError, Publisher
+    from cisjax.train.publish import CanaryError, Publisher, PublishError
 
     assert jax.process_count() == 2 and jax.device_count() == 8
-    cfg = config_lib.load(None, ["--config.publish.canary.num_sequences=3", "--config.publish.canary.prompt_len=8",
-                                 "--config.publish.canary.response_len=12", f"--config.publish.dir={export_root}"])
+    cfg = config_lib.load(
+        None,
+        [
+            "--config.publish.canary.num_sequences=3",
+            "--config.publish.canary.prompt_len=8",
+            "--config.publish.canary.response_len=12",
+            f"--config.publish.dir={export_root}",
+        ],
+    )
     mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": 2})
     assert {d.process_index for d in mesh.devices.flat} == {0, 1}
     rules = sharding.rules_from_config(None)

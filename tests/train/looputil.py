@@ -40,8 +40,14 @@ def reference_reward(text: str, reference: str) -> float:
 def subprocess_env(cache_dir) -> dict:
     """The trainer's environment: one CPU device (not the suite's 8 fake ones: faster compiles), and a persistent
     compilation cache shared by the runs of a test module (a resumed run compiles the same programs)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        HF_HUB_OFFLINE="1",
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=str(REPO),
+    )
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
     return env
@@ -120,7 +126,9 @@ class Tree:
         return out
 
 
-def wait_for(proc: subprocess.Popen, condition, *, timeout_s: float, tree: Tree | None = None, what: str = "", log_path=None):
+def wait_for(
+    proc: subprocess.Popen, condition, *, timeout_s: float, tree: Tree | None = None, what: str = "", log_path=None
+):
     """Poll `condition()` until it is true; fails (with the log's tail) if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -130,12 +138,18 @@ def wait_for(proc: subprocess.Popen, condition, *, timeout_s: float, tree: Tree 
         if value:
             return value
         if proc.poll() is not None or time.monotonic() > deadline:
-            why = f"exited with {proc.returncode}" if proc.returncode is not None else f"still running after {timeout_s:.0f} s"
+            why = (
+                f"exited with {proc.returncode}"
+                if proc.returncode is not None
+                else f"still running after {timeout_s:.0f} s"
+            )
             raise AssertionError(f"waiting for {what}: the trainer {why}; its log ends:\n{tail(log_path)}")
         time.sleep(0.2)
 
 
-def start_until_first_step(argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300) -> tuple[subprocess.Popen, Tree]:
+def start_until_first_step(
+    argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300
+) -> tuple[subprocess.Popen, Tree]:
     """start(argv) and wait until the run's metrics.jsonl has a step: (the process, its Tree); the process group is
     killed when the wait fails."""
     import signal
@@ -143,7 +157,9 @@ def start_until_first_step(argv: list[str], run_dir, log_path, env: dict, timeou
     proc = start(argv, log_path, env)
     tree = Tree(proc.pid)
     try:
-        wait_for(proc, lambda: metrics(run_dir), timeout_s=timeout_s, tree=tree, what="the first step", log_path=log_path)
+        wait_for(
+            proc, lambda: metrics(run_dir), timeout_s=timeout_s, tree=tree, what="the first step", log_path=log_path
+        )
     except BaseException:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

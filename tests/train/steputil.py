@@ -8,12 +8,11 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 
-from cisjax.train import optim
-from cisjax import runtime
 from cisjax import config as config_lib
-from cisjax import sharding
+from cisjax import runtime, sharding
 from cisjax.models import hf_io
 from cisjax.records import TrainBatch
+from cisjax.train import optim
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
 from tests.helpers import MESHES, SHARDABLE_QWEN2_MOE  # noqa: F401 (MESHES: used by the tests through this module)
@@ -58,7 +57,10 @@ def build(cfg, mesh, seed: int = 0):
     host = _host_params(rt["param_dtype"], seed)
     params = jax.tree.map(
         lambda v, sh: v.replace(jax.make_array_from_callback(v.shape, sh, lambda i, x=v[...]: x[i])),
-        host, shardings, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        host,
+        shardings,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
     tx = optim.make_optimizer(cfg.train)
     graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh)
     return graphdef, tx, rules, state
@@ -88,8 +90,16 @@ def host_batch(m: int = M, b: int = B, t: int = T, seed: int = 0, vocab: int = T
     adv_NxT = np.where(mask, adv[:, None], 0.0).astype(np.float32)
     zeros = np.zeros((n, t), np.float32)
     shape = lambda x: x.reshape(m, b, t)  # noqa: E731
-    return TrainBatch(shape(tokens), shape(positions), shape(segments), shape(targets), shape(mask), shape(zeros),
-                      shape(zeros), shape(adv_NxT))
+    return TrainBatch(
+        shape(tokens),
+        shape(positions),
+        shape(segments),
+        shape(targets),
+        shape(mask),
+        shape(zeros),
+        shape(zeros),
+        shape(adv_NxT),
+    )
 
 
 def with_logprobs(batch: TrainBatch, prox_MxBxT, seed: int = 1, noise: float = 1.0) -> TrainBatch:
@@ -103,7 +113,9 @@ def replicated_sums(tree):
     """Per-leaf float64 sums (and sums of squares) of a possibly multi-process tree, as a host numpy vector."""
     leaves = jax.tree.leaves(tree)
     out = jax.jit(lambda xs: [(x.astype(np.float32).sum(), (x.astype(np.float32) ** 2).sum()) for x in xs])(leaves)
-    return np.array([[np.asarray(a.addressable_data(0)), np.asarray(b.addressable_data(0))] for a, b in out], np.float64)
+    return np.array(
+        [[np.asarray(a.addressable_data(0)), np.asarray(b.addressable_data(0))] for a, b in out], np.float64
+    )
 
 
 def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
@@ -113,7 +125,11 @@ def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
     batch = host_batch() if batch is None else batch
     logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules)
     prox = logprobs_fn(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
-    prox = np.asarray(jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(prox).addressable_data(0))
+    prox = np.asarray(
+        jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(
+            prox
+        ).addressable_data(0)
+    )
     batch = with_logprobs(batch, prox)
     placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
@@ -122,17 +138,28 @@ def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
         state, met = train_step(state, placed)
         metrics.append({k: float(np.asarray(v.addressable_data(0))) for k, v in met.items()})
         sums.append(replicated_sums(state.params))
-    return dict(prox=prox, metrics=metrics, sums=np.stack(sums), state=state, step=train_step, batch=batch, tx=tx,
-                graphdef=graphdef, rules=rules)
+    return dict(
+        prox=prox,
+        metrics=metrics,
+        sums=np.stack(sums),
+        state=state,
+        step=train_step,
+        batch=batch,
+        tx=tx,
+        graphdef=graphdef,
+        rules=rules,
+    )
 
 
 _MESHES: dict = {}
 
 
 def mesh_for(name: str):
-    """"single" (one device) or a MESHES entry, one Mesh object per name."""
+    """ "single" (one device) or a MESHES entry, one Mesh object per name."""
     if name not in _MESHES:
-        _MESHES[name] = sharding.make_mesh({}, jax.devices()[:1]) if name == "single" else sharding.make_mesh(MESHES[name])
+        _MESHES[name] = (
+            sharding.make_mesh({}, jax.devices()[:1]) if name == "single" else sharding.make_mesh(MESHES[name])
+        )
     return _MESHES[name]
 
 

@@ -8,15 +8,29 @@ from cisjax.train.batching import Rollout, build_batch
 
 
 def _adv(group_norm=True, batch_norm=False):
-    a = ml_collections.ConfigDict(dict(reward_scale=10.0, reward_bias=-0.5, group_norm=group_norm, group_eps=1e-5,
-                                       batch_norm=batch_norm, batch_eps=1e-5))
+    a = ml_collections.ConfigDict(
+        dict(
+            reward_scale=10.0,
+            reward_bias=-0.5,
+            group_norm=group_norm,
+            group_eps=1e-5,
+            batch_norm=batch_norm,
+            batch_eps=1e-5,
+        )
+    )
     return a
 
 
 def _groups():
     return [
-        [Rollout([1, 2, 3], [4, 5], [-0.5, -0.25], [0, 0], reward=1.0), Rollout([1, 2, 3], [6], [-1.0], [0], reward=0.0)],
-        [Rollout([7], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 1, 1], reward=1.0), Rollout([7], [11, 12], [-2.0, -3.0], [0, 1], reward=1.0)],
+        [
+            Rollout([1, 2, 3], [4, 5], [-0.5, -0.25], [0, 0], reward=1.0),
+            Rollout([1, 2, 3], [6], [-1.0], [0], reward=0.0),
+        ],
+        [
+            Rollout([7], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 1, 1], reward=1.0),
+            Rollout([7], [11, 12], [-2.0, -3.0], [0, 1], reward=1.0),
+        ],
     ]
 
 
@@ -24,7 +38,10 @@ def test_rows_masks_and_q():
     batch, info = build_batch(_groups(), micro_batches=1, rows_multiple=3, length_multiple=8, advantages_cfg=_adv())
     m, b, t = batch.tokens_MxBxT.shape
     assert (m, b, t) == (1, 6, 8)  # 4 rows padded to a multiple of 3; longest sequence 3 + 2 - 1 = 4 positions -> 8
-    tok, tgt, mask, q = (np.asarray(x)[0] for x in (batch.tokens_MxBxT, batch.targets_MxBxT, batch.loss_mask_MxBxT, batch.infer_logprobs_MxBxT))
+    tok, tgt, mask, q = (
+        np.asarray(x)[0]
+        for x in (batch.tokens_MxBxT, batch.targets_MxBxT, batch.loss_mask_MxBxT, batch.infer_logprobs_MxBxT)
+    )
     # row 0: prompt [1, 2, 3] + response [4, 5]: inputs 1 2 3 4, targets 2 3 4 5, response targets at positions 2, 3
     assert tok[0, :4].tolist() == [1, 2, 3, 4] and tgt[0, :4].tolist() == [2, 3, 4, 5]
     assert mask[0].tolist() == [False, False, True, True, False, False, False, False]
@@ -50,7 +67,9 @@ def test_group_advantages_by_hand():
 
 
 def test_batch_normalisation_is_token_weighted():
-    batch, _ = build_batch(_groups(), micro_batches=1, rows_multiple=1, length_multiple=4, advantages_cfg=_adv(batch_norm=True))
+    batch, _ = build_batch(
+        _groups(), micro_batches=1, rows_multiple=1, length_multiple=4, advantages_cfg=_adv(batch_norm=True)
+    )
     adv = np.asarray(batch.advantages_MxBxT)[0]
     mask = np.asarray(batch.loss_mask_MxBxT)[0]
     vals = adv[mask]

@@ -28,7 +28,7 @@ from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.train import checkpoint as ckpt_lib
 from cisjax.train import state as state_lib
-from cisjax.train.checkpoint import CheckpointError, Checkpointer, abstract_state, target_shardings
+from cisjax.train.checkpoint import Checkpointer, CheckpointError, abstract_state, target_shardings
 from cisjax.train.state import TrainState
 from tests.helpers import SHARDABLE_QWEN2_MOE
 
@@ -59,13 +59,17 @@ def _assert_bitwise(got, want_host: dict):
         assert g.tobytes() == want.tobytes(), f"{k} differs"
 
 
-def _model_state(param_dtype: str, mesh, seed: int = 0) -> tuple[nnx.GraphDef, TrainState, optax.GradientTransformation]:
+def _model_state(
+    param_dtype: str, mesh, seed: int = 0
+) -> tuple[nnx.GraphDef, TrainState, optax.GradientTransformation]:
     """A tiny random MoE's train state on `mesh`, with non-trivial optimizer moments and counters."""
     cfg = hf_io.model_config(TINY, dtype="float32", param_dtype=param_dtype)
     tx = optax.adamw(1e-2)
     graphdef, abstract = hf_io.abstract_model(TINY, cfg)
-    init = jax.jit(lambda: nnx.split(hf_io.init_model(TINY, cfg, seed), nnx.Param)[1],
-                   out_shardings=sharding.param_shardings(abstract, mesh, RULES))
+    init = jax.jit(
+        lambda: nnx.split(hf_io.init_model(TINY, cfg, seed), nnx.Param)[1],
+        out_shardings=sharding.param_shardings(abstract, mesh, RULES),
+    )
     graphdef, state = state_lib.create(nnx.merge(graphdef, init()), tx)
     shardings = target_shardings(state, mesh, RULES)
 
@@ -74,9 +78,13 @@ def _model_state(param_dtype: str, mesh, seed: int = 0) -> tuple[nnx.GraphDef, T
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.jit(one_update, out_shardings=(shardings.params, shardings.opt_state))(state.params, state.opt_state)
-    counters = {k: jax.device_put(jnp.int32(v), NamedSharding(mesh, P())) for k, v in
-                dict(step=7, policy_version=3, data_position=1234, skipped_steps=1).items()}
+    params, opt_state = jax.jit(one_update, out_shardings=(shardings.params, shardings.opt_state))(
+        state.params, state.opt_state
+    )
+    counters = {
+        k: jax.device_put(jnp.int32(v), NamedSharding(mesh, P()))
+        for k, v in dict(step=7, policy_version=3, data_position=1234, skipped_steps=1).items()
+    }
     state = state._replace(params=params, opt_state=opt_state, **counters)
     return graphdef, state, tx
 
@@ -84,7 +92,10 @@ def _model_state(param_dtype: str, mesh, seed: int = 0) -> tuple[nnx.GraphDef, T
 def _small_state(step: int, seed: int = 0, n: int = 64) -> TrainState:
     """A model-free train state (fast): fp32 and bf16 params, an optimizer-like tuple, counters."""
     r = np.random.default_rng(seed)
-    params = {"w": jnp.asarray(r.standard_normal((n, n)), jnp.float32), "b": jnp.asarray(r.standard_normal(n), jnp.bfloat16)}
+    params = {
+        "w": jnp.asarray(r.standard_normal((n, n)), jnp.float32),
+        "b": jnp.asarray(r.standard_normal(n), jnp.bfloat16),
+    }
     return TrainState(
         step=jnp.int32(step),
         params=params,
@@ -251,8 +262,14 @@ def _state_files(step_dir: Path) -> list[Path]:
 # orbax abandons its other pending reads when one fails; their coroutines complain when collected
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
-    "damage", ["delete_all_array_files", "delete_largest_array_file", "truncate_largest_array_file", "garbage_tree_metadata",
-               "garbage_json_metadata"]
+    "damage",
+    [
+        "delete_all_array_files",
+        "delete_largest_array_file",
+        "truncate_largest_array_file",
+        "garbage_tree_metadata",
+        "garbage_json_metadata",
+    ],
 )
 def test_error_corrupt_checkpoint(tmp_path, damage):
     _saved(tmp_path)
@@ -319,8 +336,13 @@ def test_killed_save_is_never_restored(tmp_path):
     <2>.orbax-checkpoint-tmp; the step is neither listed nor restored, and the next writer cleans it up."""
     directory, signal = tmp_path / "ck", tmp_path / "signal"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), str(signal)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(directory), str(signal)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 60
         while not signal.exists():
@@ -362,8 +384,12 @@ def test_resume_reproduces_the_next_step_bitwise(tmp_path):
     mesh = _mesh({"fsdp": 8})
     graphdef, tx, rules, state = steputil.build(cfg, mesh)
     batch = steputil.host_batch(m=1)
-    prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
-    placed = sharding.place(steputil.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules, sharding.BATCH_AXES)
+    prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(
+        state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
+    )
+    placed = sharding.place(
+        steputil.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules, sharding.BATCH_AXES
+    )
     train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
 
     k = 2
@@ -394,7 +420,10 @@ def test_step_dir_without_commit_marker_is_ignored(tmp_path):
     never picked; the constants this relies on are orbax's own."""
     from orbax.checkpoint._src.path import atomicity_types
 
-    assert (ckpt_lib.TMP_SUFFIX, ckpt_lib.COMMIT_FILE) == (atomicity_types.TMP_DIR_SUFFIX, atomicity_types.COMMIT_SUCCESS_FILE)
+    assert (ckpt_lib.TMP_SUFFIX, ckpt_lib.COMMIT_FILE) == (
+        atomicity_types.TMP_DIR_SUFFIX,
+        atomicity_types.COMMIT_SUCCESS_FILE,
+    )
     _saved(tmp_path)
     assert (tmp_path / "2" / ckpt_lib.COMMIT_FILE).is_file()
     shutil.copytree(tmp_path / "2", tmp_path / "3", ignore=shutil.ignore_patterns(ckpt_lib.COMMIT_FILE))
@@ -402,7 +431,9 @@ def test_step_dir_without_commit_marker_is_ignored(tmp_path):
     with Checkpointer(tmp_path) as ck:
         assert ck.all_steps() == [1, 2] and ck.latest_step() == 2
         _assert_bitwise(ck.restore(abstract_state=abstract_state(_small_state(0))), _host(_small_state(2, seed=2)))
-        with pytest.raises(CheckpointError, match=r"no checkpoint for step 3 \(.*3 has no commit_success.txt: incomplete\)"):
+        with pytest.raises(
+            CheckpointError, match=r"no checkpoint for step 3 \(.*3 has no commit_success.txt: incomplete\)"
+        ):
             ck.restore(3, abstract_state=abstract_state(_small_state(0)))
         with pytest.raises(CheckpointError, match="3: exists but is incomplete"):
             ck.save(_small_state(3))  # neither skipped as "already saved" nor silently overwritten

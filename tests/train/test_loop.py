@@ -30,13 +30,25 @@ def prepared(tmp_path_factory):
 
 
 def _cfg(prepared, run_dir, **overrides):
-    base = [f"--config.model.path={prepared / 'model'}", f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
-            f"--config.run.dir={run_dir}", "--config.run.progress=off", "--config.data.prompts_per_step=8",
-            "--config.rollout.group_size=4", "--config.rollout.max_new_tokens=12", "--config.rollout.dtype=float32",
-            "--config.publish.dtype=float32", "--config.rollout.max_staleness=1", "--config.rollout.seed=3",
-            "--config.checkpoint.every=2", "--config.run.dump_every=2", "--config.run.tensorboard=true",
-            "--config.publish.canary.num_sequences=2", "--config.publish.canary.response_len=8",
-            "--config.reward.workers=1"]
+    base = [
+        f"--config.model.path={prepared / 'model'}",
+        f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
+        f"--config.run.dir={run_dir}",
+        "--config.run.progress=off",
+        "--config.data.prompts_per_step=8",
+        "--config.rollout.group_size=4",
+        "--config.rollout.max_new_tokens=12",
+        "--config.rollout.dtype=float32",
+        "--config.publish.dtype=float32",
+        "--config.rollout.max_staleness=1",
+        "--config.rollout.seed=3",
+        "--config.checkpoint.every=2",
+        "--config.run.dump_every=2",
+        "--config.run.tensorboard=true",
+        "--config.publish.canary.num_sequences=2",
+        "--config.publish.canary.response_len=8",
+        "--config.reward.workers=1",
+    ]
     base += [f"--config.{k}={v}" for k, v in overrides.items()]
     return config_lib.load(os.path.join(REPO, "configs", "demo_cpu.py"), base)
 
@@ -62,8 +74,13 @@ def _checkpoint_counters(prepared, run_dir) -> dict:
 
 def _eval_cfg(prepared):
     """The in-loop eval (cisjax.evaluation.in_loop): greedy, 4 held-out problems as a GSM8K-format set, every 2 steps."""
-    return {"eval.sets": "gsm8k", "eval.data": f"gsm8k={prepared / 'data' / 'heldout.jsonl'}", "eval.every": 2, "eval.limit": 4,
-            "eval.max_new_tokens": 12}
+    return {
+        "eval.sets": "gsm8k",
+        "eval.data": f"gsm8k={prepared / 'data' / 'heldout.jsonl'}",
+        "eval.every": 2,
+        "eval.limit": 4,
+        "eval.max_new_tokens": 12,
+    }
 
 
 def _check_evals(run_dir, rows, steps):
@@ -95,8 +112,18 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
         assert r["rollout/staleness_max"] <= 1  # the bound holds
         assert r["publish/version"] == r["step"] + 1
         assert r["publish/canary_mean_abs"] < 1e-3  # fp32 engine and trainer on the same weights
-        for k in ("time/generate_s", "time/reward_s", "time/rescore_s", "time/train_s", "time/publish_s", "tokens_per_s",
-                  "train/grad_norm", "train/acted_frac", "train/k3", "entropy"):
+        for k in (
+            "time/generate_s",
+            "time/reward_s",
+            "time/rescore_s",
+            "time/train_s",
+            "time/publish_s",
+            "tokens_per_s",
+            "train/grad_norm",
+            "train/acted_frac",
+            "train/k3",
+            "entropy",
+        ):
             assert k in r and r[k] is not None, k
     assert rows[0]["rollout/staleness_max"] == 0 and rows[1]["rollout/staleness_mean"] >= 0
     assert last["reward_mean"] == rows[-1]["reward_mean"]

@@ -43,8 +43,20 @@ class _Run:
         for pid in range(processes):
             self.outs.append(tmp / f"{name}.p{pid}.json")
             self.logs.append(tmp / f"{name}.p{pid}.log")
-            cmd = [sys.executable, "-m", "tests.train._loop_worker", str(port), str(pid), str(processes), str(4 // processes),
-                   str(prepared), str(run_dir), str(steps), mode, str(self.outs[-1])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.train._loop_worker",
+                str(port),
+                str(pid),
+                str(processes),
+                str(4 // processes),
+                str(prepared),
+                str(run_dir),
+                str(steps),
+                mode,
+                str(self.outs[-1]),
+            ]
             with open(self.logs[-1], "w") as log:
                 self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
 

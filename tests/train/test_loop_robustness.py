@@ -29,18 +29,40 @@ def env(tmp_path_factory):
 
 
 def _overrides(prepared, run_dir, **extra):
-    kw = {"model.path": prepared / "model", "data.source": prepared / "data" / "heldout.jsonl", "run.dir": run_dir,
-          "run.steps": STEPS, "run.progress": "off", "run.tensorboard": "false", "run.dump_every": 0,
-          "data.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8, "rollout.backend": "transformers",
-          "rollout.dtype": "float32", "publish.dtype": "float32", "rollout.max_staleness": 1, "rollout.seed": 3,
-          "publish.canary.num_sequences": 2, "publish.canary.response_len": 8, "reward.workers": 1,
-          "checkpoint.every": 0}  # no periodic checkpoint: the one found after Ctrl-C is the one Ctrl-C wrote
+    kw = {
+        "model.path": prepared / "model",
+        "data.source": prepared / "data" / "heldout.jsonl",
+        "run.dir": run_dir,
+        "run.steps": STEPS,
+        "run.progress": "off",
+        "run.tensorboard": "false",
+        "run.dump_every": 0,
+        "data.prompts_per_step": 4,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 8,
+        "rollout.backend": "transformers",
+        "rollout.dtype": "float32",
+        "publish.dtype": "float32",
+        "rollout.max_staleness": 1,
+        "rollout.seed": 3,
+        "publish.canary.num_sequences": 2,
+        "publish.canary.response_len": 8,
+        "reward.workers": 1,
+        "checkpoint.every": 0,
+    }  # no periodic checkpoint: the one found after Ctrl-C is the one Ctrl-C wrote
     kw.update(extra)
     return [f"--config.{k}={v}" for k, v in kw.items()]
 
 
 def _train(prepared, run_dir, *extra, **overrides):
-    return [*looputil.cisjax_command(), "train", "--config", str(looputil.DEMO_CONFIG), *_overrides(prepared, run_dir, **overrides), *extra]
+    return [
+        *looputil.cisjax_command(),
+        "train",
+        "--config",
+        str(looputil.DEMO_CONFIG),
+        *_overrides(prepared, run_dir, **overrides),
+        *extra,
+    ]
 
 
 def _exit_code(proc, timeout_s, log_path, tree):
@@ -62,7 +84,9 @@ def _assert_no_orphans(tree, log_path):
         time.sleep(0.2)
     for p in left:  # (after a failure, not left behind either)
         p.kill()
-    assert not left, f"still running after the trainer exited: {[(p.pid, tree.cmdlines[p.pid]) for p in left]}\n{looputil.tail(log_path)}"
+    assert not left, (
+        f"still running after the trainer exited: {[(p.pid, tree.cmdlines[p.pid]) for p in left]}\n{looputil.tail(log_path)}"
+    )
 
 
 @pytest.mark.slow
@@ -104,14 +128,22 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
     proc = looputil.start(_train(prepared, run_dir, "--resume"), log_path, env)
     tree = looputil.Tree(proc.pid)
     try:
-        looputil.wait_for(proc, lambda: tree.matching("cisjax.rollout.server"), timeout_s=120, tree=tree,
-                          what="the resumed run's server", log_path=log_path)
+        looputil.wait_for(
+            proc,
+            lambda: tree.matching("cisjax.rollout.server"),
+            timeout_s=120,
+            tree=tree,
+            what="the resumed run's server",
+            log_path=log_path,
+        )
         code = _exit_code(proc, 300, log_path, tree)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert code == 0, looputil.tail(log_path)
-    print(f"first step after {t_first:.0f} s, Ctrl-C after {done} steps, exit {t_exit:.1f} s later; resumed run {time.monotonic() - t0:.0f} s")
+    print(
+        f"first step after {t_first:.0f} s, Ctrl-C after {done} steps, exit {t_exit:.1f} s later; resumed run {time.monotonic() - t0:.0f} s"
+    )
     _assert_no_orphans(tree, log_path)
     rows = looputil.metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -168,8 +200,15 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
     every step of the run is scored (reference_reward: 1.0 for each sample unless a score was lost)."""
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     steps, workers = 6, 2
-    argv = [sys.executable, "-m", "tests.train.looputil", "train", "--config", str(looputil.DEMO_CONFIG),
-            *_overrides(prepared, run_dir, **{"run.steps": steps, "reward.workers": workers, "checkpoint.every": 0})]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.train.looputil",
+        "train",
+        "--config",
+        str(looputil.DEMO_CONFIG),
+        *_overrides(prepared, run_dir, **{"run.steps": steps, "reward.workers": workers, "checkpoint.every": 0}),
+    ]
     proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env)
     try:
         killed = tree.direct("spawn_main")  # the pool's spawned workers (the resource tracker is not spawn_main)
@@ -185,7 +224,11 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["reward_mean"] == 1.0 for r in rows), [r["reward_mean"] for r in rows]
     last = rows[-1]
-    assert last["reward/pool_restarts"] >= workers and last["reward/pool_crashed"] == 0 and last["reward/pool_timed_out"] == 0, last
+    assert (
+        last["reward/pool_restarts"] >= workers
+        and last["reward/pool_crashed"] == 0
+        and last["reward/pool_timed_out"] == 0
+    ), last
     replacements = set(tree.matching("spawn_main")) - set(killed)
     assert replacements, tree.cmdlines  # new workers were started (and are gone with the trainer)
     _assert_no_orphans(tree, log_path)

@@ -19,7 +19,9 @@ def test_print_every_thins_the_console_not_the_file(tmp_path, capsys):
 
 
 def test_print_every_counts_from_a_resumed_step(tmp_path, capsys):
-    mlog = metrics_lib.MetricsLog(tmp_path, total_steps=8, start_step=5, tensorboard=False, progress=False, print_every=4)
+    mlog = metrics_lib.MetricsLog(
+        tmp_path, total_steps=8, start_step=5, tensorboard=False, progress=False, print_every=4
+    )
     for s in range(5, 8):
         mlog.log(s, {"reward_mean": 0.5})
     mlog.close()

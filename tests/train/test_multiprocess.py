@@ -26,7 +26,15 @@ def test_two_processes_match_one_process(tmp_path):
     procs = []
     for pid in range(2):
         log = open(tmp_path / f"worker{pid}.log", "w")
-        cmd = [sys.executable, "-m", "tests.train._two_process_worker", str(port), str(pid), MESH, str(tmp_path / f"out{pid}.npz")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.train._two_process_worker",
+            str(port),
+            str(pid),
+            MESH,
+            str(tmp_path / f"out{pid}.npz"),
+        ]
         procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         ref = U.reference(MESH)  # the same mesh shape on this process's 8 devices, computed while the workers run

@@ -9,10 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from cisjax import runtime
 from cisjax import config as config_lib
 from cisjax import export as export_lib
-from cisjax import sharding
+from cisjax import runtime, sharding
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
@@ -65,8 +64,14 @@ def vllm_server(model_dir, tmp_path_factory):
 def trainer(model_dir):
     """The default config (bf16 compute over fp32 master weights, bf16 publishes, the default canary bounds) with a
     small canary; the tiny model on a 2-device fsdp mesh (3 sequences: the batch is padded to the mesh)."""
-    cfg = config_lib.load(None, ["--config.publish.canary.num_sequences=3", "--config.publish.canary.prompt_len=8",
-                                 "--config.publish.canary.response_len=12"])
+    cfg = config_lib.load(
+        None,
+        [
+            "--config.publish.canary.num_sequences=3",
+            "--config.publish.canary.prompt_len=8",
+            "--config.publish.canary.response_len=12",
+        ],
+    )
     mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     rules = sharding.rules_from_config(None)
     model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
@@ -124,8 +129,17 @@ def test_publish_disk_then_stream_transformers(tf_server, trainer):
         params = _changed(params, 2)
         rep = stream.publish(params, v + 1)
         assert rep.version == v + 1 == client.info()["version"] and rep.path is None
-        assert rep.canary.ok and rep.bytes == hf_io.HFTensors((trainer["graphdef"], params), trainer["hf"], "bfloat16").nbytes
-        assert set(rep.metrics()) >= {"publish/export_s", "publish/reload_s", "publish/canary_s", "publish/bytes", "publish/canary_mean_abs"}
+        assert (
+            rep.canary.ok
+            and rep.bytes == hf_io.HFTensors((trainer["graphdef"], params), trainer["hf"], "bfloat16").nbytes
+        )
+        assert set(rep.metrics()) >= {
+            "publish/export_s",
+            "publish/reload_s",
+            "publish/canary_s",
+            "publish/bytes",
+            "publish/canary_mean_abs",
+        }
 
 
 def test_corrupted_export_fails_and_names_the_family(tf_server, trainer, monkeypatch):
@@ -180,7 +194,10 @@ class _StaleClient:
 def test_engine_on_stale_weights_fails_the_canary(tf_server, trainer):
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
-        old = {name: np.asarray(a) for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")}
+        old = {
+            name: np.asarray(a)
+            for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")
+        }
         pub = _publisher(trainer, _StaleClient(client, old), root, mode="stream")
         v = _next_version(client)
         with pytest.raises(CanaryError, match=r"(?s)weight canary FAILED.*stream mode: no files"):
@@ -236,8 +253,16 @@ def test_two_processes_publish_and_fail_together(model_dir, tmp_path):
     procs = []
     for pid in range(2):
         log = open(tmp_path / f"worker{pid}.log", "w")
-        cmd = [sys.executable, "-m", "tests.train._publish_worker", str(port), str(pid), str(model_dir), str(tmp_path / "exports"),
-               str(tmp_path / f"out{pid}.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.train._publish_worker",
+            str(port),
+            str(pid),
+            str(model_dir),
+            str(tmp_path / "exports"),
+            str(tmp_path / f"out{pid}.json"),
+        ]
         procs.append((subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         for proc, _ in procs:

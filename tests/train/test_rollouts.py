@@ -36,7 +36,9 @@ def _producer(max_staleness, batches=10, fail_at=None):
     def reward(groups, texts, problems):
         pass
 
-    p = RolloutProducer(_Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0)
+    p = RolloutProducer(
+        _Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0
+    )
     return p, started
 
 

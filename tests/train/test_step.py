@@ -10,15 +10,29 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from cisjax.train import optim
 from cisjax import forward, runtime, sharding
 from cisjax.records import TrainBatch
+from cisjax.train import optim
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
 from tests.train import steputil as U
 
-METRIC_KEYS = ("loss", "grad_norm", "clip_frac", "entropy", "tokens", "lr", "skipped", "acted_frac", "weight_mean",
-               "abs_logk_max", "chi2", "pg_loss", "ratio_max", "seqs")
+METRIC_KEYS = (
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "entropy",
+    "tokens",
+    "lr",
+    "skipped",
+    "acted_frac",
+    "weight_mean",
+    "abs_logk_max",
+    "chi2",
+    "pg_loss",
+    "ratio_max",
+    "seqs",
+)
 
 
 def _host(tree) -> list[np.ndarray]:
@@ -63,8 +77,9 @@ def test_sharded_step_matches_single_device(name):
         assert np.mean(np.abs(o - r) > 1e-5) < 0.01
     np.testing.assert_allclose(out["sums"], ref["sums"], rtol=1e-4, atol=1e-4)
     # the updated state stays sharded as the table says (out_shardings), on this mesh
-    for before, after in zip(jax.tree.leaves(state_lib.shardings(U.build(U.make_cfg(), mesh)[3])),
-                             jax.tree.leaves(out["state"])):
+    for before, after in zip(
+        jax.tree.leaves(state_lib.shardings(U.build(U.make_cfg(), mesh)[3])), jax.tree.leaves(out["state"])
+    ):
         assert isinstance(after.sharding, NamedSharding) and after.sharding.mesh == mesh
         assert after.sharding.is_equivalent_to(before, after.ndim)
     split = [x for x in jax.tree.leaves(out["state"].params) if x.addressable_shards[0].data.size < x.size]
@@ -120,8 +135,9 @@ def test_fixed_batch_surrogate_decreases_and_logprobs_move_with_the_advantage():
     assert np.all(losses[1:] < losses[0] - 0.2), losses
     assert np.all(losses >= floor - 1e-4), (losses, floor)
     assert losses[10:].min() < floor + 0.05 * (start - floor), (losses, floor)  # reaches the floor
-    logp = np.asarray(step_lib.make_rescore(ref["graphdef"], U.make_cfg(), U.mesh_for("single"), ref["rules"])(
-        state.params, placed))
+    logp = np.asarray(
+        step_lib.make_rescore(ref["graphdef"], U.make_cfg(), U.mesh_for("single"), ref["rules"])(state.params, placed)
+    )
     delta = logp - prox
     up, down = delta[mask & (adv > 0)], delta[mask & (adv < 0)]
     assert up.mean() > 0.2 and down.mean() < -0.2, (up.mean(), down.mean())
@@ -183,8 +199,14 @@ def _fp32_grad_norm(batch: TrainBatch) -> float:
     """|d/dtheta -sum(A * exp(logp - sg(logp))) / tokens| with the fp32 model (the step's forward)."""
     cfg, mesh = U.make_cfg(), U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
-    fwd = forward.make_forward(graphdef, mesh, rules, precision=runtime.resolve_precision(cfg),
-                               temperature=cfg.logprobs.temperature, chunk_size=cfg.logprobs.chunk_size)
+    fwd = forward.make_forward(
+        graphdef,
+        mesh,
+        rules,
+        precision=runtime.resolve_precision(cfg),
+        temperature=cfg.logprobs.temperature,
+        chunk_size=cfg.logprobs.chunk_size,
+    )
     mask = jnp.asarray(batch.loss_mask_MxBxT)
 
     @jax.jit
@@ -192,9 +214,16 @@ def _fp32_grad_norm(batch: TrainBatch) -> float:
         def objective(params):
             total = 0.0
             for i in range(U.M):
-                lp = fwd(params, batch.tokens_MxBxT[i], batch.positions_MxBxT[i], batch.segment_ids_MxBxT[i],
-                         batch.targets_MxBxT[i]).stats.logprobs_N
-                total += jnp.sum(jnp.where(mask[i], -batch.advantages_MxBxT[i] * jnp.exp(lp - jax.lax.stop_gradient(lp)), 0.0))
+                lp = fwd(
+                    params,
+                    batch.tokens_MxBxT[i],
+                    batch.positions_MxBxT[i],
+                    batch.segment_ids_MxBxT[i],
+                    batch.targets_MxBxT[i],
+                ).stats.logprobs_N
+                total += jnp.sum(
+                    jnp.where(mask[i], -batch.advantages_MxBxT[i] * jnp.exp(lp - jax.lax.stop_gradient(lp)), 0.0)
+                )
             return total / jnp.sum(mask)
 
         return jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(jax.grad(objective)(params))))
@@ -221,7 +250,9 @@ def test_precision_mismatch_and_kl_are_refused():
     cfg = U.make_cfg()
     graphdef, tx, rules, state = U.build(cfg, U.mesh_for("single"))
     bf16 = U.make_cfg(precision="bf16")
-    assert runtime.model_runtime(bf16)["dtype"] == "bfloat16" and runtime.model_runtime(bf16)["param_dtype"] == "float32"
+    assert (
+        runtime.model_runtime(bf16)["dtype"] == "bfloat16" and runtime.model_runtime(bf16)["param_dtype"] == "float32"
+    )
     fp16 = U.make_cfg(precision="fp16")
     fn = step_lib.make_rescore(graphdef, fp16, U.mesh_for("single"), rules)  # the fp32-built model
     with pytest.raises(ValueError, match="train.precision=fp16 but the model computes in float32"):
@@ -252,8 +283,9 @@ def test_schedules():
     cfg = U.make_cfg(lr=1.0, warmup_steps=4, total_steps=14, final_lr_ratio=0.1)
     np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [0, 1, 3, 4, 100]), [0.25, 0.5, 1, 1, 1])
     cfg.train.schedule = "linear"
-    np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [0, 3, 4, 9, 14, 50]), [0.25, 1, 1, 0.55, 0.1, 0.1],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        _lr(optim.make_schedule(cfg.train), [0, 3, 4, 9, 14, 50]), [0.25, 1, 1, 0.55, 0.1, 0.1], rtol=1e-6
+    )
     cfg.train.schedule = "cosine"
     np.testing.assert_allclose(_lr(optim.make_schedule(cfg.train), [4, 9, 14, 50]), [1, 0.55, 0.1, 0.1], rtol=1e-6)
     cfg.train.total_steps = 4
@@ -282,8 +314,11 @@ def test_optimizer_clips_then_adamw():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, two_updates(manual))
     cfg.train.grad_clip = 0.0
     unclipped = two_updates(optim.make_optimizer(cfg.train))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), unclipped,
-                 two_updates(optax.adamw(0.1, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01)))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+        unclipped,
+        two_updates(optax.adamw(0.1, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01)),
+    )
     assert not np.allclose(unclipped["w"], ours["w"])
     # decoupled weight decay: a zero gradient still shrinks the weights by lr * wd * w
     wd = optim.make_optimizer(U.make_cfg(lr=0.1, weight_decay=0.5, grad_clip=0.0).train)
@@ -303,8 +338,12 @@ def test_abstract_state_is_what_create_places():
     mcfg = hf_io.model_config(U.TINY_HF, **runtime.model_runtime(cfg))
     _, params = hf_io.abstract_model(U.TINY_HF, mcfg)
     shardings = sharding.param_shardings(params, mesh, rules)
-    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params, shardings,
-                          is_leaf=lambda v: isinstance(v, nnx.Variable))
+    params = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+        params,
+        shardings,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
     abstract = state_lib.abstract(params, tx, mesh)
     real, fake = jax.tree.leaves_with_path(state), jax.tree.leaves_with_path(abstract)
     assert [p for p, _ in real] == [p for p, _ in fake]

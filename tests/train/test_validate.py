@@ -94,20 +94,37 @@ RULES = [
     (["--config.logprobs.temperature=0"], "logprobs.temperature=0.0 must be > 0"),
     (["--config.rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
     # cross-field
-    (["--config.rollout.temperature=0.7"],
-     "rollout.temperature=0.7 but logprobs.temperature=1.0: the trainer must score at the sampling temperature"),
-    (["--config.advantages.group_norm=true", "--config.rollout.group_size=1"], "rollout.group_size=1 with advantages.group_norm"),
-    (["--config.train.schedule=cosine", "--config.train.warmup_steps=10", "--config.train.total_steps=10"],
-     "train.schedule=cosine needs train.total_steps (10) > train.warmup_steps (10)"),
-    (["--config.train.schedule=linear", "--config.train.total_steps=50", "--config.run.steps=80"],
-     "run.steps=80 > train.total_steps=50 with train.schedule=linear and train.final_lr_ratio=0"),
+    (
+        ["--config.rollout.temperature=0.7"],
+        "rollout.temperature=0.7 but logprobs.temperature=1.0: the trainer must score at the sampling temperature",
+    ),
+    (
+        ["--config.advantages.group_norm=true", "--config.rollout.group_size=1"],
+        "rollout.group_size=1 with advantages.group_norm",
+    ),
+    (
+        ["--config.train.schedule=cosine", "--config.train.warmup_steps=10", "--config.train.total_steps=10"],
+        "train.schedule=cosine needs train.total_steps (10) > train.warmup_steps (10)",
+    ),
+    (
+        ["--config.train.schedule=linear", "--config.train.total_steps=50", "--config.run.steps=80"],
+        "run.steps=80 > train.total_steps=50 with train.schedule=linear and train.final_lr_ratio=0",
+    ),
     (["--config.loss.kl_coef=0.01"], "loss.kl_coef=0.01"),
     (["--config.correction.method=icepop", "--config.correction.low=6"], "correction.low=6.0 > correction.high=None"),
-    (["--config.correction.method=seq_mis", "--config.correction.low=1.5", "--config.correction.high=1.2"],
-     "correction.low=1.5 > correction.high=1.2"),
-    (["--config.correction.method=cis", "--config.correction.low=0.5"], "correction.low=0.5 is set but correction.method=cis"),
+    (
+        ["--config.correction.method=seq_mis", "--config.correction.low=1.5", "--config.correction.high=1.2"],
+        "correction.low=1.5 > correction.high=1.2",
+    ),
+    (
+        ["--config.correction.method=cis", "--config.correction.low=0.5"],
+        "correction.low=0.5 is set but correction.method=cis",
+    ),
     (["--config.data.limit=10", "--config.data.prompts_per_step=16"], "data.limit=10 < data.prompts_per_step=16"),
-    (["--config.eval.sets=gsm8k", "--config.eval.every=0", "--config.eval.final=false"], "eval.every=0 and eval.final=False"),
+    (
+        ["--config.eval.sets=gsm8k", "--config.eval.every=0", "--config.eval.final=false"],
+        "eval.every=0 and eval.final=False",
+    ),
     (["--config.model.path="], "model.path is empty"),
     (["--config.data.source="], "data.source is empty"),
 ]
@@ -130,13 +147,26 @@ def test_a_value_of_the_wrong_type_is_named():
 
 
 def test_every_problem_is_reported_together():
-    cfg = _cfg("--config.correction.method=cis2", "--config.train.lr=-1", "--config.rollout.temperature=0.7",
-               "--config.publish.mode=nfs", "--config.loss.kl_coef=0.1", "--config.run.progress=yes")
+    cfg = _cfg(
+        "--config.correction.method=cis2",
+        "--config.train.lr=-1",
+        "--config.rollout.temperature=0.7",
+        "--config.publish.mode=nfs",
+        "--config.loss.kl_coef=0.1",
+        "--config.run.progress=yes",
+    )
     with pytest.raises(errors.UserError) as info:
         validate.check(cfg)
     text = str(info.value)
     assert text.startswith("6 problems in the config:")
-    for field in ("correction.method", "train.lr", "rollout.temperature", "publish.mode", "loss.kl_coef", "run.progress"):
+    for field in (
+        "correction.method",
+        "train.lr",
+        "rollout.temperature",
+        "publish.mode",
+        "loss.kl_coef",
+        "run.progress",
+    ):
         assert field in text
 
 
@@ -187,9 +217,16 @@ def test_icepop_low_zero_keeps_small_ratios():
     lp = np.log(np.asarray([[0.1, 0.5]], np.float32))  # k = p / q = 0.1 and 0.5
     lq = np.log(np.asarray([[1.0, 1.0]], np.float32))
     mask = np.ones((1, 2), bool)
-    default = corrections.correction("icepop", lp, lq, mask, **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop")))
-    zero = corrections.correction("icepop", lp, lq, mask,
-                                  **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop", "--config.correction.low=0")))
+    default = corrections.correction(
+        "icepop", lp, lq, mask, **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop"))
+    )
+    zero = corrections.correction(
+        "icepop",
+        lp,
+        lq,
+        mask,
+        **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop", "--config.correction.low=0")),
+    )
     np.testing.assert_allclose(np.asarray(default.weights_BxT), [[0.0, 0.5]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(zero.weights_BxT), [[0.1, 0.5]], rtol=1e-6)
 
@@ -206,11 +243,15 @@ def test_nullable_overrides():
 
 def test_check_touches_no_device():
     """check() is pure: with no usable JAX platform it still runs (a device query would fail)."""
-    code = ("from cisjax import config; from cisjax.train import validate\n"
-            "validate.check(config.load(None), inputs=False)\n"
-            "print('ok')")
+    code = (
+        "from cisjax import config; from cisjax.train import validate\n"
+        "validate.check(config.load(None), inputs=False)\n"
+        "print('ok')"
+    )
     env = dict(os.environ, JAX_PLATFORMS="no_such_platform", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -220,6 +261,8 @@ def test_train_checks_before_creating_anything(tmp_path):
 
     run_dir = tmp_path / "run"
     cfg = _cfg(f"--config.run.dir={run_dir}", "--config.rollout.temperature=0.7", "--config.publish.mode=nfs")
-    with pytest.raises(errors.UserError, match=r"2 problems in the config:(.|\n)*rollout.temperature=0.7(.|\n)*publish.mode"):
+    with pytest.raises(
+        errors.UserError, match=r"2 problems in the config:(.|\n)*rollout.temperature=0.7(.|\n)*publish.mode"
+    ):
         loop.train(cfg)
     assert not run_dir.exists()
