@@ -199,7 +199,7 @@ def export(
             digests=digests,
         )
         if writer:
-            _write_manifest(tmp, version, metadata, digests)
+            write_manifest(tmp, version, metadata, digests)
             _commit(tmp, final)
     except BaseException as e:
         if tmp is not None and tmp.exists():
@@ -258,7 +258,7 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None) -> dict:
+def write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None) -> dict:
     """Hash (unless hashed while written: `digests`) and fsync every file hf_io.save wrote, write
     manifest.json (fsynced), fsync the directory."""
     config = json.loads((tmp / "config.json").read_text())

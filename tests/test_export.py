@@ -325,7 +325,7 @@ def test_failed_export_leaves_root_as_it_was(loaded, tmp_path, monkeypatch):
     def fail(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ex, "_write_manifest", fail)
+    monkeypatch.setattr(ex, "write_manifest", fail)
     with pytest.raises(OSError, match="disk full"):
         ex.export(model, hf, tmp_path, 2)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before

@@ -166,7 +166,7 @@ def _sha256_s(tensors: dict) -> float:
 
 class _PhaseTimer:
     """Times the stages of `cisjax.export.export` by wrapping the two functions it calls for them: hf_io.save (to host,
-    conversion, HF layout, writing and fsyncing each shard, hashing it on a thread as it goes) and export._write_manifest
+    conversion, HF layout, writing and fsyncing each shard, hashing it on a thread as it goes) and export.write_manifest
     (the manifest from those digests, fsync); the rest of the export is the commit (renames, LATEST, directory fsyncs) and pruning old versions.
     Restored on exit."""
 
@@ -187,16 +187,16 @@ class _PhaseTimer:
         from cisjax import export as export_lib
         from cisjax.models import hf_io
 
-        self._saved = (hf_io.save, export_lib._write_manifest)
+        self._saved = (hf_io.save, export_lib.write_manifest)
         hf_io.save = self._wrap("save", hf_io.save)
-        export_lib._write_manifest = self._wrap("manifest", export_lib._write_manifest)
+        export_lib.write_manifest = self._wrap("manifest", export_lib.write_manifest)
         return self
 
     def __exit__(self, *exc):
         from cisjax import export as export_lib
         from cisjax.models import hf_io
 
-        hf_io.save, export_lib._write_manifest = self._saved
+        hf_io.save, export_lib.write_manifest = self._saved
 
 
 def bench(args) -> dict:
