@@ -13,6 +13,7 @@ from cisjax import cli
 from cisjax.evaluation import answers
 from cisjax.evaluation.command import check_vocabulary
 from cisjax.evaluation.sets import BENCHMARKS
+from cisjax.rollout import engine_env
 from tests.rollout import serverutil
 from tests.train import looputil
 
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax e
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DATA = f"{FIXTURES / 'eval'},gsm8k={FIXTURES / 'gsm8k' / 'test.jsonl'}"
-ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def vllm_env(monkeypatch):
-    for k, v in ENV.items():
+    for k, v in engine_env.defaults().items():  # the engine's defaults, whatever the caller's environment says
         monkeypatch.setenv(k, v)
 
 

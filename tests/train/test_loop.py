@@ -14,6 +14,7 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
 from cisjax import config as config_lib  # noqa: E402
+from cisjax.rollout import engine_env
 from cisjax.train import loop  # noqa: E402
 from tests.train import looputil  # noqa: E402
 
@@ -21,7 +22,6 @@ from tests.train import looputil  # noqa: E402
 # starts nothing and stays in it.
 
 REPO = str(looputil.REPO)
-ENV = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCH_COMPILE_DISABLE="1")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _cfg(prepared, run_dir, **overrides):
 
 @pytest.fixture(autouse=True)
 def vllm_env(monkeypatch):
-    for k, v in ENV.items():
+    for k, v in engine_env.defaults().items():  # the engine's defaults, whatever the caller's environment says
         monkeypatch.setenv(k, v)
 
 
