@@ -23,7 +23,6 @@ class Run:
     hf_config: dict  # the model's HF config.json (what an export writes)
     tx: Any  # the optax optimizer
     state: Any  # TrainState
-    state_shardings: Any  # TrainState of NamedShardings
     train_step: TrainStep  # (state, batch) -> (state, metrics), state donated
     rescore: Callable  # (params, batch) -> logprobs_MxBxT: the proximal rescoring
     rows_multiple: int  # a batch's rows must be a multiple of this (the "batch" mesh axes)
@@ -56,7 +55,6 @@ def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
         hf_config=hf,
         tx=tx,
         state=state,
-        state_shardings=state_sh,
         train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
         rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params),
         rows_multiple=sharding.axis_multiple(mesh, rules, "batch"),

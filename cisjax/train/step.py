@@ -25,7 +25,6 @@ class TrainStep:
     """The jitted step; call it as `step(state, batch) -> (state, metrics)`."""
 
     jitted: Callable  # the jax.jit of the pure step (state donated)
-    batch_sharding: NamedSharding  # where every [M, B, T] field of the batch lives
     traces: int = 0  # how many times the step was traced (1 for any number of calls with the same shapes)
 
     def __call__(self, state: TrainState, batch: TrainBatch):
@@ -205,5 +204,5 @@ def make_train_step(graphdef, tx, cfg, mesh, rules, state_shardings) -> TrainSte
         step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, replicated), donate_argnums=0
     )
 
-    out = TrainStep(jitted, bsh)
+    out = TrainStep(jitted)
     return out
