@@ -2,7 +2,13 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# 8 fake CPU devices; and LLVM without its optimisation passes: the test models are tiny, so XLA's CPU compile is
+# most of a test's time, and -O0 code is correct code (the HLO passes all still run). A third off the fast tier.
+_xla_flags = os.environ.get("XLA_FLAGS", "").split()
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+    if not any(f.split("=")[0] == _flag.split("=")[0] for f in _xla_flags):
+        _xla_flags.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_xla_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU compiler (cisjax plan's tests) in several test workers at once: libtpu's machine-wide lock would refuse
 # all but one, and its host probes would warn on a machine without a TPU.
