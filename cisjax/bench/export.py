@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.bench import tiny_model
 
 TARGET_RATIO = 0.5  # export + reload bytes/s / plain sequential write + fsync bytes/s
 _WRITE_CHUNK = 8 << 20
@@ -23,15 +24,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "model (a random Qwen2-MoE initialised by cisjax; the defaults give about 0.5 GB in bf16)"
     )
-    g.add_argument("--hidden", type=int, default=1024, help="model width (default: %(default)s)")
-    g.add_argument("--layers", type=int, default=6, help="decoder layers, all MoE (default: %(default)s)")
-    g.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    g.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default: %(default)s)")
-    g.add_argument("--experts", type=int, default=16, help="routed experts (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
-    g.add_argument("--moe-intermediate", type=int, default=512, help="routed expert width (default: %(default)s)")
-    g.add_argument("--shared-intermediate", type=int, default=1024, help="shared expert width (default: %(default)s)")
-    g.add_argument("--vocab", type=int, default=32768, help="vocabulary (default: %(default)s)")
+    tiny_model.add_args(
+        g,
+        hidden=1024,
+        layers=6,
+        heads=8,
+        kv_heads=4,
+        experts=16,
+        top_k=2,
+        moe_intermediate=512,
+        shared_intermediate=1024,
+        vocab=32768,
+    )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
@@ -78,29 +82,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
-
-
-def _hf_config(args) -> dict:
-    import transformers
-
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.shared_intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate,
-        shared_expert_intermediate_size=args.shared_intermediate,
-        norm_topk_prob=False,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    hf = cfg.to_dict()
-    hf["architectures"] = ["Qwen2MoeForCausalLM"]
-    return hf
 
 
 def _filesystem(path: Path) -> str:
@@ -221,7 +202,7 @@ def bench(args) -> dict:
     server = None
     try:
         res["dir"], res["filesystem"] = str(work), _filesystem(work)
-        hf = _hf_config(args)
+        hf = tiny_model.hf_config(args, max_positions=256)
         t0 = time.perf_counter()
         model = hf_io.init_model(hf, hf_io.model_config(hf), seed=args.seed)
         leaves = jax.tree.leaves(nnx.state(model, nnx.Param))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.bench import tiny_model
 
 TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same engine settings
 
@@ -20,15 +21,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "model (a random Qwen2-MoE; hidden and expert widths multiples of 32 for vLLM's CPU MoE kernel)"
     )
-    g.add_argument("--hidden", type=int, default=256, help="model width (default: %(default)s)")
-    g.add_argument("--layers", type=int, default=4, help="decoder layers, all MoE (default: %(default)s)")
-    g.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    g.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default: %(default)s)")
-    g.add_argument("--experts", type=int, default=8, help="routed experts (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
-    g.add_argument("--moe-intermediate", type=int, default=256, help="routed expert width (default: %(default)s)")
-    g.add_argument("--shared-intermediate", type=int, default=512, help="shared expert width (default: %(default)s)")
-    g.add_argument("--vocab", type=int, default=8192, help="vocabulary (default: %(default)s)")
+    tiny_model.add_args(
+        g,
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        experts=8,
+        top_k=2,
+        moe_intermediate=256,
+        shared_intermediate=512,
+        vocab=8192,
+    )
     g.add_argument(
         "--model-dir",
         default=None,
@@ -91,33 +95,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="timed rounds, each candidate once per round, interleaved (default: %(default)s)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
-
-
-def _save_model(args, path: Path) -> dict:
-    """A random Qwen2-MoE saved with transformers in the engine dtype."""
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(args.seed)
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.shared_intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate,
-        shared_expert_intermediate_size=args.shared_intermediate,
-        norm_topk_prob=False,
-        max_position_embeddings=max(128, args.prompt_len + args.max_new_tokens),
-        initializer_range=0.05,
-        tie_word_embeddings=False,
-    )
-    transformers.Qwen2MoeForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(path)
-    return cfg.to_dict()
 
 
 def _prompts(args, vocab: int) -> list[list[int]]:
@@ -286,7 +263,9 @@ def bench(args) -> dict:
             hf = json.loads((model_dir / "config.json").read_text())
         else:
             model_dir = tmp / "model"
-            hf = _save_model(args, model_dir)
+            hf = tiny_model.save_random(
+                args, model_dir, max_positions=max(128, args.prompt_len + args.max_new_tokens), dtype=args.dtype
+            )
         max_model_len = int(hf.get("max_position_embeddings") or 4096)  # what the server's engine uses
         prompts = _prompts(args, int(hf["vocab_size"]))
         if max(map(len, prompts)) + args.max_new_tokens > max_model_len:

@@ -9,22 +9,25 @@ import statistics
 import tempfile
 import time
 
+from cisjax.bench import tiny_model
+
 TARGET_CIS_OVERHEAD = 0.01  # median step time with CIS / without - 1
 TARGET_JAX_VS_TORCH = 1.0  # JAX fwd+bwd+loss time / torch's
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=256, help="model width (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers, all MoE (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
-    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default: %(default)s)")
-    parser.add_argument("--experts", type=int, default=8, help="routed experts (default: %(default)s)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
-    parser.add_argument("--moe-intermediate", type=int, default=256, help="routed expert width (default: %(default)s)")
-    parser.add_argument(
-        "--shared-intermediate", type=int, default=256, help="shared expert width (default: %(default)s)"
+    tiny_model.add_args(
+        parser,
+        hidden=256,
+        layers=4,
+        heads=8,
+        kv_heads=4,
+        experts=8,
+        top_k=2,
+        moe_intermediate=256,
+        shared_intermediate=256,
+        vocab=2048,
     )
-    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="rows B (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per row T (default: %(default)s)")
     parser.add_argument(
@@ -54,32 +57,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="where to save the random HF model (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
-
-
-def _save_model(args, path: str) -> dict:
-    """A random Qwen2-MoE saved with transformers: the JAX and torch sides load the same weights."""
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(args.seed)
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.moe_intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate,
-        shared_expert_intermediate_size=args.shared_intermediate,
-        max_position_embeddings=max(args.seq, 128),
-        initializer_range=0.05,
-        tie_word_embeddings=False,
-    )
-    transformers.Qwen2MoeForCausalLM(cfg).save_pretrained(path)
-    return cfg.to_dict()
 
 
 def _host_batch(args, vocab: int):
@@ -139,7 +116,7 @@ def bench(args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
-        _save_model(args, model_dir)
+        tiny_model.save_random(args, model_dir, max_positions=max(args.seq, 128))
         # --- the full optimizer step, CIS vs none: two runs built as `cisjax train` builds one (each state is donated)
         runs = {}
         for method in ("cis", "none"):

@@ -1,0 +1,77 @@
+"""The benches' random Qwen2-MoE: its command-line flags, its transformers config, and a save of random weights."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_args(
+    group: argparse._ActionsContainer,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    experts: int,
+    top_k: int,
+    moe_intermediate: int,
+    shared_intermediate: int,
+    vocab: int,
+) -> None:
+    """The model flags, with this bench's defaults."""
+    group.add_argument("--hidden", type=int, default=hidden, help="model width (default: %(default)s)")
+    group.add_argument("--layers", type=int, default=layers, help="decoder layers, all MoE (default: %(default)s)")
+    group.add_argument("--heads", type=int, default=heads, help="attention heads (default: %(default)s)")
+    group.add_argument("--kv-heads", type=int, default=kv_heads, help="key/value heads (default: %(default)s)")
+    group.add_argument("--experts", type=int, default=experts, help="routed experts (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=top_k, help="experts per token (default: %(default)s)")
+    group.add_argument(
+        "--moe-intermediate", type=int, default=moe_intermediate, help="routed expert width (default: %(default)s)"
+    )
+    group.add_argument(
+        "--shared-intermediate",
+        type=int,
+        default=shared_intermediate,
+        help="shared expert width (default: %(default)s)",
+    )
+    group.add_argument("--vocab", type=int, default=vocab, help="vocabulary (default: %(default)s)")
+
+
+def hf_config(args: argparse.Namespace, *, max_positions: int) -> dict:
+    """transformers' Qwen2MoeConfig of the flags as a config.json dict. Every layer is MoE, so intermediate_size (the
+    dense MLP's width) is never used; it is set to the shared expert's."""
+    import transformers
+
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.shared_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        shared_expert_intermediate_size=args.shared_intermediate,
+        norm_topk_prob=False,
+        max_position_embeddings=max_positions,
+        # wider than transformers' 0.02: a random model's logits spread out, so sampling and logprobs are not flat
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    )
+    hf = cfg.to_dict()
+    hf["architectures"] = ["Qwen2MoeForCausalLM"]
+    return hf
+
+
+def save_random(args: argparse.Namespace, path, *, max_positions: int, dtype: str = "float32") -> dict:
+    """Random weights (torch seeded with args.seed) saved by transformers in `dtype` to `path`; returns the config."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(args.seed)
+    hf = hf_config(args, max_positions=max_positions)
+    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**hf))
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return hf
