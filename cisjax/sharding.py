@@ -165,6 +165,12 @@ def use_mesh(mesh: Mesh, rules: Rules | None = None):
         yield mesh
 
 
+def active() -> tuple[Mesh, dict] | None:
+    """The (mesh, rules table) that use_mesh made active, or None."""
+    ctx = _CTX.value
+    return None if ctx is None else (ctx[0], dict(ctx[1]))
+
+
 def current_platform() -> str:
     """The platform of the program being traced: that of the active mesh's devices (use_mesh), else JAX's default
     backend. Hardware-dependent choices follow it, not the host: a CPU host compiling for a TPU mesh (cisjax plan)

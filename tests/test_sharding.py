@@ -272,6 +272,19 @@ def test_sharded_load_and_forward_match_unsharded(name, tiny_dir, tokens_BxL, re
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
 
 
+def test_gmm_dispatch_model_on_a_mesh_matches_unsharded(tiny_dir, tokens_BxL, reference):
+    """The model with moe_impl="gmm" (megablox, in Pallas's interpreter here) on a data x fsdp x tensor mesh gives the
+    unsharded default-dispatch model's logits and routes."""
+    _, ref_logits, ref_ids = reference
+    mesh, rules = sharding.make_mesh(MESHES["data2_fsdp2_tensor2"]), sharding.rules_from_config()
+    model, _, _ = hf_io.load(tiny_dir, mesh=mesh, rules=rules, moe_impl="gmm")
+    graphdef, state = nnx.split(model)
+    with sharding.use_mesh(mesh, rules):
+        logits, ids = _forward(graphdef, state, sharding.place(tokens_BxL, mesh, rules))
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+
+
 def test_rules_override_changes_loaded_specs(tiny_dir, reference):
     mesh = sharding.make_mesh(MESHES["fsdp2_tensor2_expert2"])
     rules = sharding.rules_from_config({"embed": None, "vocab": ["tensor", "fsdp"], "expert": None})

@@ -7,11 +7,12 @@ import functools
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from cisjax import errors, sharding
 from cisjax.models.layers import param
 
-IMPLS = ("auto", "tiled", "ragged", "dense")
+IMPLS = ("auto", "tiled", "gmm", "ragged", "dense")
 
 
 # ----------------------------------------------------------------------------- routing (pure)
@@ -246,12 +247,99 @@ _tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 def default_impl(platform: str | None = None) -> str:
     """The dispatch for `platform` (default: the platform of the program being traced, see
-    sharding.current_platform, so a CPU host compiling for a TPU mesh gets the TPU path). ragged_dot is the
-    grouped-matmul path on GPU/TPU; on CPU it lowers to E-fold masked dense work."""
-    return "tiled" if (platform or sharding.current_platform()) == "cpu" else "ragged"
+    sharding.current_platform, so a CPU host compiling for a TPU mesh gets the TPU path).
+
+    TPU: "gmm", megablox's grouped-matmul kernels, forward and both gradients (XLA's ragged_dot lowers its weight
+    gradient to masked dense work over every expert, E times the FLOPs). GPU: "ragged" (ragged_dot). CPU: "tiled"
+    (ragged_dot lowers to E-fold masked dense work there)."""
+    platform = platform or sharding.current_platform()
+    return {"cpu": "tiled", "tpu": "gmm"}.get(platform, "ragged")
+
+
+# ----------------------------------------------------------------------------- grouped SwiGLU (megablox gmm)
+
+GMM_MAX_ROW_TILE = 512  # rows per kernel tile at most (MaxText's megablox default)
+
+
+def gmm_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
+    """megablox (tm, tk, tn) for a [rows, k] x [k, n] grouped matmul: tm the rows rounded up to 16 (bf16 sublanes)
+    up to GMM_MAX_ROW_TILE (the rows are padded to a multiple of tm); tk, tn the largest of 512, 256, 128 dividing
+    the dimension (TPU lanes), else the whole dimension (always a legal block)."""
+
+    def lanes(dim: int) -> int:
+        return next((t for t in (512, 256, 128) if dim % t == 0), dim)
+
+    return min(GMM_MAX_ROW_TILE, -(-max(rows, 1) // 16) * 16), lanes(k), lanes(n)
+
+
+def _gmm_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
+    """SwiGLU experts on expert-sorted rows with megablox gmm (its custom VJP: gmm for the input gradient, tgmm for
+    the weights'). The rows are padded to a multiple of the row tile; the padding is zeros counted into the last
+    group (its outputs are zero and add nothing to any gradient), so the kernels see group sizes summing to the rows.
+    interpret: Pallas's interpreter (CPU tests); on TPU the Mosaic kernels."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    r, d = xs_RxD.shape
+    f = wg_ExDxF.shape[2]
+    tiling_up = gmm_tiling(r, d, f)
+    pad = -r % tiling_up[0]
+    xs_PxD = jnp.pad(xs_RxD, ((0, pad), (0, 0)))
+    sizes_E = sizes_E.at[-1].add(pad)
+    dtype = xs_RxD.dtype
+    # positional: gmm is a custom_vjp with static (nondiff) arguments 3, 4, 7, 8
+    g_PxF = gmm(xs_PxD, wg_ExDxF, sizes_E, dtype, tiling_up, None, None, False, interpret)
+    u_PxF = gmm(xs_PxD, wu_ExDxF, sizes_E, dtype, tiling_up, None, None, False, interpret)
+    h_PxF = jax.nn.silu(g_PxF) * u_PxF
+    y_PxD = gmm(h_PxF, wo_ExFxD, sizes_E, dtype, gmm_tiling(r, f, d), None, None, False, interpret)
+    return y_PxD[:r]
 
 
 # ----------------------------------------------------------------------------- dispatch
+
+
+def _ragged_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
+    """SwiGLU experts on expert-sorted rows with XLA's ragged_dot."""
+    h_RxF = jax.nn.silu(jax.lax.ragged_dot(xs_RxD, wg_ExDxF, sizes_E)) * jax.lax.ragged_dot(xs_RxD, wu_ExDxF, sizes_E)
+    return jax.lax.ragged_dot(h_RxF, wo_ExFxD, sizes_E)
+
+
+def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
+    """Sort the N*K (token, slot) assignments by expert (stable: token order within a group), run
+    swiglu(rows, wg, wu, wo, group sizes) on the sorted rows, un-sort and sum each token's k outputs, weighted."""
+    n, d = x_NxD.shape
+    k = ids_NxK.shape[1]
+    flat_ids_R = ids_NxK.reshape(-1)
+    order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
+    sizes_E = jnp.bincount(flat_ids_R, length=wg_ExDxF.shape[0]).astype(jnp.int32)
+    ys_RxD = swiglu(x_NxD[order_R // k], wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E)
+    y_RxD = jnp.zeros_like(ys_RxD).at[order_R].set(ys_RxD)  # un-sort
+    return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
+
+
+def _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
+    """ffn on each device's own rows (shard_map over the active mesh; plain ffn without one): GSPMD does not
+    partition a Pallas kernel. Rows split as "batch"; the expert weights are gathered except along the mesh axes of
+    "expert_mlp", over which each device holds a slice of F and the outputs are summed (SwiGLU is elementwise in F).
+    Expert parallelism (tokens exchanged between expert shards) is not done here: an "expert" axis splits rows."""
+    ctx = sharding.active()
+    if ctx is None:
+        return ffn(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
+    mesh, rules = ctx
+    rows = sharding.logical_to_spec(("batch", None), rules, mesh, x_NxD.shape)
+    row_axes = {a for a in jax.tree.leaves(tuple(rows)) if a is not None}
+    (f_axes,) = sharding.logical_to_spec(("expert_mlp",), rules, mesh, wg_ExDxF.shape[2:])
+    f_axes = tuple(a for a in ((f_axes,) if isinstance(f_axes, str) else f_axes or ()) if a not in row_axes)
+    f_spec = f_axes[0] if len(f_axes) == 1 else (f_axes or None)
+    up, down = PartitionSpec(None, None, f_spec), PartitionSpec(None, f_spec, None)
+
+    def local(x, wg, wu, wo, ids, w):
+        y = ffn(x, wg, wu, wo, ids, w)
+        return jax.lax.psum(y, f_axes) if f_axes else y
+
+    # check_vma off: megablox's pallas_call does not declare how its outputs vary over the mesh axes
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, up, up, down, rows, rows), out_specs=rows, check_vma=False)(
+        x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
+    )
 
 
 def moe_ffn(
@@ -268,7 +356,9 @@ def moe_ffn(
     """sum_k w[n,k] * expert_{ids[n,k]}(x[n]) with SwiGLU experts; dropless, every assignment exact.
 
     Weights are applied in the compute dtype (as the HF reference casts them to the logits dtype).
-    impl "tiled": `tile` is the largest tile height (default choose_tile); see _tiled_swiglu.
+    impl: "tiled" (loops of row tiles, the CPU path; `tile` is the largest tile height, default choose_tile, see
+    _tiled_swiglu), "gmm" (megablox's TPU kernels on each device's rows; Pallas's interpreter off TPU, for tests),
+    "ragged" (XLA's ragged_dot), "dense" (every expert on every token: the reference), "auto" (default_impl).
     """
     x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(
         jnp.asarray, (x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
@@ -289,18 +379,22 @@ def moe_ffn(
         comb_NxE = jnp.zeros((n, e), x_NxD.dtype).at[jnp.arange(n)[:, None], ids_NxK].add(w_NxK)
         return jnp.einsum("end,ne->nd", y_ExNxD, comb_NxE)
 
+    if impl == "gmm":
+        platform = sharding.current_platform()
+        if platform == "gpu":
+            raise errors.UserError("moe impl 'gmm' is megablox's TPU kernel; on GPU use 'ragged'")
+        swiglu = functools.partial(_gmm_swiglu, interpret=platform != "tpu")  # the interpreter: CPU tests
+        return _on_each_device(
+            functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
+        )
+    if impl == "ragged":
+        return _sorted_ffn(_ragged_swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
+
     # Sort the R = N*K (token, slot) assignments by expert (stable: token order within a group).
     rows = n * k
     flat_ids_R = ids_NxK.reshape(-1)
     order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
     sizes_E = jnp.bincount(flat_ids_R, length=e).astype(jnp.int32)
-
-    if impl == "ragged":
-        xs_RxD = x_NxD[order_R // k]
-        h = jax.nn.silu(jax.lax.ragged_dot(xs_RxD, wg_ExDxF, sizes_E)) * jax.lax.ragged_dot(xs_RxD, wu_ExDxF, sizes_E)
-        ys_RxD = jax.lax.ragged_dot(h, wo_ExFxD, sizes_E)
-        y_RxD = jnp.zeros_like(ys_RxD).at[order_R].set(ys_RxD)  # un-sort
-        return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
 
     # tiled: the sorted rows plus a tail of don't-care rows that a group's last tile may run into
     tiles = tile_sizes(max(min(tile or choose_tile(rows, e), rows), 1))  # a tile never exceeds the rows

@@ -35,7 +35,7 @@ class Compiled:
     memory: dict | None = None  # bytes per chip: arguments, outputs, aliased, temporaries, code, total
     flops: float = 0.0  # per chip, XLA's count (a loop body counts once, whatever its trip count)
     bytes: float = 0.0  # per chip, bytes accessed
-    has_loops: bool = False  # the program holds a while loop: its cost figures undercount
+    has_loops: bool = False  # a while loop runs matmuls or kernels: the cost figures undercount (see loops_with_work)
     oom_temporaries: float | None = None  # when the compiler refused: the bytes of temporaries it said it needed
     error: str | None = None
     parts: list = dataclasses.field(default_factory=list)  # programs run one after the other, summed into this one
@@ -83,8 +83,37 @@ def compile_program(name: str, jitted, *args, compiler_options: dict | None = No
         memory=memory_of(compiled),
         flops=cost["flops"],
         bytes=cost["bytes"],
-        has_loops=" while(" in compiled.as_text(),
+        has_loops=loops_with_work(compiled.as_text()),
     )
+
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_WHILE_BODY = re.compile(r" while\(.*\bbody=%?([\w.\-]+)")
+_WORK = re.compile(r" (?:dot|convolution|custom-call)\(")
+
+
+def loops_with_work(hlo_text: str) -> bool:
+    """Whether a while loop of the HLO module runs a matmul, a convolution or a custom call (a kernel) in its body
+    or in a computation it reaches: cost_analysis counts a loop body once, so such a program's figures undercount.
+    Scalar loops (e.g. the binary searches of megablox's group metadata) cost nothing worth counting."""
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = None if line.startswith(" ") else _HEADER.match(line)
+        if header:
+            current = comps.setdefault(header[1], [])
+        elif current is not None:
+            current.append(line)
+    refs = {name: set(re.findall(r"%([\w.\-]+)", "\n".join(lines))) & comps.keys() for name, lines in comps.items()}
+
+    def works(name: str, seen: set) -> bool:
+        if name in seen:
+            return False
+        seen.add(name)
+        return any(_WORK.search(line) for line in comps.get(name, ())) or any(works(r, seen) for r in refs[name])
+
+    bodies = {m[1] for lines in comps.values() for line in lines if (m := _WHILE_BODY.search(line))}
+    return any(works(body, set()) for body in bodies if body in comps)
 
 
 def memory_of(compiled) -> dict:

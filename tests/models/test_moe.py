@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cisjax import sharding
 from cisjax.models import moe
+from tests.helpers import MESHES
 
-IMPLS = ("tiled", "ragged", "dense")
+IMPLS = ("tiled", "gmm", "ragged", "dense")  # gmm: megablox in Pallas's interpreter on CPU
 
 
 # ----------------------------------------------------------------------------- route
@@ -176,13 +178,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_moe_ffn_matches_float64_loop(name):
+# The fast tier (make test-fast) runs every case with the CPU default (tiled) and every impl on "levels"; CI all.
+FAST_CASE = "levels"
+
+
+@pytest.mark.parametrize(
+    "name, impl",
+    [
+        pytest.param(name, impl, marks=() if impl == "tiled" or name == FAST_CASE else pytest.mark.slow)
+        for name in CASES
+        for impl in IMPLS
+    ],
+)
+def test_moe_ffn_matches_float64_loop(name, impl):
     n, d, f, e, ids, tiles = CASES[name]
     x, wg, wu, wo, ids, w, ct = _problem(n, d, f, e, ids, seed=len(name))
     y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
     used = np.unique(ids)
-    runs = [(impl, None) for impl in IMPLS] + [("tiled", t) for t in tiles]
+    runs = [(impl, None)] + ([("tiled", t) for t in tiles] if impl == "tiled" else [])
     for impl, tile in runs:
         y, grads = _run(impl, tile, x, wg, wu, wo, ids, w, ct)
         where = f"{name} impl={impl} tile={tile}"
@@ -191,6 +204,44 @@ def test_moe_ffn_matches_float64_loop(name):
             np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5, err_msg=f"{where} d{gname}")
         for g in grads[1:4]:  # experts without tokens get exactly zero gradient
             assert not np.any(g[np.setdiff1d(np.arange(e), used)]), where
+
+
+@pytest.mark.parametrize(
+    "mesh_name", [m if m == "data2_fsdp2_tensor2" else pytest.param(m, marks=pytest.mark.slow) for m in MESHES]
+)
+def test_gmm_on_a_mesh_matches_float64_loop(mesh_name):
+    """The gmm dispatch on 8 devices (rows split as "batch", F as "expert_mlp", under shard_map): values and every
+    gradient as the float64 loop, with the weights placed as the sharding table places the model's."""
+    n, d, f, e = 64, 16, 8, 6
+    ids = [[i % 5, (3 * i + 1) % 5] if i % 9 else [2, 4] for i in range(n)]  # expert 5 empty, ragged groups
+    x, wg, wu, wo, ids, w, ct = _problem(n, d, f, e, ids, seed=3)
+    y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
+    mesh, rules = sharding.make_mesh(MESHES[mesh_name]), sharding.rules_from_config()
+
+    def place(a, axes):
+        return jax.device_put(a, sharding.named_sharding(axes, rules, mesh, a.shape))
+
+    rows = ("batch", None)
+    args = (
+        place(x, rows),
+        place(wg, ("expert", "embed", "expert_mlp")),
+        place(wu, ("expert", "embed", "expert_mlp")),
+        place(wo, ("expert", "expert_mlp", "embed")),
+        place(w, rows),
+        place(ids, rows),
+        place(ct, rows),
+    )
+
+    def loss(x, wg, wu, wo, w, ids, ct):
+        with sharding.use_mesh(mesh, rules):
+            y = moe.moe_ffn(x, wg, wu, wo, ids, w, impl="gmm")
+        return jnp.sum(y * ct), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*args)
+    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=2e-5, atol=2e-5)
+    for gname, g, g_ref in zip(("x", "wg", "wu", "wo", "w"), grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(g), g_ref, rtol=2e-5, atol=2e-5, err_msg=f"d{gname}")
+    assert y.sharding.is_equivalent_to(args[0].sharding, 2)  # rows stay where they were
 
 
 def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():

@@ -15,7 +15,7 @@ from cisjax import cli, sharding
 from cisjax import config as config_lib
 from cisjax.models import moe
 from cisjax.plan import command, hardware
-from cisjax.plan.programs import Compiled
+from cisjax.plan.programs import Compiled, loops_with_work
 
 # The XLA:TPU and XLA:GPU compiles of model cuts are marked `slow` (not in the fast tier, make test-fast); the row
 # search, the argument errors and the TPU MoE dispatch are cheap and stay in it.
@@ -158,7 +158,8 @@ def test_gpu_target_in_a_fresh_process(tmp_path):
 
 
 def test_tpu_mesh_traces_the_tpu_moe_dispatch():
-    """A CPU host compiling for TPU must trace the TPU MoE path (ragged_dot), not the CPU one (tiled loops)."""
+    """A CPU host compiling for TPU must trace the TPU MoE path (megablox's Mosaic kernels), not the CPU one (tiled
+    loops)."""
     n, d, f, e, k = 64, 32, 16, 4, 2
     args = [
         jax.ShapeDtypeStruct(s, dt)
@@ -178,13 +179,29 @@ def test_tpu_mesh_traces_the_tpu_moe_dispatch():
 
         def fn(*xs):
             with sharding.use_mesh(mesh):
-                assert moe.default_impl() == ("tiled" if devices[0].platform == "cpu" else "ragged")
+                assert moe.default_impl() == ("tiled" if devices[0].platform == "cpu" else "gmm")
                 return moe.moe_ffn(*xs)
 
         return jax.jit(fn).lower(*placed).as_text()
 
-    assert "ragged_dot" in lowered_text(hardware.target("v5p-16").devices())
-    assert "ragged_dot" not in lowered_text(jax.devices())  # the 8 fake CPU devices: the tiled dispatch
+    tpu = lowered_text(hardware.target("v5p-16").devices())
+    assert "tpu_custom_call" in tpu and "ragged_dot" not in tpu
+    cpu = lowered_text(jax.devices())  # the 8 fake CPU devices: the tiled dispatch
+    assert "tpu_custom_call" not in cpu and "ragged_dot" not in cpu
+
+
+def test_loops_with_work_flags_matmul_loops_not_scalar_searches():
+    """A loop of matmuls undercounts in cost_analysis; a binary search (megablox's group metadata) costs nothing."""
+    a = jnp.ones((8, 8))
+
+    def text(fn, *args):
+        return jax.jit(fn).lower(*args).compile().as_text()
+
+    matmuls = text(lambda a: jax.lax.fori_loop(0, a[0, 0].astype(jnp.int32), lambda i, x: x @ a, a), a)
+    search = text(lambda a, v: (a @ a, jnp.searchsorted(v, a[0])), a, jnp.arange(60.0))
+    assert " while(" in matmuls and " while(" in search  # both programs hold a loop
+    assert loops_with_work(matmuls) and not loops_with_work(search)
+    assert not loops_with_work(text(lambda a: a @ a, a))
 
 
 def fake_compile(a, b, usable=None):
