@@ -28,13 +28,14 @@ def dtype_of(name) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
-    """How a model runs (not what it is): dtypes and the MoE dispatch algorithm."""
+    """How a model runs (not what it is): dtypes, the MoE dispatch algorithm and rematerialisation."""
 
     dtype: Any = jnp.float32  # compute dtype of activations and matmuls
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
     router_dtype: Any = jnp.float32  # router logits and softmax (fp32 as the HF reference)
-    moe_impl: str = "auto"  # auto | tiled | ragged | dense (see models/moe.py)
+    moe_impl: str = "auto"  # auto | tiled | gmm | ragged | dense (see models/moe.py)
     moe_tile: int | None = None  # rows per tile of the tiled dispatch; None = chosen from the shape
+    remat: str = "none"  # rematerialisation of each decoder layer in the backward pass (transformer.REMAT_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,21 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from cisjax import sharding
+from cisjax import errors, sharding
 from cisjax.models.layers import MLP, RMSNorm, attention_mask, param
+
+# model.remat: what the backward pass keeps of each decoder layer's forward; the rest it recomputes from the layer's
+# input. "minimal": the matmuls without dot batch dimensions (jax's dots_with_no_batch_dims_saveable), i.e. the
+# projections; not the attention scores (batched over heads) nor the MoE kernels' outputs. "full": the input only.
+REMAT_POLICIES = {
+    "none": None,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL):
+    return layer(x_BxLxD, positions_BxL, mask_BxLxL)
 
 
 class ModelOutput(NamedTuple):
@@ -97,8 +110,12 @@ class CausalLM(nnx.Module):
         x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.cfg.dtype)
         x_BxLxD = sharding.constrain(x_BxLxD, ("batch", "length", "act_embed"))
         routing = []
+        remat = self.cfg.remat
+        if remat not in REMAT_POLICIES:
+            raise errors.UserError(f"model.remat={remat!r}; one of {tuple(REMAT_POLICIES)}")
+        call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
         for layer in self.layers:
-            x_BxLxD, ids = layer(x_BxLxD, positions_BxL, mask_BxLxL)
+            x_BxLxD, ids = call(layer, x_BxLxD, positions_BxL, mask_BxLxL)
             if ids is not None:
                 routing.append(ids)
         hidden = self.norm(x_BxLxD)

@@ -11,6 +11,7 @@ from cisjax.evaluation import prompts as eval_prompts
 from cisjax.evaluation import sets as eval_sets
 from cisjax.models import hf_config
 from cisjax.models.moe import IMPLS as MOE_IMPLS
+from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout.server import BACKENDS
@@ -120,6 +121,7 @@ def _model(c: _Checker, inputs: bool) -> None:
     for path in ("model.dtype", "model.param_dtype", "model.router_dtype"):
         c.raises(path, hf_config.dtype_of, c.get(path))
     c.one_of("model.moe_impl", MOE_IMPLS)
+    c.one_of("model.remat", tuple(REMAT_POLICIES))
     c.number("model.moe_tile", low=0, integer=True, why=" (0 = chosen from the shapes)")
 
 
