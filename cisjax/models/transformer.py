@@ -21,8 +21,18 @@ REMAT_POLICIES = {
 }
 
 
-def _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL):
-    return layer(x_BxLxD, positions_BxL, mask_BxLxL)
+def _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL, *, remat: str = "none"):
+    """layer(x, positions, mask), under jax.checkpoint with the `remat` policy unless "none". A pure function of the
+    layer's split state, not nnx.remat: a decoder layer mutates nothing, and nnx.remat's write-back fails on a model
+    merged inside another transform's body (the rescoring's lax.map over micro-batches)."""
+    if remat == "none":
+        return layer(x_BxLxD, positions_BxL, mask_BxLxL)
+    graphdef, state = nnx.split(layer)
+
+    def pure(state, x_BxLxD, positions_BxL, mask_BxLxL):
+        return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, mask_BxLxL)
+
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x_BxLxD, positions_BxL, mask_BxLxL)
 
 
 class ModelOutput(NamedTuple):
@@ -113,9 +123,8 @@ class CausalLM(nnx.Module):
         remat = self.cfg.remat
         if remat not in REMAT_POLICIES:
             raise errors.UserError(f"model.remat={remat!r}; one of {tuple(REMAT_POLICIES)}")
-        call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
         for layer in self.layers:
-            x_BxLxD, ids = call(layer, x_BxLxD, positions_BxL, mask_BxLxL)
+            x_BxLxD, ids = _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat)
             if ids is not None:
                 routing.append(ids)
         hidden = self.norm(x_BxLxD)

@@ -23,8 +23,13 @@ def _loss_and_grads(model_dir, remat):
     ct = jnp.asarray(rng.standard_normal((2, 12, model.cfg.vocab_size)), jnp.float32)
 
     def loss(p):
-        m = nnx.merge(graphdef, p)
-        return jnp.sum(m.logits(m(tokens).hidden_BxLxD) * ct)
+        # one row at a time under lax.map, the model merged inside the body, as the loop's rescoring does
+        def row(args):
+            tokens_1xL, ct_1xLxV = args
+            m = nnx.merge(graphdef, p)
+            return jnp.sum(m.logits(m(tokens_1xL).hidden_BxLxD) * ct_1xLxV)
+
+        return jnp.sum(jax.lax.map(row, (tokens[:, None], ct[:, None])))
 
     fn = jax.value_and_grad(loss)
     value, grads = jax.jit(fn)(params)

@@ -34,8 +34,8 @@ PAPER = {  # config -> (MoE layers, dense-MLP layers) in a 2-layer cut
 FULL_REPORT = ("qwen15_moe_a27b", "deepseek_v2_lite")
 
 
-def paper_plan(name, target="v5p-16", **kw):
-    cfg = config_lib.load(ROOT / "configs" / f"{name}.py")
+def paper_plan(name, target="v5p-16", overrides=(), **kw):
+    cfg = config_lib.load(ROOT / "configs" / f"{name}.py", overrides)
     return command.plan(cfg, target_name=target, num_layers=2, **kw)
 
 
@@ -64,7 +64,7 @@ def test_paper_model_cut_on_v5p16(name):
     state_bytes = 12 * report["model"]["total_params"] / chips  # fp32 params + two fp32 Adam moments, sharded
     train = report["programs"]["train_step"]["memory"]
     assert train["arguments"] >= 0.99 * state_bytes and train["aliased"] >= 0.99 * state_bytes  # the state is donated
-    assert report["model"]["moe_impl_resolved"] == "ragged"  # the TPU path, not the CPU host's
+    assert report["model"]["moe_impl_resolved"] == "gmm"  # the TPU path (megablox), not the CPU host's
 
     moe_layers, mlp_layers = PAPER[name]
     kinds = report["flops"]["train_step"]["kinds"]
@@ -81,12 +81,12 @@ def test_paper_model_cut_on_v5p16(name):
         assert 0.97 < table["head"]["ratio"] < 1.03  # the recompute of the logits is counted once, by both
         if mlp_layers:
             assert 0.97 < table["mlp"]["ratio"] < 1.05
-    if moe_layers:
-        assert 0.97 < rescore["moe"]["ratio"] < 1.1  # ragged_dot's forward is TPU's grouped kernel
-        assert kinds["moe"]["ratio"] > 0.97
+    if moe_layers:  # megablox's kernels: the grouped work only, forward and backward (ragged_dot's backward: x E)
+        assert 0.97 < rescore["moe"]["ratio"] < 1.1
+        assert 0.97 < kinds["moe"]["ratio"] < 1.2
     for program in ("train_step", "rescore"):
         assert 0 < report["roofline"][f"{program}_mfu_estimate"] < 1
-    assert not report.get("warnings")  # the one-layer programs are loop-free
+    assert not report.get("warnings")  # no loop with work in the one-layer programs (megablox's searches are scalar)
 
 
 @pytest.mark.slow
@@ -101,14 +101,15 @@ def test_paper_model_train_step_on_v5p16(name):
     assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == p["usable_bytes"] - p["total_bytes"]
     state_bytes = 12 * report["model"]["total_params"] / chips  # fp32 params + two fp32 Adam moments, sharded
     assert p["memory"]["arguments"] >= 0.99 * state_bytes and p["memory"]["aliased"] >= 0.99 * state_bytes
-    assert report["model"]["moe_impl_resolved"] == "ragged"
+    assert report["model"]["moe_impl_resolved"] == "gmm"
     assert "flops" not in report and not report.get("warnings")
 
 
 @pytest.mark.slow
 def test_fit_flips_when_rows_grow():
-    small = paper_plan("qwen15_moe_a27b", target="v5e-16", rows=16, programs=["train_step"], layer_costs=False)
-    big = paper_plan("qwen15_moe_a27b", target="v5e-16", rows=256, programs=["train_step"], layer_costs=False)
+    # without remat; at 1,024 rows the compiler refuses (46.7 GiB of temporaries; 256 rows: accepted at 16.2 GiB, over)
+    kw = dict(target="v5e-16", overrides=["--config.model.remat=none"], programs=["train_step"], layer_costs=False)
+    small, big = paper_plan("qwen15_moe_a27b", rows=16, **kw), paper_plan("qwen15_moe_a27b", rows=1024, **kw)
     assert small["shape"]["seq_len"] == 1536  # 512 prompt + 1024 new tokens - 1, rounded up to 128
     assert small["programs"]["train_step"]["fits"] and not big["programs"]["train_step"]["fits"]
     usable = hardware.TPU_CHIPS["v5e"].usable_bytes
