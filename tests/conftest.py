@@ -65,6 +65,9 @@ ONE_WORKER_MODULES = (
     "tests/train/test_loop_robustness.py",
     "tests/train/test_publish.py",
 )
+# Modules whose module- or process-level set-ups compile the same tiny model (tests/train/steputil.py): one xdist
+# group together, so each set-up is built once per run rather than once per worker.
+STEPUTIL_MODULES = ("tests/train/test_step.py", "tests/test_forward.py", "tests/train/test_checkpoint.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
@@ -75,6 +78,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", "."))
             )
+        elif module in STEPUTIL_MODULES:
+            item.add_marker(pytest.mark.xdist_group("steputil"))
     # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
     # taken last would keep one worker busy while the other has nothing left to do
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

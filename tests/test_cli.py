@@ -49,20 +49,23 @@ def test_config_command_prints_overrides(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        [
-            "bench",
-            "moe",
-            "--shapes",
-            "4x2x16",
-            "--tokens",
-            "64",
-            "--hidden",
-            "32",
-            "--repeats",
-            "1",
-            "--slow-repeats",
-            "1",
-        ],
+        pytest.param(  # every dispatch impl compiled, forward and backward: `slow`
+            [
+                "bench",
+                "moe",
+                "--shapes",
+                "4x2x16",
+                "--tokens",
+                "64",
+                "--hidden",
+                "32",
+                "--repeats",
+                "1",
+                "--slow-repeats",
+                "1",
+            ],
+            marks=pytest.mark.slow,
+        ),
         [
             "bench",
             "logprobs",

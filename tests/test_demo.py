@@ -112,6 +112,7 @@ def _tiny(tok_dir):
     return cfg, fmt, model, mesh, rules, arrays
 
 
+@pytest.mark.slow  # three compiles of the demo model (rescoring, the step's loss gradient, cross-entropy's)
 def test_a1_policy_gradient_is_cross_entropy_gradient(tok_dir):
     cfg, _, model, mesh, rules, arrays = _tiny(tok_dir)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -107,6 +107,7 @@ def test_score_temperature(model_dir, tmp_path):
         np.testing.assert_allclose(got["logprobs"], lp[np.arange(p - 1, n - 1), seq[0, p:]], atol=1e-5)
 
 
+@pytest.mark.slow  # a second compile of the scorer (bf16); the fast tier has the fp32 reference check
 def test_score_bf16_close_to_fp32(model_dir, tmp_path):
     items = _items(seed=2, n=4)
     inp = _write(tmp_path / "in.jsonl", items)

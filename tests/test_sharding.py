@@ -272,6 +272,7 @@ def test_sharded_load_and_forward_match_unsharded(name, tiny_dir, tokens_BxL, re
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
 
 
+@pytest.mark.slow  # the fast tier has tests/models/test_moe.py's gmm on this mesh
 def test_gmm_dispatch_model_on_a_mesh_matches_unsharded(tiny_dir, tokens_BxL, reference):
     """The model with moe_impl="gmm" (megablox, in Pallas's interpreter here) on a data x fsdp x tensor mesh gives the
     unsharded default-dispatch model's logits and routes."""

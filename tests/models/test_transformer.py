@@ -36,18 +36,25 @@ def _loss_and_grads(model_dir, remat):
     return float(value), jax.tree.leaves(grads), str(jax.make_jaxpr(fn)(params))
 
 
-# deepseek_v2: a dense first layer then MoE layers (two kinds of decoder block); qwen2_moe: attention with biases
-@pytest.mark.parametrize("family", [pytest.param("deepseek_v2", marks=pytest.mark.slow), "qwen2_moe"])
-def test_remat_policies_give_the_same_loss_and_gradients(tiny_hf_dir, family):
+# deepseek_v2: a dense first layer then MoE layers (two kinds of decoder block); qwen2_moe: attention with biases.
+# The fast tier (make test-fast) runs qwen2_moe with full remat; CI all four.
+@pytest.mark.parametrize(
+    "family, remat",
+    [
+        pytest.param(f, r, marks=() if (f, r) == ("qwen2_moe", "full") else pytest.mark.slow)
+        for f in ("deepseek_v2", "qwen2_moe")
+        for r in ("minimal", "full")
+    ],
+)
+def test_remat_policies_give_the_same_loss_and_gradients(tiny_hf_dir, family, remat):
     model_dir = tiny_hf_dir(family)
     ref_value, ref_grads, ref_jaxpr = _loss_and_grads(model_dir, "none")
     assert not REMAT.findall(ref_jaxpr)
-    for remat in ("minimal", "full"):
-        value, grads, jaxpr = _loss_and_grads(model_dir, remat)
-        assert len(REMAT.findall(jaxpr)) >= 2, remat  # a rematerialised block per decoder layer
-        assert value == pytest.approx(ref_value, rel=1e-6), remat
-        for g, r in zip(grads, ref_grads):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6 * np.abs(r).max())
+    value, grads, jaxpr = _loss_and_grads(model_dir, remat)
+    assert len(REMAT.findall(jaxpr)) >= 2  # a rematerialised block per decoder layer
+    assert value == pytest.approx(ref_value, rel=1e-6)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6 * np.abs(r).max())
 
 
 def test_unknown_remat_policy_is_named(tiny_hf_dir):
