@@ -105,7 +105,9 @@ def test_micro_batches_equal_one_big_batch():
     first = ref["metrics"][0]
     for key in first:
         np.testing.assert_allclose(float(met[key]), first[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    np.testing.assert_allclose(U.replicated_sums(state.params), ref["sums"][0], rtol=1e-6, atol=1e-6)
+    # fp32 round-off only: the two programs add the gradients in different orders (a mean of micro-batch means
+    # instead of the global token mean would be off by percent); 1e-5 as the metrics, at -O0 too (tests/conftest.py)
+    np.testing.assert_allclose(U.replicated_sums(state.params), ref["sums"][0], rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- learning
