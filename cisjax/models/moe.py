@@ -303,14 +303,20 @@ def _ragged_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
     return jax.lax.ragged_dot(h_RxF, wo_ExFxD, sizes_E)
 
 
-def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
-    """Sort the N*K (token, slot) assignments by expert (stable: token order within a group), run
-    swiglu(rows, wg, wu, wo, group sizes) on the sorted rows, un-sort and sum each token's k outputs, weighted."""
-    n, d = x_NxD.shape
-    k = ids_NxK.shape[1]
+def _sort_by_expert(ids_NxK, num_experts: int):
+    """(order_R, sizes_E): the R = N*K (token, slot) assignments sorted by expert (stable: token order within a
+    group), and each expert's group size."""
     flat_ids_R = ids_NxK.reshape(-1)
     order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
-    sizes_E = jnp.bincount(flat_ids_R, length=wg_ExDxF.shape[0]).astype(jnp.int32)
+    return order_R, jnp.bincount(flat_ids_R, length=num_experts).astype(jnp.int32)
+
+
+def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
+    """Sort the assignments by expert (_sort_by_expert), run swiglu(rows, wg, wu, wo, group sizes) on the sorted
+    rows, un-sort and sum each token's k outputs, weighted."""
+    n, d = x_NxD.shape
+    k = ids_NxK.shape[1]
+    order_R, sizes_E = _sort_by_expert(ids_NxK, wg_ExDxF.shape[0])
     ys_RxD = swiglu(x_NxD[order_R // k], wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E)
     y_RxD = jnp.zeros_like(ys_RxD).at[order_R].set(ys_RxD)  # un-sort
     return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
@@ -390,11 +396,8 @@ def moe_ffn(
     if impl == "ragged":
         return _sorted_ffn(_ragged_swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
 
-    # Sort the R = N*K (token, slot) assignments by expert (stable: token order within a group).
     rows = n * k
-    flat_ids_R = ids_NxK.reshape(-1)
-    order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
-    sizes_E = jnp.bincount(flat_ids_R, length=e).astype(jnp.int32)
+    order_R, sizes_E = _sort_by_expert(ids_NxK, e)
 
     # tiled: the sorted rows plus a tail of don't-care rows that a group's last tile may run into
     tiles = tile_sizes(max(min(tile or choose_tile(rows, e), rows), 1))  # a tile never exceeds the rows
