@@ -20,7 +20,8 @@ def resolve_precision(cfg) -> str:
 
 def model_runtime(cfg) -> dict:
     """Runtime options to build or load the model with (hf_io.load(..., **model_runtime(cfg))): dtypes and the MoE
-    dispatch (model.moe_impl, model.moe_tile) and the rematerialisation policy (model.remat).
+    dispatch (model.moe_impl, model.moe_tile) the rematerialisation policy (model.remat) and
+    scanned layers (model.scan_layers).
 
     bf16: compute in model.dtype (bfloat16 by default); fp32: float32; fp16: float16. Parameters (master weights)
     and optimizer state stay in model.param_dtype (float32 by default) in every mode; the router in model.router_dtype.
@@ -34,6 +35,7 @@ def model_runtime(cfg) -> dict:
         moe_impl=cfg.model.moe_impl,
         moe_tile=int(cfg.model.moe_tile) or None,
         remat=cfg.model.remat,
+        scan_layers=bool(cfg.model.scan_layers),
     )
 
 

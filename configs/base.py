@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's platform: tiled on CPU, gmm (megablox) on TPU, ragged on GPU) | tiled | gmm | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
     c.model.remat = "none"  # what the backward pass keeps of each decoder layer, the rest recomputed: none (all) | minimal (matmul outputs without a batch dim) | full (the layer's input only)
+    c.model.scan_layers = True  # each run of same-kind decoder layers (stacked parameters) runs as one lax.scan: one layer body to compile; False = a Python loop (a body per layer)
 
     # --- the device mesh (axes data, fsdp, tensor, expert; one size may be -1 = the rest) ----
     c.mesh = ml_collections.ConfigDict()

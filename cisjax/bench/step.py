@@ -50,6 +50,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="model.moe_impl of the JAX model (default: %(default)s)",
     )
     parser.add_argument(
+        "--scan-layers",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="model.scan_layers of the JAX model: one lax.scan per stack of layers, or a loop (default: %(default)s)",
+    )
+    parser.add_argument(
         "--torch-experts",
         default=None,
         help="transformers experts_implementation (default: transformers' own choice, reported)",
@@ -106,6 +112,7 @@ def bench(args) -> dict:
     cfg.logprobs.chunk_size = args.chunk_size
     cfg.train.lr = 1e-5
     cfg.model.moe_impl = args.moe_impl
+    cfg.model.scan_layers = bool(args.scan_layers)
     mesh = sharding.make_mesh(cfg.mesh.to_dict())
     res = dict(
         config={k: v for k, v in vars(args).items() if k != "json"},

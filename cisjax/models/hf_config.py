@@ -28,7 +28,7 @@ def dtype_of(name) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
-    """How a model runs (not what it is): dtypes, the MoE dispatch algorithm and rematerialisation."""
+    """How a model runs (not what it is): dtypes, the MoE dispatch algorithm, rematerialisation, scanned layers."""
 
     dtype: Any = jnp.float32  # compute dtype of activations and matmuls
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
@@ -36,6 +36,7 @@ class RuntimeOptions:
     moe_impl: str = "auto"  # auto | tiled | gmm | ragged | dense (see models/moe.py)
     moe_tile: int | None = None  # rows per tile of the tiled dispatch; None = chosen from the shape
     remat: str = "none"  # rematerialisation of each decoder layer in the backward pass (transformer.REMAT_POLICIES)
+    scan_layers: bool = True  # run each stack of decoder layers with one lax.scan (False: a loop, unrolled)
 
 
 @dataclasses.dataclass(frozen=True)

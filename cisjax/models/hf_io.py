@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from cisjax import distributed, sharding
+from cisjax.models import transformer
 from cisjax.models.hf_config import CheckpointError, dtype_of
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,18 @@ def init_model(hf: dict, cfg, seed: int = 0):
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    path: str  # our flat parameter path, e.g. layers.3.attn.wq_DxQ
+    path: str  # our flat parameter path, e.g. stacks.0.attn.wq_DxQ (stacked layers) or embed_VxD
     hf_names: tuple[str, ...]  # one name, or one per expert for "experts_T"
     kind: str  # id | T | experts_T
+    slot: int | None = None  # the layer's index in a stacked parameter's leading axis; None: not stacked
+
+    def layer_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Our shape of one layer's parameter (a stacked parameter without its leading axis)."""
+        return tuple(shape[1:]) if self.slot is not None else tuple(shape)
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Shape of each HF tensor for our parameter shape."""
+        """Shape of each HF tensor for our parameter shape (stacked: the whole stack's shape)."""
+        shape = self.layer_shape(shape)
         if self.kind == "id":
             return shape
         if self.kind == "T":
@@ -109,22 +116,47 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
 
-def resolve_rows(weights: tuple, flat_shapes: Mapping[str, tuple[int, ...]]) -> list[Row]:
-    """Expand the family's declarative table against the parameters this model actually has."""
+_STACKED = re.compile(r"^stacks\.(?P<r>\d+)\.(?P<rest>.+)$")
+
+
+def resolve_rows(
+    weights: tuple, flat_shapes: Mapping[str, tuple[int, ...]], runs: tuple[tuple[int, ...], ...] = ()
+) -> list[Row]:
+    """Expand the family's declarative table (per-layer paths `layers.{i}.<rest>`) against the parameters this model
+    actually has. A stacked parameter `stacks.{r}.<rest>` (transformer.stack_layers) holds layers runs[r]: one Row per
+    layer, its slot in the stack."""
     compiled = [(hf, _template_regex(ours), kind) for hf, ours, kind in weights]
-    rows = []
-    for path, shape in flat_shapes.items():
-        hits = [(hf, m, kind) for hf, rx, kind in compiled if (m := rx.match(path))]
+
+    def row(path, per_layer_path, shape, slot):
+        hits = [(hf, m, kind) for hf, rx, kind in compiled if (m := rx.match(per_layer_path))]
         if len(hits) != 1:
-            raise CheckpointError(f"parameter {path!r} matches {len(hits)} rows of the weight table (want 1)")
+            raise CheckpointError(f"parameter {per_layer_path!r} matches {len(hits)} rows of the weight table (want 1)")
         hf, m, kind = hits[0]
         i = m.groupdict().get("i")
         if kind == "experts_T":
             names = tuple(hf.format(i=i, e=e) for e in range(shape[0]))
         else:
             names = (hf.format(i=i),)
-        rows.append(Row(path, names, kind))
+        return Row(path, names, kind, slot)
+
+    rows = []
+    for path, shape in flat_shapes.items():
+        m = _STACKED.match(path)
+        if m is None:
+            rows.append(row(path, path, shape, None))
+            continue
+        run = runs[int(m["r"])]
+        if len(run) != shape[0]:
+            raise CheckpointError(
+                f"parameter {path!r} stacks {shape[0]} layers, the config's layer runs say {len(run)}"
+            )
+        rows.extend(row(path, f"layers.{i}.{m['rest']}", shape[1:], j) for j, i in enumerate(run))
     return rows
+
+
+def _runs(hf: Mapping) -> tuple[tuple[int, ...], ...]:
+    """The stacks of decoder layers of this architecture (transformer.layer_runs)."""
+    return transformer.layer_runs(model_config(dict(hf)))
 
 
 def _flat(state) -> dict:
@@ -269,7 +301,9 @@ def load(
     graphdef, abstract = abstract_model(hf, cfg)
     files = SafetensorsDir(model_dir)
     flat = _flat(abstract)
-    rows = resolve_rows(family_module(hf).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()})
+    rows = resolve_rows(
+        family_module(hf).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()}, transformer.layer_runs(cfg)
+    )
     if mesh is not None:
         rules = sharding.rules_from_config(rules)
         shardings = _flat(sharding.param_shardings(abstract, mesh, rules))
@@ -277,12 +311,10 @@ def load(
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = {p: single for p in flat}
 
-    values = {}
+    by_path: dict[str, list[Row]] = {}
     used = set()
     for row in rows:
-        var = flat[row.path]
-        shape, dtype = tuple(var.shape), np.dtype(var.dtype)
-        want = row.hf_shape(shape)
+        want = row.hf_shape(tuple(flat[row.path].shape))
         for name in row.hf_names:
             if name not in files:
                 raise CheckpointError(f"{model_dir}: missing tensor {name!r} (for {row.path}, shape {list(want)})")
@@ -291,7 +323,12 @@ def load(
                     f"{model_dir}: tensor {name!r} has shape {list(files.shape(name))} but config.json implies {list(want)}"
                 )
         used.update(row.hf_names)
-        values[row.path] = jax.make_array_from_callback(shape, shardings[row.path], _reader(files, row, dtype))
+        by_path.setdefault(row.path, []).append(row)
+    values = {}
+    for path, path_rows in by_path.items():
+        var = flat[path]
+        reader = _reader(files, path_rows, np.dtype(var.dtype))
+        values[path] = jax.make_array_from_callback(tuple(var.shape), shardings[path], reader)
     # A tied model uses the embedding as the head; a stray lm_head.weight is ignored, as transformers does.
     tied_head = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     extra = [n for n in files.names() if n not in used and n not in tied_head and not _IGNORED.match(n)]
@@ -306,26 +343,29 @@ def load(
     return model, cfg, hf
 
 
-def _reader(files: SafetensorsDir, row: Row, dtype: np.dtype):
+def _reader(files: SafetensorsDir, rows: list[Row], dtype: np.dtype):
     """Callback for jax.make_array_from_callback: reads just the requested slice, once per distinct
-    slice (jax asks once per device, so a partially replicated tensor would be read repeatedly)."""
+    slice (jax asks once per device, so a partially replicated tensor would be read repeatedly).
+    `rows`: the parameter's one Row, or a stacked parameter's Rows in slot order (one per layer)."""
     cache: dict[tuple, np.ndarray] = {}
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in cache:
-            cache[key] = _read(index)
+            if rows[0].slot is None:
+                out = _read(rows[0], index)
+            else:  # the leading axis picks layers, the rest slices each layer's tensors
+                out = np.stack([_read(rows[j], index[1:]) for j in range(len(rows))[index[0]]])
+            cache[key] = np.ascontiguousarray(out.astype(dtype))
         return cache[key]
 
-    def _read(index: tuple[slice, ...]) -> np.ndarray:
+    def _read(row: Row, index: tuple[slice, ...]) -> np.ndarray:
         if row.kind == "id":
-            out = files.array(row.hf_names[0])[index]
-        elif row.kind == "T":
-            out = files.array(row.hf_names[0])[index[1], index[0]].T
-        else:
-            experts = range(len(row.hf_names))[index[0]]
-            out = np.stack([files.array(row.hf_names[e])[index[2], index[1]].T for e in experts])
-        return np.ascontiguousarray(out.astype(dtype))
+            return files.array(row.hf_names[0])[index]
+        if row.kind == "T":
+            return files.array(row.hf_names[0])[index[1], index[0]].T
+        experts = range(len(row.hf_names))[index[0]]
+        return np.stack([files.array(row.hf_names[e])[index[2], index[1]].T for e in experts])
 
     return read
 
@@ -351,7 +391,9 @@ def _params_of(model) -> dict:
 
 def _plan(flat: dict, hf_config: Mapping, dtype: str | None) -> list[tuple[TensorSpec, Row, int]]:
     """(spec, row, expert index) of every HF tensor, in the table's order (experts of one parameter back to back)."""
-    rows = resolve_rows(family_module(dict(hf_config)).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()})
+    rows = resolve_rows(
+        family_module(dict(hf_config)).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()}, _runs(hf_config)
+    )
     out_dtype = np.dtype(dtype_of(dtype)) if dtype else None
     plan = []
     for row in rows:
@@ -368,16 +410,17 @@ def tensor_specs(model, hf_config: Mapping, dtype: str | None = None) -> list[Te
 
 
 def _iter_plan(flat: dict, plan) -> Iterator[tuple[str, np.ndarray]]:
-    held: tuple[str, np.ndarray] | None = None  # one parameter on the host: the experts of one are yielded back to back
+    # one layer's parameter on the host at a time: the experts of one are yielded back to back
+    held: tuple[tuple[str, int | None], np.ndarray] | None = None
     for spec, row, e in plan:
-        if held is None or held[0] != row.path:
+        if held is None or held[0] != (row.path, row.slot):
             held = None  # drop the previous parameter before fetching the next one
-            # cast and transpose where the data lives: XLA's conversion and tiled transposes are far faster
-            # than numpy's strided copies, and a narrower dtype halves the transfer
-            held = (
-                row.path,
-                distributed.to_host(_hf_layout(flat[row.path][...], np.dtype(spec.dtype), row.kind != "id")),
-            )
+            # slice, cast and transpose where the data lives: XLA's conversion and tiled transposes are far faster
+            # than numpy's strided copies, a narrower dtype halves the transfer, and only one layer of a stack moves
+            x = flat[row.path][...]
+            if row.slot is not None:
+                x = _layer_slice(x, row.slot)
+            held = ((row.path, row.slot), distributed.to_host(_hf_layout(x, np.dtype(spec.dtype), row.kind != "id")))
         arr = held[1]
         arr = arr[e] if row.kind == "experts_T" else arr  # stacked experts are [E, out, in] after the layout
         yield spec.name, np.ascontiguousarray(arr, dtype=spec.dtype)
@@ -502,6 +545,12 @@ def save(
         hf_out["torch_dtype"] = hf_out["dtype"]
     (out / "config.json").write_text(json.dumps(hf_out, indent=2))
     return out
+
+
+@jax.jit
+def _layer_slice(x: jax.Array, slot) -> jax.Array:
+    """Layer `slot` of a stacked parameter (a traced index: one compile per parameter shape, not per layer)."""
+    return jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=False)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

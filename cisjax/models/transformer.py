@@ -21,20 +21,6 @@ REMAT_POLICIES = {
 }
 
 
-def _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL, *, remat: str = "none"):
-    """layer(x, positions, mask), under jax.checkpoint with the `remat` policy unless "none". A pure function of the
-    layer's split state, not nnx.remat: a decoder layer mutates nothing, and nnx.remat's write-back fails on a model
-    merged inside another transform's body (the rescoring's lax.map over micro-batches)."""
-    if remat == "none":
-        return layer(x_BxLxD, positions_BxL, mask_BxLxL)
-    graphdef, state = nnx.split(layer)
-
-    def pure(state, x_BxLxD, positions_BxL, mask_BxLxL):
-        return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, mask_BxLxL)
-
-    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x_BxLxD, positions_BxL, mask_BxLxL)
-
-
 class ModelOutput(NamedTuple):
     hidden_BxLxD: jax.Array  # after the final norm, before the unembedding
     # Routing capture: selected expert ids per MoE layer, [X, B, L, k] (X = number of MoE layers,
@@ -87,24 +73,109 @@ def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[De
     return layers
 
 
+def layer_runs(cfg) -> tuple[tuple[int, ...], ...]:
+    """The decoder layers grouped into stacks: maximal runs of consecutive layers of one kind (MoE or dense), e.g.
+    DeepSeek-V2's `first_k_dense_replace` dense layers then its MoE layers -> ((0,), (1, ..., 26)). Each run is stored
+    as one stacked module (stack_layers) and run by one lax.scan."""
+    runs: list[list[int]] = []
+    for i in range(cfg.num_hidden_layers):
+        if runs and cfg.is_moe_layer(runs[-1][-1]) == cfg.is_moe_layer(i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return tuple(tuple(r) for r in runs)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """Layers of one kind as ONE DecoderLayer whose every parameter has a leading [n] axis, logical name "layers"
+    (one buffer per parameter: the scan reads a layer's slice, the optimizer and the shardings see one array)."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first]
+    for layer in layers[1:]:
+        g, state = nnx.split(layer)
+        if g != graphdef:
+            raise ValueError("stack_layers: layers of different structure cannot share a stack")
+        states.append(state)
+
+    def stack(*vs):
+        axes = vs[0].get_metadata().get("axes")
+        return vs[0].replace(jnp.stack([v[...] for v in vs]), axes=None if axes is None else ("layers", *axes))
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def stack_size(stack: DecoderLayer) -> int:
+    """Layers held by a stack (the leading dim of its parameters)."""
+    return jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+
+
+def layer_of(stack: DecoderLayer, j: int) -> DecoderLayer:
+    """Layer j of a stack as a plain DecoderLayer (its parameters sliced; logical axes without "layers")."""
+    graphdef, state = nnx.split(stack)
+
+    def one(v):
+        axes = v.get_metadata().get("axes")
+        return v.replace(v[...][j], axes=None if axes is None else tuple(axes[1:]))
+
+    return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=_is_var))
+
+
+def run_stack(stack: DecoderLayer, x_BxLxD, positions_BxL, mask_BxLxL, *, remat: str = "none", scan: bool = True):
+    """x through every layer of a stack -> (x_BxLxD, expert ids [n, B, L, k] or None).
+
+    scan: one jax.lax.scan over the stack (one layer body to compile, whatever the depth); else a Python loop over
+    its slices (one copy of the body per layer, as unscanned layers compile). remat: a jax.checkpoint policy around
+    each layer's body (REMAT_POLICIES), a pure function of the layer's split state (nnx.remat's write-back fails on a
+    model merged inside another transform's body, e.g. the rescoring's lax.map over micro-batches)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x_BxLxD, state_j, positions_BxL, mask_BxLxL):
+        return nnx.merge(graphdef, state_j)(x_BxLxD, positions_BxL, mask_BxLxL)
+
+    if remat != "none":
+        # prevent_cse only matters outside scan (jax.checkpoint's documentation)
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        return jax.lax.scan(lambda x, s: body(x, s, positions_BxL, mask_BxLxL), x_BxLxD, state)
+    ids = []
+    for j in range(stack_size(stack)):
+        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), positions_BxL, mask_BxLxL)
+        ids.append(ids_j)
+    return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
+
+
 class CausalLM(nnx.Module):
-    """tokens -> hidden states; each family supplies its decoder layers.
+    """tokens -> hidden states; each family supplies its decoder layers, stored as stacks (layer_runs).
 
     A layer is called as `layer(x_BxLxD, positions_BxL, mask_BxLxL)` and returns
-    `(x_BxLxD, expert_ids_BxLxK or None)`.
+    `(x_BxLxD, expert_ids_BxLxK or None)`. Parameters of the layers live in `stacks[r]` with a leading "layers"
+    axis; layer(i) gives layer i alone.
     """
 
     def __init__(self, cfg, layers: list, *, rngs: nnx.Rngs):
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"{len(layers)} decoder layers for num_hidden_layers={cfg.num_hidden_layers}")
         self.cfg = cfg
         self.embed_VxD = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = nnx.List(layers)
+        self.stacks = nnx.List([stack_layers([layers[i] for i in run]) for run in layer_runs(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_DxV = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
 
     @property
     def moe_layers(self) -> list[int]:
-        return [i for i in range(len(self.layers)) if self.cfg.is_moe_layer(i)]
+        return [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer i alone (a copy of its slice of the stack)."""
+        for r, run in enumerate(layer_runs(self.cfg)):
+            if i in run:
+                return layer_of(self.stacks[r], run.index(i))
+        raise IndexError(f"layer {i} of a {self.cfg.num_hidden_layers}-layer model")
 
     def __call__(
         self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None
@@ -123,12 +194,12 @@ class CausalLM(nnx.Module):
         remat = self.cfg.remat
         if remat not in REMAT_POLICIES:
             raise errors.UserError(f"model.remat={remat!r}; one of {tuple(REMAT_POLICIES)}")
-        for layer in self.layers:
-            x_BxLxD, ids = _call_layer(layer, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat)
+        for stack in self.stacks:
+            x_BxLxD, ids = run_stack(stack, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat, scan=self.cfg.scan_layers)
             if ids is not None:
                 routing.append(ids)
         hidden = self.norm(x_BxLxD)
-        return ModelOutput(hidden, jnp.stack(routing) if routing else None)
+        return ModelOutput(hidden, jnp.concatenate(routing) if routing else None)
 
     def unembedding_DxV(self) -> jax.Array:
         """The output projection [D, V] (the transposed embedding when tied)."""

@@ -7,6 +7,8 @@ import math
 import flax.nnx as nnx
 import jax
 
+from cisjax.models import transformer
+
 KINDS = ("attention", "mlp", "moe", "head")
 
 # Forward matmuls cost 1 unit; the backward 2 (the input and the weight gradients). The head's chunked logprob
@@ -14,15 +16,29 @@ KINDS = ("attention", "mlp", "moe", "head")
 TRAIN_FACTORS = {"attention": 3, "mlp": 3, "moe": 3, "head": 4}
 
 
-def matmul_params(module) -> int:
-    """Elements of the module's weight matrices (parameters of rank >= 2; norms and biases are elementwise)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(module, nnx.Param)) if len(x.shape) >= 2)
+def matmul_params(module, stacked: bool = False) -> int:
+    """Elements of the module's weight matrices (parameters of rank >= 2; norms and biases are elementwise).
+    stacked: the module is a stack of layers (transformer.stack_layers): per layer, the leading axis dropped."""
+    lead = 1 if stacked else 0
+    shapes = [x.shape[lead:] for x in jax.tree.leaves(nnx.state(module, nnx.Param))]
+    return sum(math.prod(s) for s in shapes if len(s) >= 2)
+
+
+def _stacks(model):
+    """(stack, layers in it) for each stack of decoder layers."""
+    return [(stack, transformer.stack_size(stack)) for stack in model.stacks]
 
 
 def layer_counts(model) -> dict[str, int]:
     """How many of each layer kind the model holds (every layer has attention; its MLP is dense or MoE)."""
-    moe = sum(1 for layer in model.layers if layer.is_moe)
-    return {"attention": len(model.layers), "mlp": len(model.layers) - moe, "moe": moe, "head": 1}
+    moe = sum(n for stack, n in _stacks(model) if stack.is_moe)
+    layers = model.cfg.num_hidden_layers
+    return {"attention": layers, "mlp": layers - moe, "moe": moe, "head": 1}
+
+
+def _routed_experts(moe) -> int:
+    """Elements of one layer's routed expert stacks (wg, wu, wo: [n, E, ...])."""
+    return sum(math.prod(w.shape[1:]) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
 
 
 def forward_flops(model, rows: int, seq_len: int) -> dict[str, float]:
@@ -37,15 +53,18 @@ def forward_flops(model, rows: int, seq_len: int) -> dict[str, float]:
     n = rows * seq_len
     heads, qk, v = model.cfg.attention_dims()
     out = dict.fromkeys(KINDS, 0.0)
-    for layer in model.layers:
-        out["attention"] += 2 * n * matmul_params(layer.attn) + rows * seq_len**2 * heads * (qk + v)
-        if layer.is_moe:
-            moe = layer.mlp.moe
-            experts = sum(math.prod(w.shape) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
-            num_experts = moe.wg_ExDxF.shape[0]
-            out["moe"] += 2 * n * (matmul_params(layer.mlp) - experts + experts * moe.k / num_experts)
+    for stack, layers in _stacks(model):
+        attn = 2 * n * matmul_params(stack.attn, stacked=True) + rows * seq_len**2 * heads * (qk + v)
+        out["attention"] += layers * attn
+        if stack.is_moe:
+            moe = stack.mlp.moe
+            experts = _routed_experts(moe)
+            num_experts = moe.wg_ExDxF.shape[1]
+            out["moe"] += (
+                layers * 2 * n * (matmul_params(stack.mlp, stacked=True) - experts + experts * moe.k / num_experts)
+            )
         else:
-            out["mlp"] += 2 * n * matmul_params(layer.mlp)
+            out["mlp"] += layers * 2 * n * matmul_params(stack.mlp, stacked=True)
     out["head"] = 2.0 * n * model.cfg.hidden_size * model.cfg.vocab_size
     return out
 
@@ -65,11 +84,10 @@ def active_params(model) -> int:
     (embedding and unembedding included)."""
     total = total_params(model)
     idle = 0
-    for layer in model.layers:
-        if layer.is_moe:
-            moe = layer.mlp.moe
-            experts = sum(math.prod(w.shape) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
-            idle += experts * (1 - moe.k / moe.wg_ExDxF.shape[0])
+    for stack, layers in _stacks(model):
+        if stack.is_moe:
+            moe = stack.mlp.moe
+            idle += layers * _routed_experts(moe) * (1 - moe.k / moe.wg_ExDxF.shape[1])
     return int(round(total - idle))
 
 

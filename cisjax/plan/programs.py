@@ -9,6 +9,7 @@ import time
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cisjax import logprobs as logprobs_lib
 from cisjax import runtime, sharding
@@ -198,6 +199,19 @@ class StepPrograms:
         gdef, params = nnx.split(module, nnx.Param)
         return gdef, params
 
+    def _layer_zero(self, stack):
+        """(graphdef, abstract params) of the first layer of a stack: each parameter without its leading "layers" axis,
+        sharded as its slice of the stack is."""
+        gdef, params = self._split(stack)
+
+        def one(x):
+            spec = tuple(x.sharding.spec) + (None,) * (len(x.shape) - len(x.sharding.spec))
+            return jax.ShapeDtypeStruct(
+                x.shape[1:], x.dtype, sharding=NamedSharding(self.mesh, PartitionSpec(*spec[1:]))
+            )
+
+        return gdef, jax.tree.map(one, params)
+
     def _part(self, name: str, fn, params, x, *aux, backward: bool) -> Compiled:
         """fn(params, x, *aux) -> y; forward only, or forward + backward (the vjp for params and x, as inside the step)."""
         mesh, rules = self.mesh, self.rules
@@ -230,11 +244,11 @@ class StepPrograms:
         ids = self._activation((rows, seq_len), ("batch", "length"), jnp.int32)
         out = {}
         first = {}
-        for i, layer in enumerate(self.model.layers):
-            first.setdefault("attention", i)
-            first.setdefault("moe" if layer.is_moe else "mlp", i)
-        for kind, i in first.items():
-            gdef, params = self._split(self.model.layers[i])
+        for r, stack in enumerate(self.model.stacks):
+            first.setdefault("attention", r)
+            first.setdefault("moe" if stack.is_moe else "mlp", r)
+        for kind, r in first.items():
+            gdef, params = self._layer_zero(self.model.stacks[r])
             if kind == "attention":
 
                 def fn(p, x, positions, segments, gdef=gdef):

@@ -122,6 +122,8 @@ def _model(c: _Checker, inputs: bool) -> None:
         c.raises(path, hf_config.dtype_of, c.get(path))
     c.one_of("model.moe_impl", MOE_IMPLS)
     c.one_of("model.remat", tuple(REMAT_POLICIES))
+    if not isinstance(c.get("model.scan_layers"), bool):
+        c.add(f"model.scan_layers={c.get('model.scan_layers')!r}: True or False")
     c.number("model.moe_tile", low=0, integer=True, why=" (0 = chosen from the shapes)")
 
 
