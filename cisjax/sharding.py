@@ -25,10 +25,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_heads", "tensor"),
     ("act_vocab", "tensor"),
     # parameters
-    (
-        "layers",
-        None,
-    ),  # the stacked decoder layers' leading axis (transformer.stack_layers): each chip holds every layer
+    ("layers", None),  # stacked decoder layers (transformer.stack_layers): every chip holds every layer
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),  # flattened (num_heads * head_dim) projections

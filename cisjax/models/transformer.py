@@ -1,4 +1,4 @@
-"""The decoder-only shell shared by every family: embedding, the pre-norm decoder block, final norm, unembedding."""
+"""The decoder-only shell of every family: embedding, stacked and scanned pre-norm decoder blocks, norm, head."""
 
 from __future__ import annotations
 

@@ -355,11 +355,22 @@ def test_abstract_state_is_what_create_places():
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(abstract)} == {8}
 
 
-def test_model_runtime_carries_the_moe_dispatch():
-    cfg = U.make_cfg()
-    cfg.model.moe_impl, cfg.model.moe_tile = "dense", 16
-    rt = runtime.model_runtime(cfg)
-    assert (rt["moe_impl"], rt["moe_tile"]) == ("dense", 16)
-    from cisjax.models import hf_io
+def test_model_runtime_carries_every_runtime_field():
+    """Every runtime option of the model (hf_config.RuntimeOptions) is set from config.model: none silently dropped."""
+    import dataclasses
 
-    assert hf_io.model_config(U.TINY_HF, **rt).moe_impl == "dense"
+    from cisjax.models import hf_config, hf_io
+
+    cfg = U.make_cfg()
+    cfg.train.precision = "bf16"  # dtype = model.dtype as it is
+    chosen = dict(
+        dtype="float16", param_dtype="bfloat16", router_dtype="bfloat16", moe_impl="dense", moe_tile=16, remat="full"
+    )
+    chosen["scan_layers"] = False
+    for name, value in chosen.items():
+        cfg.model[name] = value
+    assert {f.name for f in dataclasses.fields(hf_config.RuntimeOptions)} == set(chosen)
+    mcfg = hf_io.model_config(U.TINY_HF, **runtime.model_runtime(cfg))
+    for name, value in chosen.items():
+        want = hf_config.dtype_of(value) if name.endswith("dtype") else value
+        assert getattr(mcfg, name) == want, name
