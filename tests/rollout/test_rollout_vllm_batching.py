@@ -120,7 +120,9 @@ def test_update_waits_for_calls_in_flight(client, server, dirs):
     rng = np.random.default_rng(0)
     changed = {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in tensors.items()}
     before = client.info()["version"]
-    params = SamplingParams(n=16, max_new_tokens=100, seed=8)
+    # 6 x 64 samples of 100 tokens: long enough to still be generating when the update is sent (6 x 16 finished
+    # within the 0.5 s this test used to wait, on a quiet machine)
+    params = SamplingParams(n=64, max_new_tokens=100, seed=8)
     box = {}
 
     def in_flight():
@@ -129,7 +131,7 @@ def test_update_waits_for_calls_in_flight(client, server, dirs):
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(0.5)  # let the calls reach the engine
+    time.sleep(0.2)  # let the calls reach the engine
     assert t.is_alive(), "the calls finished before the update was sent: nothing was in flight"
     new = client.update_weights_from_tensors(changed, version=before + 1)
     t.join(300)
