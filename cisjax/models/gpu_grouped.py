@@ -88,12 +88,22 @@ def _gmm(x_RxK, w_GxKxN, sizes_G, *, trans_w: bool, interpret: bool):
     max_tiles = -(-r // bm) + g
     tiles = _tiles(sizes_G, bm, max_tiles)
     kernel = functools.partial(_gmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=kp, trans_w=trans_w)
+    # at most: every tile full (a group's last tile computes up to bm - 1 rows of the next); each reads its row block
+    # of x and W[group]'s K x bn slice once per N block
+    tile_rows = max_tiles * bm
+    size = x_RxK.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * tile_rows * kp * np_,
+        transcendentals=0,
+        bytes_accessed=size * (tile_rows * kp * (np_ // bn) + max_tiles * kp * np_ + tile_rows * np_),
+    )
     out_PxN = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((r + bm, np_), x_RxK.dtype),
         grid=(max_tiles, np_ // bn),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
+        cost_estimate=cost,
         name="cisjax_gmm",
     )(*tiles, x_PxK, w)
     return out_PxN[:r, :n]
@@ -127,12 +137,22 @@ def _tgmm(x_RxK, dy_RxN, sizes_G, out_dtype, *, interpret: bool):
     dy_PxN = _pad_to(_pad_to(dy_RxN, 0, r + bm), 1, np_)
     ends_G = jnp.cumsum(sizes_G).astype(jnp.int32)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn)
+    # at most: every group's rows in full bm steps (R + G * bm rows), read once per (K block, N block)
+    step_rows = r + g * bm
+    size = x_RxK.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * step_rows * kp * np_,
+        transcendentals=0,
+        bytes_accessed=size * step_rows * (kp * (np_ // bn) + np_ * (kp // bk))
+        + g * kp * np_ * jnp.dtype(out_dtype).itemsize,
+    )
     out_GxKxN = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((g, kp, np_), out_dtype),
         grid=(g, kp // bk, np_ // bn),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
+        cost_estimate=cost,
         name="cisjax_tgmm",
     )(ends_G - sizes_G, ends_G, x_PxK, dy_PxN)
     return out_GxKxN[:, :k, :n]
