@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype of activations/matmuls: bfloat16 | float32 | float16
     c.model.param_dtype = "float32"  # storage dtype of the parameters (fp32 master weights)
     c.model.router_dtype = "float32"  # router logits + softmax; fp32 as the HF reference
-    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's platform: tiled on CPU, gmm (megablox) on TPU, ragged on GPU) | tiled | gmm | ragged | dense
+    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's platform: tiled on CPU, gmm (megablox) on TPU, triton on GPU) | tiled | gmm | triton | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
     c.model.remat = "none"  # what the backward pass keeps of each decoder layer, the rest recomputed: none (all) | minimal (matmul outputs without a batch dim) | full (the layer's input only)
     c.model.scan_layers = True  # each run of same-kind decoder layers (stacked parameters) runs as one lax.scan: one layer body to compile; False = a Python loop (a body per layer)

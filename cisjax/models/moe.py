@@ -10,9 +10,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cisjax import errors, sharding
+from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 
-IMPLS = ("auto", "tiled", "gmm", "ragged", "dense")
+IMPLS = ("auto", "tiled", "gmm", "triton", "ragged", "dense")
+GPU_PLATFORMS = ("gpu", "cuda")  # a GPU machine's devices, and cisjax plan's deviceless CUDA targets
 
 
 # ----------------------------------------------------------------------------- routing (pure)
@@ -250,10 +252,10 @@ def default_impl(platform: str | None = None) -> str:
     sharding.current_platform, so a CPU host compiling for a TPU mesh gets the TPU path).
 
     TPU: "gmm", megablox's grouped-matmul kernels, forward and both gradients (XLA's ragged_dot lowers its weight
-    gradient to masked dense work over every expert, E times the FLOPs). GPU: "ragged" (ragged_dot). CPU: "tiled"
-    (ragged_dot lowers to E-fold masked dense work there)."""
+    gradient to masked dense work over every expert, E times the FLOPs). GPU: "triton", cisjax's grouped matmuls in
+    Pallas's Triton backend (gpu_grouped.py). CPU: "tiled" (ragged_dot lowers to E-fold masked dense work there)."""
     platform = platform or sharding.current_platform()
-    return {"cpu": "tiled", "tpu": "gmm"}.get(platform, "ragged")
+    return {"cpu": "tiled", "tpu": "gmm", "gpu": "triton", "cuda": "triton"}.get(platform, "ragged")
 
 
 # ----------------------------------------------------------------------------- grouped SwiGLU (megablox gmm)
@@ -364,6 +366,7 @@ def moe_ffn(
     Weights are applied in the compute dtype (as the HF reference casts them to the logits dtype).
     impl: "tiled" (loops of row tiles, the CPU path; `tile` is the largest tile height, default choose_tile, see
     _tiled_swiglu), "gmm" (megablox's TPU kernels on each device's rows; Pallas's interpreter off TPU, for tests),
+    "triton" (gpu_grouped.py's Triton grouped matmuls on each device's rows; Pallas's interpreter off GPU, for tests),
     "ragged" (XLA's ragged_dot), "dense" (every expert on every token: the reference), "auto" (default_impl).
     """
     x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(
@@ -387,9 +390,17 @@ def moe_ffn(
 
     if impl == "gmm":
         platform = sharding.current_platform()
-        if platform == "gpu":
-            raise errors.UserError("moe impl 'gmm' is megablox's TPU kernel; on GPU use 'ragged'")
+        if platform in GPU_PLATFORMS:
+            raise errors.UserError("moe impl 'gmm' is megablox's TPU kernel; on GPU use 'triton'")
         swiglu = functools.partial(_gmm_swiglu, interpret=platform != "tpu")  # the interpreter: CPU tests
+        return _on_each_device(
+            functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
+        )
+    if impl == "triton":
+        platform = sharding.current_platform()
+        if platform == "tpu":
+            raise errors.UserError("moe impl 'triton' is a GPU kernel; on TPU use 'gmm'")
+        swiglu = functools.partial(triton_swiglu, interpret=platform not in GPU_PLATFORMS)  # the interpreter: CPU tests
         return _on_each_device(
             functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
         )

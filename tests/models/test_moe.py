@@ -10,7 +10,13 @@ from cisjax import sharding
 from cisjax.models import moe
 from tests.helpers import MESHES
 
-IMPLS = ("tiled", "gmm", "ragged", "dense")  # gmm: megablox in Pallas's interpreter on CPU
+IMPLS = (
+    "tiled",
+    "gmm",
+    "triton",
+    "ragged",
+    "dense",
+)  # gmm (megablox), triton (gpu_grouped): Pallas's interpreter on CPU
 
 
 # ----------------------------------------------------------------------------- route
@@ -207,10 +213,15 @@ def test_moe_ffn_matches_float64_loop(name, impl):
 
 
 @pytest.mark.parametrize(
-    "mesh_name", [m if m == "data2_fsdp2_tensor2" else pytest.param(m, marks=pytest.mark.slow) for m in MESHES]
+    "mesh_name, impl",
+    [
+        (m, impl) if m == "data2_fsdp2_tensor2" and impl == "gmm" else pytest.param(m, impl, marks=pytest.mark.slow)
+        for m in MESHES
+        for impl in ("gmm", "triton")
+    ],
 )
-def test_gmm_on_a_mesh_matches_float64_loop(mesh_name):
-    """The gmm dispatch on 8 devices (rows split as "batch", F as "expert_mlp", under shard_map): values and every
+def test_kernels_on_a_mesh_match_float64_loop(mesh_name, impl):
+    """The gmm and triton dispatches (Pallas kernels) on 8 devices (rows split as "batch", F as "expert_mlp", under shard_map): values and every
     gradient as the float64 loop, with the weights placed as the sharding table places the model's."""
     n, d, f, e = 64, 16, 8, 6
     ids = [[i % 5, (3 * i + 1) % 5] if i % 9 else [2, 4] for i in range(n)]  # expert 5 empty, ragged groups
@@ -234,7 +245,7 @@ def test_gmm_on_a_mesh_matches_float64_loop(mesh_name):
 
     def loss(x, wg, wu, wo, w, ids, ct):
         with sharding.use_mesh(mesh, rules):
-            y = moe.moe_ffn(x, wg, wu, wo, ids, w, impl="gmm")
+            y = moe.moe_ffn(x, wg, wu, wo, ids, w, impl=impl)
         return jnp.sum(y * ct), y
 
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*args)
@@ -248,10 +259,11 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
     x, wg, wu, wo, ids, w, ct = _problem(40, 8, 6, 5, _ids_cycle(40, 2, [0, 1, 2, 3]))
     y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
     assert moe.default_impl() == "tiled"  # the CPU default
+    assert [moe.default_impl(p) for p in ("tpu", "gpu", "cuda")] == ["gmm", "triton", "triton"]  # cuda: plan targets
     np.testing.assert_allclose(moe.moe_ffn(x, wg, wu, wo, ids, w), y_ref, rtol=2e-5, atol=2e-5)
     # bf16 in and out (the tiled impl keeps its loop buffers as uint16 bits): close to float64
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wo, w, ct)]
-    for impl, tile in (("tiled", None), ("tiled", 16), ("dense", None)):
+    for impl, tile in (("tiled", None), ("tiled", 16), ("triton", None), ("dense", None)):
         y, grads = _run(impl, tile, *bf[:4], ids, *bf[4:])
         assert y.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
         for a, ref in zip((y, *grads), (y_ref, *grads_ref)):
