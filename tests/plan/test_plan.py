@@ -263,3 +263,30 @@ def test_bad_input_is_named(argv, message, capsys):
 def test_no_architecture_is_named(capsys):
     assert cli.main(["plan", "--topology", "v5p-16"]) == 2  # configs/base.py: no model.path, no model.hf_config
     assert "no architecture" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"expert": 8}, {"expert": 4, "tensor": 2}])
+def test_params_per_chip_counts_the_expert_stacks(mesh_shape):
+    """At rest FSDP and EP both hold 1/8 of the expert stacks per chip; what the MoE computes with is the whole stack
+    under FSDP (gathered) and 1/ep of it (1/(ep x tensor) with F split) under expert parallelism."""
+    import flax.nnx as nnx
+
+    from cisjax.models import hf_io
+    from tests.helpers import SHARDABLE_QWEN2_MOE
+
+    hf = dict(SHARDABLE_QWEN2_MOE)
+    mcfg = hf_io.model_config(hf, dtype="bfloat16", param_dtype="float32")
+    _, abstract = hf_io.abstract_model(hf, mcfg)
+    mesh, rules = sharding.make_mesh(mesh_shape), sharding.rules_from_config()
+    shardings = sharding.param_shardings(abstract, mesh, rules)
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    params = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=is_var
+    )
+    pp = command.params_per_chip(params, mesh, rules, jnp.bfloat16)
+    stacks = 2 * 3 * 8 * 64 * 32 * 4  # layers x (gate, up, down) x E x D x F, fp32
+    assert pp["expert_stacks_total_bytes"] == stacks
+    assert pp["expert_stacks_bytes"] == stacks // 8
+    ep = mesh_shape.get("expert", 1) * mesh_shape.get("tensor", 1)
+    assert pp["expert_stacks_compute_bytes"] == stacks // 2 // ep  # bf16
+    assert pp["expert_stacks_bytes"] < pp["all_bytes"]
