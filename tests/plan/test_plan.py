@@ -290,3 +290,40 @@ def test_params_per_chip_counts_the_expert_stacks(mesh_shape):
     ep = mesh_shape.get("expert", 1) * mesh_shape.get("tensor", 1)
     assert pp["expert_stacks_compute_bytes"] == stacks // 2 // ep  # bf16
     assert pp["expert_stacks_bytes"] < pp["all_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["a2a", "gather"])
+def test_tpu_expert_parallel_compiles_with_ragged_all_to_all(exchange, monkeypatch):
+    """On a TPU mesh with an expert axis the MoE runs expert-parallel: the native ragged all-to-all (which XLA:CPU
+    lacks, so the CPU tests run its all_to_all form) or all-gather + reduce-scatter, around megablox, forward and
+    backward, and XLA:TPU compiles it."""
+    monkeypatch.setattr(moe, "EP_EXCHANGE", exchange)
+    n, d, f, e, k = 256, 128, 128, 16, 2
+    mesh = sharding.make_mesh({"expert": 8}, hardware.target("v5p-16").devices())
+    rules = sharding.rules_from_config()
+
+    def abstract(shape, dtype, axes):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named_sharding(axes, rules, mesh, shape))
+
+    rows = ("batch", None)
+    args = [
+        abstract((n, d), jnp.bfloat16, rows),
+        abstract((e, d, f), jnp.bfloat16, ("expert", "embed", "expert_mlp")),
+        abstract((e, d, f), jnp.bfloat16, ("expert", "embed", "expert_mlp")),
+        abstract((e, f, d), jnp.bfloat16, ("expert", "expert_mlp", "embed")),
+        abstract((n, k), jnp.int32, rows),
+        abstract((n, k), jnp.float32, rows),
+    ]
+
+    def loss(x, wg, wu, wo, ids, w):
+        with sharding.use_mesh(mesh, rules):
+            return jnp.sum(moe.moe_ffn(x, wg, wu, wo, ids, w).astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 5))).lower(*args)
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text
+    assert ("ragged_all_to_all" in text) == (exchange == "a2a")
+    if exchange == "gather":
+        assert "all_gather" in text and "reduce_scatter" in text
+    lowered.compile()
