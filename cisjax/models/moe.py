@@ -327,7 +327,7 @@ def _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
     """ffn on each device's own rows (shard_map over the active mesh; plain ffn without one): GSPMD does not
     partition a Pallas kernel. Rows split as "batch"; the expert weights are gathered except along the mesh axes of
     "expert_mlp", over which each device holds a slice of F and the outputs are summed (SwiGLU is elementwise in F).
-    Expert parallelism (tokens exchanged between expert shards) is not done here: an "expert" axis splits rows."""
+    Used where the rules put E on no mesh axis; where they do, moe_ffn runs _expert_parallel instead."""
     ctx = sharding.active()
     if ctx is None:
         return ffn(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
@@ -547,6 +547,9 @@ def moe_ffn(
     impl: "tiled" (loops of row tiles, the CPU path; `tile` is the largest tile height, default choose_tile, see
     _tiled_swiglu), "gmm" (megablox's TPU kernels on each device's rows; Pallas's interpreter off TPU, for tests),
     "ragged" (XLA's ragged_dot), "dense" (every expert on every token: the reference), "auto" (default_impl).
+    On an active mesh whose rules split E (the "expert" logical axis) over mesh axes of size > 1, tiled, gmm and
+    ragged run expert-parallel (_expert_parallel: tokens travel to the chips that hold their experts); dense is left
+    to GSPMD.
     """
     x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(
         jnp.asarray, (x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
