@@ -221,6 +221,12 @@ def plan(
         notes=[],
     )
 
+    if mesh.shape.get("expert", 1) > 1 and report["params_per_chip"]["experts_unsplit"]:
+        report["warnings"] = [
+            f"mesh expert={mesh.shape['expert']} does not split the expert stacks' E dimension (it must divide the "
+            "number of experts): no expert parallelism, the MoE gathers every expert on every chip"
+        ]
+
     def fit(c):
         d = c.as_dict()
         total = c.total()
@@ -298,7 +304,13 @@ def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
 
     from cisjax import sharding
 
-    out = dict(all_bytes=0, expert_stacks_bytes=0, expert_stacks_total_bytes=0, expert_stacks_compute_bytes=0)
+    out = dict(
+        all_bytes=0,
+        expert_stacks_bytes=0,
+        expert_stacks_total_bytes=0,
+        expert_stacks_compute_bytes=0,
+        experts_unsplit=0,
+    )
     for _, v in nnx.to_flat_state(params):
         x = v.get_value()  # a ShapeDtypeStruct with its sharding
         shard = math.prod(x.sharding.shard_shape(x.shape)) * jax.numpy.dtype(x.dtype).itemsize
@@ -308,6 +320,7 @@ def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
             out["expert_stacks_bytes"] += shard
             out["expert_stacks_total_bytes"] += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
             spec = sharding.logical_to_spec([None if a == "embed" else a for a in axes], rules, mesh, x.shape)
+            out["experts_unsplit"] += spec[0] is None  # E on no mesh axis: every chip holds every expert
             local = jax.sharding.NamedSharding(mesh, spec).shard_shape(x.shape)
             out["expert_stacks_compute_bytes"] += math.prod(local) * jax.numpy.dtype(compute_dtype).itemsize
     return out
