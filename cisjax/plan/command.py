@@ -255,7 +255,9 @@ def plan(
         log(f"  {name}: {_fmt_compiled(c, usable)}")
 
     if layer_costs:
-        report.update(layer_costs_report(progs, target, shape, log))
+        costs = layer_costs_report(progs, target, shape, log)
+        warnings = report.get("warnings", []) + costs.pop("warnings", [])
+        report.update(costs, **({"warnings": warnings} if warnings else {}))
         if "canary" in compiled and compiled["canary"].ok:
             c = compiled["canary"]
             report["programs"]["canary"]["roofline_s"] = max(

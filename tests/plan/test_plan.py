@@ -203,6 +203,10 @@ def test_loops_with_work_flags_matmul_loops_not_scalar_searches():
     assert " while(" in matmuls and " while(" in search  # both programs hold a loop
     assert loops_with_work(matmuls) and not loops_with_work(search)
     assert not loops_with_work(text(lambda a: a @ a, a))
+    # an annotation custom call in a scalar loop (XLA:TPU, megablox's searches) is no work either
+    annotated = search.replace("compare(", 'custom-call(), custom_call_target="AssumeGatherIndicesInBound" compare(')
+    assert annotated != search and not loops_with_work(annotated)
+    assert loops_with_work(search.replace("compare(", 'custom-call(), custom_call_target="tpu_custom_call" compare('))
 
 
 def fake_compile(a, b, usable=None):
