@@ -486,14 +486,13 @@ def _expert_parallel(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, 
         yb_BxD = rows_fn(xb_BxD, wg, wu, wo, per_expert_PxL[me])
         # back: my slice (sender i, expert l) sits at group_start[me, l] + before[i, me, l]; it goes to where sender i
         # took it from, its own exclusive cumsum over the global experts
+        sent_at_PxE = _exclusive_cumsum(c_PxPxL.reshape(ep_size, e))
         ys_RxD = _ragged_all_to_all(
             yb_BxD,
             jnp.zeros_like(xs_RxD),
             (group_start_PxL[me][None, :] + before_PxPxL[:, me]).reshape(e),
             recv_PxL.reshape(e),
-            jax.lax.dynamic_slice_in_dim(_exclusive_cumsum(c_PxPxL.reshape(ep_size, e)), me * e_loc, e_loc, 1).reshape(
-                e
-            ),
+            jax.lax.dynamic_slice_in_dim(sent_at_PxE, me * e_loc, e_loc, axis=1).reshape(e),
             counts_E,
             e_axes,
         )
