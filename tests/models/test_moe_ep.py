@@ -24,9 +24,9 @@ def _ids(kind):
     return [[i % 2, 1 - i % 2] for i in range(N)]
 
 
-def _run_on_mesh(mesh_shape, impl, ids_kind, exchange="auto", seed=3, monkeypatch=None):
+def _run_on_mesh(mesh_shape, impl, ids_kind, exchange="auto", seed=3, monkeypatch=None, rules=None):
     x, wg, wu, wo, ids, w, ct = _problem(N, D, F, E, _ids(ids_kind), seed=seed)
-    mesh, rules = sharding.make_mesh(mesh_shape), sharding.rules_from_config()
+    mesh, rules = sharding.make_mesh(mesh_shape), sharding.rules_from_config(rules)
     if monkeypatch is not None:
         monkeypatch.setattr(moe, "EP_EXCHANGE", exchange)
 
@@ -85,6 +85,16 @@ def test_expert_parallel_matches_float64_loop(mesh_name, impl, ids_kind, exchang
     _check(problem, y, grads, f"{mesh_name} {impl} {ids_kind} {exchange}")
     # the exchange really ran: tokens between the expert shards (CPU: the all_to_all form of the ragged one)
     assert ("all_to_all" if exchange == "a2a" else "all_gather") in hlo
+
+
+def test_expert_parallel_with_rows_replicated_over_the_expert_axis(monkeypatch):
+    """Rules that split the batch over fsdp only: every chip of an expert group holds the same tokens, runs its own
+    experts' assignments, and the outputs are summed over the expert axis (no exchange of tokens)."""
+    problem, y, grads, hlo = _run_on_mesh(
+        EP_MESHES["expert4_fsdp2"], "tiled", "imbalanced", "a2a", monkeypatch=monkeypatch, rules={"batch": "fsdp"}
+    )
+    _check(problem, y, grads, "rows replicated over expert")
+    assert "all_to_all" not in hlo and "all_gather" not in hlo and "all_reduce" in hlo
 
 
 def test_expert_parallel_auto_exchange_rule():
