@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -212,12 +213,19 @@ def plan(
             moe_impl_resolved=_moe_impl(cfg, target),
         ),
         mesh={k: int(v) for k, v in mesh.shape.items()},
+        params_per_chip=params_per_chip(progs.params, mesh, rules, progs.mcfg.dtype),
         shape=shape,
         precision=cfg.train.precision,
         versions=_versions(),
         programs={},
         notes=[],
     )
+
+    if mesh.shape.get("expert", 1) > 1 and report["params_per_chip"]["experts_unsplit"]:
+        report["warnings"] = [
+            f"mesh expert={mesh.shape['expert']} does not split the expert stacks' E dimension (it must divide the "
+            "number of experts): no expert parallelism, the MoE gathers every expert on every chip"
+        ]
 
     def fit(c):
         d = c.as_dict()
@@ -247,7 +255,9 @@ def plan(
         log(f"  {name}: {_fmt_compiled(c, usable)}")
 
     if layer_costs:
-        report.update(layer_costs_report(progs, target, shape, log))
+        costs = layer_costs_report(progs, target, shape, log)
+        warnings = report.get("warnings", []) + costs.pop("warnings", [])
+        report.update(costs, **({"warnings": warnings} if warnings else {}))
         if "canary" in compiled and compiled["canary"].ok:
             c = compiled["canary"]
             report["programs"]["canary"]["roofline_s"] = max(
@@ -283,6 +293,39 @@ def plan(
             "its own, so XLA's HloCostAnalysis runs on the optimized GPU module through the CPU client."
         )
     return report
+
+
+def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
+    """Bytes of the parameters one chip holds at rest, from their shardings (a dimension the mesh does not divide
+    evenly is replicated, so all shards are equal): all of them, and the routed-expert stacks (the variables whose
+    first logical axis is "expert"). And the stacks' bytes one chip multiplies with, in the compute dtype, per layer
+    summed: the MoE dispatch gathers D ("embed", FSDP) and keeps E split only where the rules put "expert" on a mesh
+    axis (expert parallelism, cisjax.models.moe._expert_parallel), F where they put "expert_mlp"."""
+    import flax.nnx as nnx
+    import jax
+
+    from cisjax import sharding
+
+    out = dict(
+        all_bytes=0,
+        expert_stacks_bytes=0,
+        expert_stacks_total_bytes=0,
+        expert_stacks_compute_bytes=0,
+        experts_unsplit=0,
+    )
+    for _, v in nnx.to_flat_state(params):
+        x = v.get_value()  # a ShapeDtypeStruct with its sharding
+        shard = math.prod(x.sharding.shard_shape(x.shape)) * jax.numpy.dtype(x.dtype).itemsize
+        out["all_bytes"] += shard
+        axes = v.get_metadata().get("axes") or (None,)
+        if axes[0] == "expert":
+            out["expert_stacks_bytes"] += shard
+            out["expert_stacks_total_bytes"] += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
+            spec = sharding.logical_to_spec([None if a == "embed" else a for a in axes], rules, mesh, x.shape)
+            out["experts_unsplit"] += spec[0] is None  # E on no mesh axis: every chip holds every expert
+            local = jax.sharding.NamedSharding(mesh, spec).shard_shape(x.shape)
+            out["expert_stacks_compute_bytes"] += math.prod(local) * jax.numpy.dtype(compute_dtype).itemsize
+    return out
 
 
 def _moe_impl(cfg, target) -> str:
@@ -496,6 +539,13 @@ def print_report(report: dict) -> None:
         f"({tg['usable_gib_per_chip']:.2f} GiB usable per chip, {tg['peak_tflops_per_chip']:.0f} TFLOP/s bf16), "
         f"mesh {report['mesh']}"
     )
+    pp = report.get("params_per_chip")
+    if pp:
+        console.print(
+            f"parameters per chip: {_gib(pp['all_bytes'])} GiB, of which the routed-expert stacks "
+            f"{_gib(pp['expert_stacks_bytes'])} GiB (of {_gib(pp['expert_stacks_total_bytes'])} GiB in all); the "
+            f"expert stacks each chip computes with, all MoE layers: {_gib(pp['expert_stacks_compute_bytes'])} GiB"
+        )
     console.print(
         f"train batch: {sh['micro_batches']} micro-batches x {sh['rows']} rows x {sh['seq_len']} tokens "
         f"({sh['samples_per_step']} samples per step; the logprob head in {sh['head_chunks']} chunks of "

@@ -223,6 +223,10 @@ def test_loops_with_work_flags_matmul_loops_not_scalar_searches():
     assert " while(" in matmuls and " while(" in search  # both programs hold a loop
     assert loops_with_work(matmuls) and not loops_with_work(search)
     assert not loops_with_work(text(lambda a: a @ a, a))
+    # an annotation custom call in a scalar loop (XLA:TPU, megablox's searches) is no work either
+    annotated = search.replace("compare(", 'custom-call(), custom_call_target="AssumeGatherIndicesInBound" compare(')
+    assert annotated != search and not loops_with_work(annotated)
+    assert loops_with_work(search.replace("compare(", 'custom-call(), custom_call_target="tpu_custom_call" compare('))
 
 
 def fake_compile(a, b, usable=None):
@@ -283,3 +287,68 @@ def test_bad_input_is_named(argv, message, capsys):
 def test_no_architecture_is_named(capsys):
     assert cli.main(["plan", "--topology", "v5p-16"]) == 2  # configs/base.py: no model.path, no model.hf_config
     assert "no architecture" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"expert": 8}, {"expert": 4, "tensor": 2}])
+def test_params_per_chip_counts_the_expert_stacks(mesh_shape):
+    """At rest FSDP and EP both hold 1/8 of the expert stacks per chip; what the MoE computes with is the whole stack
+    under FSDP (gathered) and 1/ep of it (1/(ep x tensor) with F split) under expert parallelism."""
+    import flax.nnx as nnx
+
+    from cisjax.models import hf_io
+    from tests.helpers import SHARDABLE_QWEN2_MOE
+
+    hf = dict(SHARDABLE_QWEN2_MOE)
+    mcfg = hf_io.model_config(hf, dtype="bfloat16", param_dtype="float32")
+    _, abstract = hf_io.abstract_model(hf, mcfg)
+    mesh, rules = sharding.make_mesh(mesh_shape), sharding.rules_from_config()
+    shardings = sharding.param_shardings(abstract, mesh, rules)
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    params = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=is_var
+    )
+    pp = command.params_per_chip(params, mesh, rules, jnp.bfloat16)
+    stacks = 2 * 3 * 8 * 64 * 32 * 4  # layers x (gate, up, down) x E x D x F, fp32
+    assert pp["expert_stacks_total_bytes"] == stacks
+    assert pp["expert_stacks_bytes"] == stacks // 8
+    ep = mesh_shape.get("expert", 1) * mesh_shape.get("tensor", 1)
+    assert pp["expert_stacks_compute_bytes"] == stacks // 2 // ep  # bf16
+    assert pp["expert_stacks_bytes"] < pp["all_bytes"]
+    assert pp["experts_unsplit"] == (0 if "expert" in mesh_shape else 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["a2a", "gather"])
+def test_tpu_expert_parallel_compiles_with_ragged_all_to_all(exchange, monkeypatch):
+    """On a TPU mesh with an expert axis the MoE runs expert-parallel: the native ragged all-to-all (which XLA:CPU
+    lacks, so the CPU tests run its all_to_all form) or all-gather + reduce-scatter, around megablox, forward and
+    backward, and XLA:TPU compiles it."""
+    monkeypatch.setattr(moe, "EP_EXCHANGE", exchange)
+    n, d, f, e, k = 256, 128, 128, 16, 2
+    mesh = sharding.make_mesh({"expert": 8}, hardware.target("v5p-16").devices())
+    rules = sharding.rules_from_config()
+
+    def abstract(shape, dtype, axes):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named_sharding(axes, rules, mesh, shape))
+
+    rows = ("batch", None)
+    args = [
+        abstract((n, d), jnp.bfloat16, rows),
+        abstract((e, d, f), jnp.bfloat16, ("expert", "embed", "expert_mlp")),
+        abstract((e, d, f), jnp.bfloat16, ("expert", "embed", "expert_mlp")),
+        abstract((e, f, d), jnp.bfloat16, ("expert", "expert_mlp", "embed")),
+        abstract((n, k), jnp.int32, rows),
+        abstract((n, k), jnp.float32, rows),
+    ]
+
+    def loss(x, wg, wu, wo, ids, w):
+        with sharding.use_mesh(mesh, rules):
+            return jnp.sum(moe.moe_ffn(x, wg, wu, wo, ids, w).astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 5))).lower(*args)
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text
+    assert ("ragged_all_to_all" in text) == (exchange == "a2a")
+    if exchange == "gather":
+        assert "all_gather" in text and "reduce_scatter" in text
+    lowered.compile()
