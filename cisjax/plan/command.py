@@ -298,7 +298,7 @@ def plan(
 def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
     """Bytes of the parameters one chip holds at rest, from their shardings (a dimension the mesh does not divide
     evenly is replicated, so all shards are equal): all of them, and the routed-expert stacks (the variables whose
-    first logical axis is "expert"). And the stacks' bytes one chip multiplies with, in the compute dtype, per layer
+    first logical axis, after a stack's "layers", is "expert"). And the stacks' bytes one chip multiplies with, in the compute dtype, per layer
     summed: the MoE dispatch gathers D ("embed", FSDP) and keeps E split only where the rules put "expert" on a mesh
     axis (expert parallelism, cisjax.models.moe._expert_parallel), F where they put "expert_mlp"."""
     import flax.nnx as nnx
@@ -318,11 +318,12 @@ def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
         shard = math.prod(x.sharding.shard_shape(x.shape)) * jax.numpy.dtype(x.dtype).itemsize
         out["all_bytes"] += shard
         axes = v.get_metadata().get("axes") or (None,)
-        if axes[0] == "expert":
+        lead = 1 if axes[0] == "layers" and len(axes) > 1 else 0  # stacked decoder layers: E follows the layers axis
+        if axes[lead] == "expert":
             out["expert_stacks_bytes"] += shard
             out["expert_stacks_total_bytes"] += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
             spec = sharding.logical_to_spec([None if a == "embed" else a for a in axes], rules, mesh, x.shape)
-            out["experts_unsplit"] += spec[0] is None  # E on no mesh axis: every chip holds every expert
+            out["experts_unsplit"] += spec[lead] is None  # E on no mesh axis: every chip holds every expert
             local = jax.sharding.NamedSharding(mesh, spec).shard_shape(x.shape)
             out["expert_stacks_compute_bytes"] += math.prod(local) * jax.numpy.dtype(compute_dtype).itemsize
     return out
