@@ -170,8 +170,8 @@ def test_model_on_expert_parallel_mesh_matches_unsharded(family, tiny_hf_dir):
     mesh, rules = sharding.make_mesh({"expert": 4, "fsdp": 2}), sharding.rules_from_config()
     model, _, _ = hf_io.load(path, mesh=mesh, rules=rules)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    wg = params["layers"][0]["mlp"]["moe"]["wg_ExDxF"][...]
-    assert wg.sharding.spec[0] == "expert" and wg.addressable_shards[0].data.shape[0] == 2
+    wg = params["stacks"][0]["mlp"]["moe"]["wg_ExDxF"][...]  # [layers, E, D, F]: E split 4 ways
+    assert wg.sharding.spec[1] == "expert" and wg.addressable_shards[0].data.shape[1] == 2
     with sharding.use_mesh(mesh, rules):
         fn = _loss_fn(graphdef, rest)
         tokens = sharding.place(tokens_BxL, mesh, rules)
