@@ -1,12 +1,14 @@
 """Expert parallelism: moe_ffn with the expert stacks split over an "expert" mesh axis vs a float64 loop (8 devices)."""
 
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import moe
+from cisjax.models import hf_io, moe
+from tests.helpers import SHARDABLE_QWEN2_MOE
 from tests.models.test_moe import _problem, ref_moe
 
 EP_MESHES = {
@@ -20,7 +22,8 @@ N, D, F, E, K = 64, 16, 8, 8, 2
 def _ids(kind):
     if kind == "ragged":  # ragged groups; experts 5 and 7 get no token
         return [[i % 5, (3 * i + 1) % 5] if i % 9 else [6, 2] for i in range(N)]
-    # imbalanced: every token to experts 0 and 1 (one shard's on expert=8 and expert=4): the dropless worst case
+    # imbalanced: every token to experts 0 and 1, both on chip 0 where ep is 2 or 4 (its receive buffer full: the
+    # dropless worst case), on chips 0 and 1 where ep is 8 (each gets every token, 8x the mean)
     return [[i % 2, 1 - i % 2] for i in range(N)]
 
 
@@ -139,8 +142,6 @@ def test_cpu_ragged_all_to_all_semantics():
 
 def _loss_fn(graphdef, rest):
     def loss(params, tokens_BxL):
-        import flax.nnx as nnx
-
         model = nnx.merge(graphdef, params, rest)
         logits_BxLxV = model.logits(model(tokens_BxL).hidden_BxLxD).astype(jnp.float32)
         logp_BxLxV = jax.nn.log_softmax(logits_BxLxV[:, :-1], axis=-1)
@@ -155,11 +156,6 @@ def _loss_fn(graphdef, rest):
 def test_model_on_expert_parallel_mesh_matches_unsharded(family, tiny_hf_dir):
     """A tiny Qwen2-MoE / Qwen3-MoE on expert=4 x fsdp=2 (each chip 2 of the 8 experts, tokens exchanged by the ragged
     all-to-all): the unsharded model's logits, loss and parameter gradients."""
-    import flax.nnx as nnx
-
-    from cisjax.models import hf_io
-    from tests.helpers import SHARDABLE_QWEN2_MOE
-
     path = tiny_hf_dir("qwen2_moe", **SHARDABLE_QWEN2_MOE) if family == "qwen2_moe" else tiny_hf_dir(family)
     tokens_BxL = np.random.default_rng(0).integers(0, 90, (8, 8)).astype(np.int32)
 
