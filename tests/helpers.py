@@ -152,9 +152,25 @@ def save_tiny_hf(
     return str(path)
 
 
-def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, position_ids=None):
+def _replayed_router_output(module, output, ids_NxK):
+    """A transformers router's (logits, weights, ids) with the ids forced: the weights as the family's own code
+    weighs its top-k (fp32 softmax over all experts, gathered; Qwen: renormalised over the k when norm_topk_prob;
+    DeepSeek-V2: times routed_scaling_factor), at the given ids instead."""
+    import torch
+
+    logits = output[0]
+    ids = torch.as_tensor(ids_NxK, dtype=torch.int64).reshape(-1, output[2].shape[-1])
+    w = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    if getattr(module, "norm_topk_prob", False):
+        w = w / w.sum(dim=-1, keepdim=True)
+    w = w * getattr(module, "routed_scaling_factor", 1.0)
+    return logits, w.to(output[1].dtype), ids
+
+
+def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, position_ids=None, replay_XxBxLxK=None):
     """fp32 torch reference: (logits [B, L, V], selected expert ids per MoE layer [X, B, L, k] sorted
-    along k — DeepSeek's router returns them unsorted)."""
+    along k — DeepSeek's router returns them unsorted). replay_XxBxLxK: expert ids each MoE layer uses instead of
+    its router's (routing replay; the returned ids are then these, sorted)."""
     import torch
     import transformers
 
@@ -163,8 +179,11 @@ def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, posi
     ).eval()
     captured = []
 
-    def hook(_module, _inputs, output):
+    def hook(module, _inputs, output):
+        if replay_XxBxLxK is not None:
+            output = _replayed_router_output(module, output, replay_XxBxLxK[len(captured)])
         captured.append(output[2].detach().numpy())
+        return output
 
     handles = [
         m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")

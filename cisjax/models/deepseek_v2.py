@@ -202,8 +202,8 @@ class MoeBlock(nnx.Module):
         if self.has_shared:
             self.shared = MLP(d, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, param_dtype=pd, dtype=dt)
 
-    def __call__(self, x_BxLxD):
-        y_BxLxD, ids_BxLxK = self.moe(x_BxLxD)
+    def __call__(self, x_BxLxD, replay_BxLxK=None):
+        y_BxLxD, ids_BxLxK = self.moe(x_BxLxD, replay_BxLxK)
         if self.has_shared:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
         return y_BxLxD, ids_BxLxK

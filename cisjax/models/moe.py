@@ -57,6 +57,20 @@ def route(
     return w_NxK * scaling, ids_NxK.astype(jnp.int32)
 
 
+def replay_weights(
+    logits_NxE: jax.Array, ids_NxK: jax.Array, *, norm_topk_prob: bool = False, scaling: float = 1.0
+) -> jax.Array:
+    """Gate weights [N, k] fp32 of given (replayed) expert ids: the router's fp32 softmax over all experts gathered
+    at `ids`, renormalised over the k when `norm_topk_prob`, times `scaling` -- what `route` gives its own top-k ids,
+    now at ids chosen elsewhere (the rollout engine's). Group limiting does not apply: it only chooses ids. The
+    weights stay a function of the router's logits, so the router still gets a gradient."""
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    w_NxK = jnp.take_along_axis(probs_NxE, ids_NxK.astype(jnp.int32), axis=-1)
+    if norm_topk_prob:
+        w_NxK = w_NxK / jnp.sum(w_NxK, axis=-1, keepdims=True)
+    return w_NxK * scaling
+
+
 # ----------------------------------------------------------------------------- grouped SwiGLU (tiled)
 
 MIN_TILE = 16  # smallest tile: each expert group pads (computes and discards) fewer rows than this
@@ -644,14 +658,27 @@ class MoE(nnx.Module):
         self.wu_ExDxF = param(rngs, (num_experts, d_model, d_expert), ("expert", "embed", "expert_mlp"), param_dtype)
         self.wo_ExFxD = param(rngs, (num_experts, d_expert, d_model), ("expert", "expert_mlp", "embed"), param_dtype)
 
-    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Returns (y [B, L, D], selected expert ids [B, L, k])."""
+    def __call__(self, x_BxLxD: jax.Array, replay_BxLxK: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Returns (y [B, L, D], the router's own top-k expert ids [B, L, k]).
+
+        replay_BxLxK: expert ids to use instead of the router's choice (routing replay: the rollout engine's ids,
+        any integer dtype); the gate weights are then replay_weights at those ids. The returned ids are still the
+        router's own, so a caller can count where they differ."""
         b, l, d = x_BxLxD.shape
         x_NxD = x_BxLxD.reshape(b * l, d).astype(self.dtype)
         logits_NxE = jnp.einsum(
             "nd,de->ne", x_NxD.astype(self.router_dtype), self.router_DxE[...].astype(self.router_dtype)
         )
-        w_NxK, ids_NxK = route(logits_NxE, k=self.k, **dict(self.route_kw))
+        route_kw = dict(self.route_kw)
+        w_NxK, ids_NxK = route(logits_NxE, k=self.k, **route_kw)
+        own_NxK = ids_NxK
+        if replay_BxLxK is not None:
+            if replay_BxLxK.shape != (b, l, self.k):
+                raise ValueError(f"replayed routing {replay_BxLxK.shape} for tokens {(b, l)} and k={self.k}")
+            ids_NxK = replay_BxLxK.reshape(b * l, self.k).astype(jnp.int32)
+            w_NxK = replay_weights(
+                logits_NxE, ids_NxK, norm_topk_prob=route_kw["norm_topk_prob"], scaling=route_kw["scaling"]
+            )
         y_NxD = moe_ffn(
             x_NxD,
             self.wg_ExDxF[...].astype(self.dtype),
@@ -663,4 +690,4 @@ class MoE(nnx.Module):
             tile=self.tile,
         )
         y_BxLxD = sharding.constrain(y_NxD.reshape(b, l, d), ("batch", "length", "act_embed"))
-        return y_BxLxD, ids_NxK.reshape(b, l, self.k)
+        return y_BxLxD, own_NxK.reshape(b, l, self.k)

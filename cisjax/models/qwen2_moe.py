@@ -115,8 +115,8 @@ class SparseMoeBlock(nnx.Module):
         self.shared = MLP(d, cfg.shared_expert_intermediate_size, rngs=rngs, param_dtype=pd, dtype=dt)
         self.shared_gate_Dx1 = param(rngs, (d, 1), ("embed", None), pd)
 
-    def __call__(self, x_BxLxD):
-        y_BxLxD, ids_BxLxK = self.moe(x_BxLxD)
+    def __call__(self, x_BxLxD, replay_BxLxK=None):
+        y_BxLxD, ids_BxLxK = self.moe(x_BxLxD, replay_BxLxK)
         gate_BxLx1 = jax.nn.sigmoid(dense(x_BxLxD, self.shared_gate_Dx1, self.dtype))
         return y_BxLxD + gate_BxLx1 * self.shared(x_BxLxD), ids_BxLxK
 

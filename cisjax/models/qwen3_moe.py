@@ -85,8 +85,8 @@ class SparseMoeBlock(nnx.Module):
             tile=cfg.moe_tile,
         )
 
-    def __call__(self, x_BxLxD):
-        return self.moe(x_BxLxD)  # (y [B, L, D], expert ids [B, L, k])
+    def __call__(self, x_BxLxD, replay_BxLxK=None):
+        return self.moe(x_BxLxD, replay_BxLxK)  # (y [B, L, D], expert ids [B, L, k])
 
 
 def build(cfg: Config, rngs: nnx.Rngs) -> CausalLM:

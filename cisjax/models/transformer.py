@@ -32,7 +32,8 @@ class DecoderLayer(nnx.Module):
     """The pre-norm residual block of every family: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
 
     `attn(x_BxLxD, positions_BxL, mask_BxLxL) -> y_BxLxD` is the family's attention; `mlp` is the family's MoE block,
-    `mlp(x_BxLxD) -> (y_BxLxD, expert_ids_BxLxK)`, on a MoE layer, and a dense SwiGLU MLP otherwise.
+    `mlp(x_BxLxD, replay_BxLxK) -> (y_BxLxD, expert_ids_BxLxK)`, on a MoE layer (replay: forced expert ids or None,
+    see moe.MoE), and a dense SwiGLU MLP otherwise.
     """
 
     def __init__(self, cfg, attn: nnx.Module, mlp: nnx.Module, *, is_moe: bool):
@@ -46,15 +47,16 @@ class DecoderLayer(nnx.Module):
         """The attention half's residual branch: attn(attn_norm(x))."""
         return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask_BxLxL)
 
-    def mlp_block(self, x_BxLxD):
-        """The MLP half's residual branch, (mlp(mlp_norm(x)), expert ids or None on a dense layer)."""
+    def mlp_block(self, x_BxLxD, replay_BxLxK=None):
+        """The MLP half's residual branch, (mlp(mlp_norm(x)), the router's expert ids or None on a dense layer).
+        replay_BxLxK (forced expert ids) applies to a MoE layer; a dense layer has no routing to replay."""
         if self.is_moe:
-            return self.mlp(self.mlp_norm(x_BxLxD))
+            return self.mlp(self.mlp_norm(x_BxLxD), replay_BxLxK)
         return self.mlp(self.mlp_norm(x_BxLxD)), None
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL, replay_BxLxK=None):
         x_BxLxD = x_BxLxD + self.attention_block(x_BxLxD, positions_BxL, mask_BxLxL)
-        y_BxLxD, ids = self.mlp_block(x_BxLxD)
+        y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
 
 
@@ -124,8 +126,20 @@ def layer_of(stack: DecoderLayer, j: int) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=_is_var))
 
 
-def run_stack(stack: DecoderLayer, x_BxLxD, positions_BxL, mask_BxLxL, *, remat: str = "none", scan: bool = True):
-    """x through every layer of a stack -> (x_BxLxD, expert ids [n, B, L, k] or None).
+def run_stack(
+    stack: DecoderLayer,
+    x_BxLxD,
+    positions_BxL,
+    mask_BxLxL,
+    *,
+    remat: str = "none",
+    scan: bool = True,
+    replay_nxBxLxK=None,
+):
+    """x through every layer of a stack -> (x_BxLxD, the routers' expert ids [n, B, L, k] or None).
+
+    replay_nxBxLxK: forced expert ids of each of the stack's n (MoE) layers, scanned along with the layers' params
+    (so each layer's recompute under remat sees its own ids), or None.
 
     scan: one jax.lax.scan over the stack (one layer body to compile, whatever the depth); else a Python loop over
     its slices (one copy of the body per layer, as unscanned layers compile). remat: a jax.checkpoint policy around
@@ -133,17 +147,21 @@ def run_stack(stack: DecoderLayer, x_BxLxD, positions_BxL, mask_BxLxL, *, remat:
     model merged inside another transform's body, e.g. the rescoring's lax.map over micro-batches)."""
     graphdef, state = nnx.split(stack)
 
-    def body(x_BxLxD, state_j, positions_BxL, mask_BxLxL):
-        return nnx.merge(graphdef, state_j)(x_BxLxD, positions_BxL, mask_BxLxL)
+    def body(x_BxLxD, state_j, replay_j, positions_BxL, mask_BxLxL):
+        return nnx.merge(graphdef, state_j)(x_BxLxD, positions_BxL, mask_BxLxL, replay_j)
 
     if remat != "none":
         # prevent_cse only matters outside scan (jax.checkpoint's documentation)
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+    n = stack_size(stack)
+    if replay_nxBxLxK is not None and replay_nxBxLxK.shape[0] != n:
+        raise ValueError(f"replayed routing of {replay_nxBxLxK.shape[0]} layers for a stack of {n}")
     if scan:
-        return jax.lax.scan(lambda x, s: body(x, s, positions_BxL, mask_BxLxL), x_BxLxD, state)
+        return jax.lax.scan(lambda x, xs: body(x, *xs, positions_BxL, mask_BxLxL), x_BxLxD, (state, replay_nxBxLxK))
     ids = []
-    for j in range(stack_size(stack)):
-        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), positions_BxL, mask_BxLxL)
+    for j in range(n):
+        replay_j = None if replay_nxBxLxK is None else replay_nxBxLxK[j]
+        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), replay_j, positions_BxL, mask_BxLxL)
         ids.append(ids_j)
     return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
 
@@ -178,11 +196,23 @@ class CausalLM(nnx.Module):
         raise IndexError(f"layer {i} of a {self.cfg.num_hidden_layers}-layer model")
 
     def __call__(
-        self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None
+        self,
+        tokens_BxL: jax.Array,
+        positions_BxL: jax.Array | None = None,
+        segment_ids_BxL: jax.Array | None = None,
+        replay_XxBxLxK: jax.Array | None = None,
     ) -> ModelOutput:
         """positions default to 0..L-1; segment_ids (0 = padding) default to one segment per row.
-        Packed rows carry per-segment positions and distinct segment ids."""
+        Packed rows carry per-segment positions and distinct segment ids.
+
+        replay_XxBxLxK: routing replay, the expert ids every MoE layer X (in moe_layers order) uses at each token
+        instead of its router's choice (moe.MoE); the output's expert ids stay the routers' own."""
         b, l = tokens_BxL.shape
+        x_moe = len(self.moe_layers)
+        if replay_XxBxLxK is not None and replay_XxBxLxK.shape[:3] != (x_moe, b, l):
+            raise errors.UserError(
+                f"replayed routing {tuple(replay_XxBxLxK.shape)} for {x_moe} MoE layers and tokens {(b, l)}"
+            )
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         if segment_ids_BxL is None:
@@ -194,10 +224,17 @@ class CausalLM(nnx.Module):
         remat = self.cfg.remat
         if remat not in REMAT_POLICIES:
             raise errors.UserError(f"model.remat={remat!r}; one of {tuple(REMAT_POLICIES)}")
-        for stack in self.stacks:
-            x_BxLxD, ids = run_stack(stack, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat, scan=self.cfg.scan_layers)
+        first = 0  # the MoE layer index of the stack's first layer
+        for stack, run in zip(self.stacks, layer_runs(self.cfg)):
+            replay = None
+            if replay_XxBxLxK is not None and self.cfg.is_moe_layer(run[0]):
+                replay = replay_XxBxLxK[first : first + len(run)]
+            x_BxLxD, ids = run_stack(
+                stack, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat, scan=self.cfg.scan_layers, replay_nxBxLxK=replay
+            )
             if ids is not None:
                 routing.append(ids)
+                first += len(run)
         hidden = self.norm(x_BxLxD)
         return ModelOutput(hidden, jnp.concatenate(routing) if routing else None)
 
