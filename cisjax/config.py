@@ -18,7 +18,11 @@ OPEN_FIELDS = ("sharding.rules",)
 
 
 def load_file(path: str | Path) -> ml_collections.ConfigDict:
-    """Run a config file and return its `get_config()`."""
+    """Run a config file and return its `get_config()`; `FILE.py:ARG` returns `get_config(ARG)` (ml_collections'
+    convention; the paper's experiment files take an arm, e.g. `configs/qwen3_30b_a3b.py:cis+replay`)."""
+    path, arg = str(path), None
+    if not Path(path).is_file() and ":" in path:
+        path, arg = path.rsplit(":", 1)
     path = Path(path)
     if not path.is_file():
         raise errors.MissingInput(f"config file not found: {path}")
@@ -31,7 +35,16 @@ def load_file(path: str | Path) -> ml_collections.ConfigDict:
         sys.path.remove(str(path.parent))
     if not hasattr(module, "get_config"):
         raise errors.UserError(f"{path}: a config file must define get_config()")
-    cfg = module.get_config()
+    try:
+        cfg = module.get_config() if arg is None else module.get_config(arg)
+    except TypeError as err:
+        if arg is not None and "positional argument" in str(err):
+            raise errors.UserError(f"{path}: get_config() takes no argument, but {arg!r} was given") from None
+        raise
+    except ValueError as err:
+        if arg is None:
+            raise
+        raise errors.UserError(f"{path}:{arg}: {err}") from None
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise TypeError(f"{path}: get_config() must return an ml_collections.ConfigDict")
     return cfg

@@ -12,6 +12,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cisjax import logprobs as logprobs_lib
 from cisjax import runtime, sharding
@@ -20,21 +21,40 @@ from cisjax.records import TrainBatch
 
 class Output(NamedTuple):
     stats: logprobs_lib.TokenStats  # [B, T] fields; top-k [B, T, K] when asked for
-    expert_ids_XxBxTxK: jax.Array | None  # routed experts of every MoE layer X (None for a dense model)
+    # the routers' own experts of every MoE layer X (None for a dense model); under replay still the routers' choice
+    expert_ids_XxBxTxK: jax.Array | None
+
+
+class Flips(NamedTuple):
+    """Where the trainer's routers choose other experts than the replayed (rollout engine's) ones."""
+
+    layers_BxT: jax.Array  # int32: MoE layers whose expert set differs, per valid position (0 on padding)
+    per_layer_X: jax.Array  # int32: valid positions whose expert set differs, per MoE layer
+
+
+def routing_flips(own_XxBxTxK, replayed_XxBxTxK, valid_BxT) -> Flips:
+    """Flips of the (token, layer) pairs at valid positions: the sets of k experts differ (order within the k does
+    not count: engines return them in their own order)."""
+    own = jnp.sort(own_XxBxTxK.astype(jnp.int32), axis=-1)
+    replayed = jnp.sort(replayed_XxBxTxK.astype(jnp.int32), axis=-1)
+    differ_XxBxT = jnp.any(own != replayed, axis=-1) & valid_BxT[None]
+    return Flips(jnp.sum(differ_XxBxT, axis=0, dtype=jnp.int32), jnp.sum(differ_XxBxT, axis=(1, 2), dtype=jnp.int32))
 
 
 def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):
-    """`(params, tokens, positions, segments, targets) [B, T] -> Output`: the model's hidden states, then the chunked
-    token_logprobs at `temperature` (never a [B, T, V] logits tensor). Refuses a model whose compute dtype is not the
-    one `precision` asks for (runtime.check_compute_dtype)."""
+    """`(params, tokens, positions, segments, targets[, routing]) [B, T] -> Output`: the model's hidden states, then
+    the chunked token_logprobs at `temperature` (never a [B, T, V] logits tensor). `routing_BxTxXxK` (the rollout's
+    expert ids per position and MoE layer) replays the engine's routing in every MoE layer. Refuses a model whose
+    compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
     temperature, chunk_size, top_k = float(temperature), int(chunk_size), int(top_k)
     rules = dict(rules)
 
-    def forward(params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT) -> Output:
+    def forward(params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT, routing_BxTxXxK=None) -> Output:
         with sharding.use_mesh(mesh, rules):
             model = nnx.merge(graphdef, params)
             runtime.check_compute_dtype(model, precision)
-            out = model(tokens_BxT, positions_BxT, segments_BxT)
+            replay = None if routing_BxTxXxK is None else jnp.moveaxis(routing_BxTxXxK, 2, 0)
+            out = model(tokens_BxT, positions_BxT, segments_BxT, replay)
             stats = logprobs_lib.token_logprobs(
                 out.hidden_BxLxD,
                 model.unembedding_DxV(),
@@ -57,25 +77,55 @@ def round_params(params, dtype):
 
 
 def make_batch_logprobs(
-    graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, params_shardings=None, round_to=None
+    graphdef,
+    mesh,
+    rules,
+    *,
+    precision: str,
+    temperature: float,
+    chunk_size: int,
+    params_shardings=None,
+    round_to=None,
+    flips: bool = False,
 ):
     """Jitted `(params, TrainBatch [M, B, T]) -> logprobs_MxBxT` (fp32), one micro-batch at a time: the proximal
     rescoring at the start of a step and, with `round_to` (the published dtype) at temperature 1, the canary's
-    trainer side. `params_shardings` defaults to the params' own."""
+    trainer side. `params_shardings` defaults to the params' own. A batch with routing replays it; `flips` (such a
+    batch only) returns `(logprobs_MxBxT, Flips)` with layers [M, B, T] and per_layer summed over micro-batches."""
     forward = make_forward(graphdef, mesh, rules, precision=precision, temperature=temperature, chunk_size=chunk_size)
     bsh = sharding.batch_sharding(mesh, rules)
 
     def logprobs(params, batch: TrainBatch):
         params = round_params(params, round_to)
+        if flips and batch.routing_MxBxTxXxK is None:
+            raise ValueError("routing flips need a batch with routing")
 
         def one(mb):
-            out = forward(params, mb.tokens_MxBxT, mb.positions_MxBxT, mb.segment_ids_MxBxT, mb.targets_MxBxT)
-            return out.stats.logprobs_N
+            out = forward(
+                params,
+                mb.tokens_MxBxT,
+                mb.positions_MxBxT,
+                mb.segment_ids_MxBxT,
+                mb.targets_MxBxT,
+                mb.routing_MxBxTxXxK,
+            )
+            if not flips:
+                return out.stats.logprobs_N
+            f = routing_flips(
+                out.expert_ids_XxBxTxK, jnp.moveaxis(mb.routing_MxBxTxXxK, 2, 0), mb.segment_ids_MxBxT > 0
+            )
+            return out.stats.logprobs_N, f
 
-        return lax.map(one, batch)
+        out = lax.map(one, batch)
+        if not flips:
+            return out
+        logp, f = out
+        return logp, Flips(f.layers_BxT, jnp.sum(f.per_layer_X, axis=0))
 
     in_sh = (params_shardings, TrainBatch(*([bsh] * len(TrainBatch._fields))))
-    return jax.jit(logprobs, in_shardings=in_sh, out_shardings=bsh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    out_sh = (bsh, Flips(bsh, replicated)) if flips else bsh
+    return jax.jit(logprobs, in_shardings=in_sh, out_shardings=out_sh)
 
 
 def make_scorer(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):

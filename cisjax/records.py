@@ -23,3 +23,6 @@ class TrainBatch(NamedTuple):
     infer_logprobs_MxBxT: jax.Array  # fp32 q: logprob of the target at the rollout engine's sampling step
     prox_logprobs_MxBxT: jax.Array  # fp32 p: the trainer's logprob with the weights at the start of the step
     advantages_MxBxT: jax.Array  # fp32 advantage of the row's response, broadcast over its tokens
+    # Routing replay (routing.replay = "rollout"): the rollout engine's expert ids of every input position and MoE
+    # layer, uint8 (uint16 past 256 experts), prompt and response alike; None without replay.
+    routing_MxBxTxXxK: jax.Array | None = None

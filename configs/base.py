@@ -49,6 +49,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.correction.high = config_dict.placeholder(float)  # IcePop / Seq-MIS upper bound; None = the method's default (5 / 2)
     c.correction.threshold = 2.0  # KPop: phi, the bound on the larger binary KL
 
+    # --- routing replay (MoE): train on the experts the rollout engine chose -----------------------------------
+    c.routing = ml_collections.ConfigDict()
+    # rollout: every MoE layer of the rescoring and the update uses the engine's expert ids of each position (prompt
+    # and response; the rollout service returns them), gate weights from the current router at those ids. Combines
+    # with any correction.method; dense models ignore it. Costs rollout throughput: the vLLM backend captures routing
+    # with each request alone in the engine.
+    c.routing.replay = "none"  # none | rollout
+
     # --- advantages (cisjax.rl.advantages) ---------------------------------------------------
     c.advantages = ml_collections.ConfigDict()
     c.advantages.reward_scale = 10.0  # advantages start from (reward + reward_bias) * reward_scale
@@ -175,4 +183,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict()
     c.reward.workers = 2  # math-verify processes
     c.reward.timeout_s = 10.0  # per item; a hanging item scores 0 (10 s: harder answers took up to 0.8 s on a loaded 2-core machine)
+    return c
+
+
+def apply_arm(c: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
+    """An experiment arm `<correction.method>[+replay]` (cis, cis+replay, tis+replay, none+replay, ...): the operator,
+    and routing replay on or off. Experiment files take it as get_config(arm) (`--config FILE.py:ARM`)."""
+    method, _, extra = arm.partition("+")
+    if extra not in ("", "replay") or not method:
+        raise ValueError(f"arm {arm!r}: <correction.method> or <correction.method>+replay")
+    c.correction.method = method  # the operator
+    c.routing.replay = "rollout" if extra else "none"  # "+replay": the engine's routing
     return c

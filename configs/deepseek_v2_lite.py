@@ -1,12 +1,12 @@
-"""DeepSeek-V2-Lite on GSM8K with the paper's recipe (Appendix C); the operator by --config.correction.method=..."""
+"""DeepSeek-V2-Lite on GSM8K with the paper's recipe (Appendix C); the arm (operator, routing replay) as FILE.py:ARM."""
 
 import os
 
 import qwen15_moe_a27b
 
 
-def get_config():
-    c = qwen15_moe_a27b.get_config()  # the same recipe; vLLM rollouts, weights reloaded from disk every step
+def get_config(arm: str = "cis"):
+    c = qwen15_moe_a27b.get_config(arm)  # the same recipe; vLLM rollouts, weights reloaded from disk every step
     c.model.path = ""  # a local copy of deepseek-ai/DeepSeek-V2-Lite (set with --config.model.path=DIR)
     c.model.hf_config = os.path.join(
         os.path.dirname(__file__), "models", "deepseek_v2_lite.json"

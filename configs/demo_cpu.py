@@ -3,7 +3,8 @@
 import base
 
 
-def get_config():
+def get_config(arm: str = "cis"):
+    """arm: cis | cis+replay | tis+replay | none+replay | ... (base.apply_arm); e.g. configs/demo_cpu.py:cis+replay."""
     c = base.get_config()
     c.model.path = "runs/demo/init/model"  # written by `cisjax demo prepare --out runs/demo/init`
     c.data.source = "runs/demo/init/data/heldout.jsonl"  # problems the warm-up never saw
@@ -24,7 +25,7 @@ def get_config():
     c.train.warmup_steps = 8
     c.train.weight_decay = 0.0
     c.train.length_multiple = 32
-    c.correction.method = "cis"
+    base.apply_arm(c, arm)
     c.publish.dtype = "bfloat16"
     # The bf16 engine against the fp32 trainer on this tiny model: mean |Δ logprob| 0.03 at the start, 0.10
     # after 30 steps, single tokens up to ~10 where vLLM's bf16 router picks other experts (an fp32 engine

@@ -5,8 +5,8 @@ import os
 import qwen15_moe_a27b
 
 
-def get_config():
-    c = qwen15_moe_a27b.get_config()
+def get_config(arm: str = "cis"):
+    c = qwen15_moe_a27b.get_config(arm)
     c.model.path = ""  # a local copy of Qwen/Qwen1.5-14B-Chat (set with --config.model.path=DIR)
     c.model.hf_config = os.path.join(
         os.path.dirname(__file__), "models", "qwen15_14b.json"

@@ -1,11 +1,12 @@
-"""Qwen1.5-MoE-A2.7B on GSM8K with the paper's recipe (Appendix C); the operator by --config.correction.method=..."""
+"""Qwen1.5-MoE-A2.7B on GSM8K with the paper's recipe (Appendix C); the arm (operator, routing replay) as FILE.py:ARM."""
 
 import os
 
 import base
 
 
-def get_config():
+def get_config(arm: str = "cis"):
+    """arm: cis | cis+replay | tis+replay | none+replay | any correction.method[+replay] (base.apply_arm)."""
     c = base.get_config()
     c.model.path = ""  # a local copy of Qwen/Qwen1.5-MoE-A2.7B (set with --config.model.path=DIR)
     c.model.hf_config = os.path.join(
@@ -25,7 +26,7 @@ def get_config():
     c.rollout.max_staleness = 2
     c.data.prompts_per_step = 256
     c.data.epochs = 3
-    c.correction.method = "cis"  # lam 2.3, kappa 5e-3 (base defaults)
+    base.apply_arm(c, arm)  # cis: lam 2.3, kappa 5e-3 (base defaults)
     c.train.micro_batches = 16  # 1,024 responses of up to ~1.3k tokens per step: accumulate
     # 64 rows x 1,536 tokens per micro-batch fit on v5p-16 only with the decoder layers rematerialised (cisjax plan:
     # 84.6 GiB per chip of 95.7; without remat the compiler refuses, 116.7 GiB of temporaries)

@@ -1,12 +1,12 @@
-"""Qwen3-30B-A3B on GSM8K with the paper's recipe (Appendix C), thinking disabled; the operator by --config.correction.method=..."""
+"""Qwen3-30B-A3B on GSM8K with the paper's recipe (Appendix C), thinking disabled; the arm (operator, routing replay) as FILE.py:ARM."""
 
 import os
 
 import qwen15_moe_a27b
 
 
-def get_config():
-    c = qwen15_moe_a27b.get_config()
+def get_config(arm: str = "cis"):
+    c = qwen15_moe_a27b.get_config(arm)
     c.model.path = ""  # a local copy of Qwen/Qwen3-30B-A3B (set with --config.model.path=DIR)
     c.model.hf_config = os.path.join(
         os.path.dirname(__file__), "models", "qwen3_30b_a3b.json"

@@ -66,3 +66,25 @@ def test_every_base_field_is_commented():
     src = config.default_config_path().read_text().splitlines()
     fields = [ln for ln in src if ln.strip().startswith("c.") and "=" in ln and "ConfigDict()" not in ln]
     assert fields and all("#" in ln for ln in fields), [ln for ln in fields if "#" not in ln]
+
+
+def test_experiment_arms():
+    """`FILE.py:ARM` passes the arm to get_config: the paper's configs take `<method>[+replay]`."""
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for arm, method, replay in [
+        ("cis", "cis", "none"),
+        ("cis+replay", "cis", "rollout"),
+        ("tis+replay", "tis", "rollout"),
+        ("none+replay", "none", "rollout"),
+    ]:
+        for name in ("qwen15_moe_a27b", "deepseek_v2_lite", "qwen3_30b_a3b", "demo_cpu"):
+            cfg = config.load(f"{configs}/{name}.py:{arm}")
+            assert (cfg.correction.method, cfg.routing.replay) == (method, replay), (name, arm)
+    cfg = config.load(f"{configs}/qwen3_30b_a3b.py")
+    assert (cfg.correction.method, cfg.routing.replay) == ("cis", "none")
+    with pytest.raises(errors.UserError, match=r"arm 'cis\+rep'"):
+        config.load(f"{configs}/qwen3_30b_a3b.py:cis+rep")
+    with pytest.raises(errors.UserError, match="takes no argument"):
+        config.load(f"{configs}/base.py:cis")

@@ -99,3 +99,51 @@ def test_round_params_and_the_canary_side(tiny):
     assert not np.array_equal(
         np.asarray(canary), np.asarray(forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(params, batch))
     )
+
+
+def test_routing_flips_by_hand():
+    """A (position, layer) flips when its SET of experts differs (order within the k does not count); padding never."""
+    own = np.asarray([[[[0, 1], [2, 3], [4, 5]]], [[[0, 1], [2, 3], [4, 5]]]])  # [X=2, B=1, T=3, k=2]
+    replayed = np.asarray([[[[1, 0], [2, 4], [6, 7]]], [[[0, 1], [3, 5], [5, 4]]]], np.uint8)
+    valid = np.asarray([[True, True, False]])
+    f = forward.routing_flips(jnp.asarray(own), jnp.asarray(replayed), jnp.asarray(valid))
+    assert np.asarray(f.layers_BxT).tolist() == [[0, 2, 0]]  # position 1 flips in both layers; 2 is padding
+    assert np.asarray(f.per_layer_X).tolist() == [1, 1]
+
+
+def _own_routing(tiny, batch):
+    """The tiny model's own expert ids of every position of a host batch, [M, B, T, X, k] uint8."""
+    cfg, mesh, rules, graphdef, params = tiny
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
+    ids = [
+        fwd(params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])).expert_ids_XxBxTxK
+        for i in range(batch.tokens_MxBxT.shape[0])
+    ]
+    return np.stack([np.moveaxis(np.asarray(x), 0, 2) for x in ids]).astype(np.uint8)
+
+
+def test_rescoring_replays_the_batch_routing(tiny):
+    """The rescoring on the routers' own ids is bitwise the plain rescoring with no flip; ids changed on one row (layer
+    0, every valid position) change that row's logprobs only, and count as that many flips of layer 0."""
+    cfg, mesh, rules, graphdef, params = tiny
+    batch = U.host_batch()
+    own = _own_routing(tiny, batch)
+    place = lambda b: sharding.place(b, mesh, rules, sharding.BATCH_AXES)  # noqa: E731
+    plain = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, place(batch)))
+    rescore = step_lib.make_rescore(graphdef, cfg, mesh, rules, flips=True)
+    logp, flips = rescore(params, place(batch._replace(routing_MxBxTxXxK=own)))
+    np.testing.assert_array_equal(np.asarray(logp), plain)
+    assert not np.asarray(flips.layers_BxT).any() and not np.asarray(flips.per_layer_X).any()
+
+    changed = own.copy()
+    valid = batch.segment_ids_MxBxT[0, 3] > 0
+    changed[0, 3, valid, 0] = (own[0, 3, valid, 0] + 1) % U.TINY_HF["num_experts"]  # another set of experts
+    logp, flips = rescore(params, place(batch._replace(routing_MxBxTxXxK=changed)))
+    logp = np.asarray(logp)
+    assert np.asarray(flips.per_layer_X).tolist() == [int(valid.sum()), 0]
+    assert np.asarray(flips.layers_BxT)[0, 3].tolist() == valid.astype(int).tolist()
+    other = np.ones(logp.shape, bool)
+    other[0, 3] = False
+    np.testing.assert_array_equal(logp[other], plain[other])
+    mask = batch.loss_mask_MxBxT[0, 3]
+    assert np.abs(logp[0, 3][mask] - plain[0, 3][mask]).max() > 1e-3

@@ -22,6 +22,8 @@ class Rollout:
     reward: float
     finish_reason: str = "length"
     problem_id: str = ""
+    # the engine's routed expert ids of every input position (prompt, then response): [P + R - 1, layers, k], or None
+    routing: np.ndarray | None = None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -36,6 +38,7 @@ def build_batch(
     length_multiple: int = 64,
     advantages_cfg=None,
     max_length: int = 0,
+    replay: bool = False,
 ) -> tuple[TrainBatch, dict]:
     """A TrainBatch [M, B, T] of numpy arrays with `prox_logprobs` zero (filled by the proximal rescoring).
 
@@ -44,6 +47,7 @@ def build_batch(
     `rows_multiple` (the mesh's batch axes); T is the longest sequence - 1 rounded up to
     `length_multiple` (few distinct shapes, few recompiles). Advantages follow the recipe
     (cisjax.rl.advantages.compute_advantages with `advantages_cfg`'s fields) over the real rows only.
+    replay: also the rollouts' routing (routing_MxBxTxXxK); a rollout without it is an error naming it.
 
     Returns (batch, info) with info: rows (real), tokens (response tokens), length T, and
     `index` [(group, sample)] of each real row in order."""
@@ -99,6 +103,7 @@ def build_batch(
     advantages[: g * n] = adv_GxNxT.reshape(g * n, t)
 
     shape = (micro_batches, b, t)
+    routing = _routing_rows(rows, total, t).reshape(*shape, -1, rows[0].routing.shape[-1]) if replay else None
     batch = TrainBatch(
         tokens_MxBxT=built.tokens_RxT.reshape(shape),
         positions_MxBxT=built.positions_RxT.reshape(shape),
@@ -108,8 +113,32 @@ def build_batch(
         infer_logprobs_MxBxT=infer.reshape(shape),
         prox_logprobs_MxBxT=np.zeros(shape, np.float32),
         advantages_MxBxT=advantages.reshape(shape),
+        routing_MxBxTxXxK=routing,
     )
     info = dict(
         rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)]
     )
     return batch, info
+
+
+def _routing_rows(rows: list[Rollout], total: int, t: int) -> np.ndarray:
+    """[total, t, layers, k] routing of the rows, left-aligned like the tokens; padding positions and rows hold the
+    ids 0..k-1 (distinct, as a router's; masked out of the loss)."""
+    for i, r in enumerate(rows):
+        need = len(r.prompt_ids) + len(r.response_ids) - 1
+        if r.routing is None:
+            raise errors.UserError(
+                f"routing.replay is on but rollout {i} (problem {r.problem_id!r}) came without the engine's routing"
+            )
+        if r.routing.ndim != 3 or r.routing.shape[0] != need:
+            raise errors.UserError(
+                f"rollout {i} (problem {r.problem_id!r}): routing {r.routing.shape} for {need} input positions"
+            )
+    layers_k = {r.routing.shape[1:] for r in rows}
+    if len(layers_k) != 1:
+        raise errors.UserError(f"rollouts disagree on (MoE layers, k) of their routing: {sorted(layers_k)}")
+    (x, k), dtype = layers_k.pop(), np.result_type(*(r.routing.dtype for r in rows))
+    out = np.broadcast_to(np.arange(k, dtype=dtype), (total, t, x, k)).copy()
+    for i, r in enumerate(rows):
+        out[i, : r.routing.shape[0]] = r.routing
+    return out

@@ -24,8 +24,11 @@ class Run:
     tx: Any  # the optax optimizer
     state: Any  # TrainState
     train_step: TrainStep  # (state, batch) -> (state, metrics), state donated
-    rescore: Callable  # (params, batch) -> logprobs_MxBxT: the proximal rescoring
+    rescore: Callable  # (params, batch) -> logprobs_MxBxT: the proximal rescoring; (logprobs, forward.Flips) if replay
     rows_multiple: int  # a batch's rows must be a multiple of this (the "batch" mesh axes)
+    replay: bool = (
+        False  # routing replay: routing.replay = "rollout" on a model with MoE layers (a dense one ignores it)
+    )
 
 
 def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
@@ -43,6 +46,7 @@ def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
     mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh.to_dict())
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
     model, _, hf = hf_io.load(model_dir or cfg.model.path, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    replay = cfg.routing.replay == "rollout" and bool(model.moe_layers)
     tx = optim.make_optimizer(cfg.train)
     graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
@@ -56,6 +60,7 @@ def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
         tx=tx,
         state=state,
         train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
-        rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params),
+        rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params, flips=replay),
         rows_multiple=sharding.axis_multiple(mesh, rules, "batch"),
+        replay=replay,
     )

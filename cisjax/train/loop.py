@@ -119,6 +119,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_token_ids=list(formatter.stop_token_ids) if lead else [],
             seed=None,
+            return_routing=run.replay,  # every position's expert ids, replayed by the rescoring and the update
         )
 
         if lead:
@@ -176,22 +177,23 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             ro = producer.get(s) if lead else None
             wait_s = time.monotonic() - t0
             # 2. the batch (process 0 builds it; every process holds the same host copy)
-            host, info, versions_rows = _host_batch(ro, cfg, run.rows_multiple) if lead else (None, None, None)
+            host, info, versions_rows = _host_batch(ro, cfg, run) if lead else (None, None, None)
             host, versions_rows, roll_metrics = distributed.broadcast(
                 (host, versions_rows, _rollout_metrics(ro, s)) if lead else None
             )
             batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
             # 3. proximal rescoring with the params of this step
             t0 = time.monotonic()
-            prox = rescore(state.params, batch)
+            prox, flips = rescore(state.params, batch) if run.replay else (rescore(state.params, batch), None)
             batch = batch._replace(prox_logprobs_MxBxT=prox)
             jax.block_until_ready(prox)
             rescore_s = time.monotonic() - t0
+            flips_host = None if flips is None else distributed.to_host(flips)  # collective when it spans processes
             # dump before the step donates the params (the batch and prox are not donated)
             if cfg.run.dump_every and s % cfg.run.dump_every == 0:
                 prox_host = distributed.to_host(prox)  # collective when prox spans processes
                 if lead:
-                    _dump(run_dir, s, cfg, host, prox_host, versions_rows, corrections, corr_kw)
+                    _dump(run_dir, s, cfg, host, prox_host, versions_rows, corrections, corr_kw, flips_host)
             # 4. the update
             t0 = time.monotonic()
             state, m = train_step(state, batch)
@@ -212,6 +214,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             out = {f"train/{k}": v for k, v in m.items()}
             out.update(roll_metrics)
             out.update(report.metrics())
+            if flips_host is not None and lead:
+                out.update(_flip_metrics(flips_host, host.segment_ids_MxBxT))
             out.update(
                 {
                     "reward_mean": roll_metrics["reward/mean"],
@@ -286,16 +290,17 @@ def _drop_exports_from(root, version: int) -> None:
         pointer.unlink()  # re-pointed by the next export
 
 
-def _host_batch(ro, cfg, rows_multiple):
+def _host_batch(ro, cfg, run):
     """Process 0: the TrainBatch of a step's rollouts and the per-token rollout version [M*B, T]."""
     from cisjax.train import batching
 
     batch, info = batching.build_batch(
         ro.groups,
         micro_batches=cfg.train.micro_batches,
-        rows_multiple=rows_multiple,
+        rows_multiple=run.rows_multiple,
         length_multiple=cfg.train.length_multiple,
         advantages_cfg=cfg.advantages,
+        replay=run.replay,
     )
     m, b, t = batch.tokens_MxBxT.shape
     versions = np.full((m * b, t), -1, np.int64)
@@ -338,7 +343,20 @@ def prompts_handed_out(data_state: dict) -> int:
     return int(data_state["epoch"]) * int(data_state["size"]) + int(data_state["position"])
 
 
-def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr_kw) -> None:
+def _flip_metrics(flips, host_segments) -> dict:
+    """Routing replay: the fraction of valid positions (prompt and response) with any MoE layer whose own routing
+    differs from the replayed one, and of (position, layer) pairs."""
+    valid = float(np.sum(np.asarray(host_segments) > 0))
+    layers = np.asarray(flips.layers_BxT)
+    per_layer = np.asarray(flips.per_layer_X)
+    return {
+        "replay/flip_token_frac": float(np.sum(layers > 0)) / max(valid, 1.0),
+        "replay/flip_pair_frac": float(per_layer.sum()) / max(valid * len(per_layer), 1.0),
+        "replay/flip_layer_frac_max": float(per_layer.max()) / max(valid, 1.0),
+    }
+
+
+def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr_kw, flips=None) -> None:
     from cisjax.train import metrics as metrics_lib
 
     m, b, t = host.tokens_MxBxT.shape
@@ -358,6 +376,8 @@ def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr
         current_version=step,
         sample_tokens=cfg.run.dump_tokens,
         seed=cfg.seed,
+        routing_flips=None if flips is None else np.asarray(flips.layers_BxT).reshape(m * b, t),
+        routing_flips_per_layer=None if flips is None else np.asarray(flips.per_layer_X),
     )
 
 

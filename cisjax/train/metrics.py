@@ -123,10 +123,14 @@ def write_dump(
     current_version: int,
     sample_tokens: int,
     seed: int,
+    routing_flips=None,
+    routing_flips_per_layer=None,
 ) -> Path:
     """A sample of the step's valid tokens (operators.md's token dump) as `run_dir/dumps/step_XXXXXXX.npz`:
     logp_infer, logp_prox, rollout version, current version, loss mask, weight, acted-on flag (and
-    row, position). Written to a temp name then renamed."""
+    row, position). Written to a temp name then renamed. Under routing replay also `routing_flips` (per sampled
+    token: MoE layers whose own routing differs from the replayed one) and `routing_flips_per_layer` (per MoE layer:
+    positions of the whole step, prompt and response, where it differs)."""
     mask = np.asarray(mask).astype(bool)
     rows, cols = np.nonzero(mask)
     if sample_tokens and len(rows) > sample_tokens:
@@ -147,6 +151,14 @@ def write_dump(
         acted=np.asarray(acted)[rows, cols].astype(bool),
         row=rows.astype(np.int32),
         position=cols.astype(np.int32),
+        **(
+            {}
+            if routing_flips is None
+            else dict(
+                routing_flips=np.asarray(routing_flips)[rows, cols].astype(np.int16),
+                routing_flips_per_layer=np.asarray(routing_flips_per_layer).astype(np.int64),
+            )
+        ),
     )
     os.replace(tmp, path)
     return path

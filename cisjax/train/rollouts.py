@@ -149,8 +149,19 @@ def rollouts_from_samples(samples, problems) -> list:
                 reward=0.0,
                 finish_reason=s.finish_reason,
                 problem_id=str(getattr(p, "id", i)),
+                routing=_all_positions(s),
             )
             for s in per
         ]
         for i, (per, p) in enumerate(zip(samples, problems))
     ]
+
+
+def _all_positions(sample):
+    """A Sample's routing of every input position ([P + R - 1, layers, k]): the prompt rows (positions 0..P-2, the
+    prefill) then the response rows (position P-1+i produced response token i); None when the engine sent none."""
+    if getattr(sample, "routing", None) is None or getattr(sample, "prompt_routing", None) is None:
+        return None
+    import numpy as np
+
+    return np.concatenate([np.asarray(sample.prompt_routing), np.asarray(sample.routing)])

@@ -31,9 +31,10 @@ class TrainStep:
         return self.jitted(state, batch)
 
 
-def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None):
+def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None, flips: bool = False):
     """The proximal rescoring, jitted: `(params, batch) -> logprobs_MxBxT` through the step's own forward (same
-    precision, temperature and chunking; forward.make_batch_logprobs)."""
+    precision, temperature and chunking, the batch's routing replayed; forward.make_batch_logprobs); with `flips`,
+    `(logprobs_MxBxT, forward.Flips)`: where the routers' own choice differs from the replayed routing."""
     return forward.make_batch_logprobs(
         graphdef,
         mesh,
@@ -42,6 +43,7 @@ def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None):
         temperature=cfg.logprobs.temperature,
         chunk_size=cfg.logprobs.chunk_size,
         params_shardings=params_shardings,
+        flips=flips,
     )
 
 
@@ -94,7 +96,9 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
 
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
-        stats = fwd(params, mb.tokens_MxBxT, mb.positions_MxBxT, mb.segment_ids_MxBxT, mb.targets_MxBxT).stats
+        stats = fwd(
+            params, mb.tokens_MxBxT, mb.positions_MxBxT, mb.segment_ids_MxBxT, mb.targets_MxBxT, mb.routing_MxBxTxXxK
+        ).stats
         logp_BxT, entropy_BxT = stats.logprobs_N, stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT
         weights_BxT, corr_metrics = corrections.correction_weights(

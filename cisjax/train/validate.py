@@ -20,8 +20,10 @@ from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 
-__all__ = ["ENGINE_DTYPES", "PROGRESS", "check", "problems"]
+__all__ = ["ENGINE_DTYPES", "PROGRESS", "REPLAY", "check", "problems"]
 
+# routing.replay: none | rollout (the rollout engine's expert ids replayed in every MoE layer of the trainer).
+REPLAY = ("none", "rollout")
 # run.progress as the loop reads it: auto (a terminal decides) | on | off.
 PROGRESS = ("auto", "on", "off")
 # The embedded rollout server's engine dtypes (cisjax.rollout.server's --dtype choices).
@@ -144,6 +146,7 @@ def _mesh(c: _Checker) -> None:
 def _logprobs_and_correction(c: _Checker) -> None:
     c.number("logprobs.chunk_size", low=1, integer=True)
     t_train = c.number("logprobs.temperature", low=0, low_open=True)
+    c.one_of("routing.replay", REPLAY)
     c.number("logprobs.top_k", low=0, integer=True)
     t_roll = c.number(
         "rollout.temperature",

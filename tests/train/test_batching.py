@@ -89,3 +89,45 @@ def test_bad_groups():
         build_batch(bad, micro_batches=1, rows_multiple=1)
     with pytest.raises(ValueError, match="maximum"):
         build_batch(_groups(), micro_batches=1, rows_multiple=1, length_multiple=8, max_length=4)
+
+
+def _with_routing(groups, k=2, layers=3):
+    """Each rollout's routing: position p, layer x -> experts (10x + p, 100 + x) (distinct, recognisable)."""
+    for g in groups:
+        for r in g:
+            n = len(r.prompt_ids) + len(r.response_ids) - 1
+            ids = np.zeros((n, layers, k), np.uint8)
+            ids[..., 0] = (10 * np.arange(n))[:, None] % 200
+            ids[..., 1] = 100 + np.arange(layers)[None, :]
+            r.routing = ids
+    return groups
+
+
+def test_routing_rows_follow_the_tokens():
+    """Routing of every input position (prompt and response) lands at the token's position; padding positions and
+    rows hold the distinct ids 0..k-1; without replay the batch carries none."""
+    groups = _with_routing(_groups())
+    plain, _ = build_batch(groups, micro_batches=1, rows_multiple=3, length_multiple=8)
+    assert plain.routing_MxBxTxXxK is None
+    batch, _ = build_batch(groups, micro_batches=2, rows_multiple=3, length_multiple=8, replay=True)
+    ids = np.asarray(batch.routing_MxBxTxXxK).reshape(6, 8, 3, 2)
+    assert batch.routing_MxBxTxXxK.shape == (2, 3, 8, 3, 2) and ids.dtype == np.uint8
+    # row 0: prompt [1, 2, 3] + response [4, 5] -> 4 input positions, position p has expert 10p in every layer
+    assert ids[0, :4, :, 0].tolist() == [[0] * 3, [10] * 3, [20] * 3, [30] * 3]
+    assert ids[0, 2, :, 1].tolist() == [100, 101, 102]
+    assert ids[0, 4:].tolist() == [[[0, 1]] * 3] * 4  # padding positions
+    assert ids[4:].tolist() == [[[[0, 1]] * 3] * 8] * 2  # padding rows
+
+
+def test_replay_without_routing_names_the_rollout():
+    from cisjax import errors
+
+    groups = _with_routing(_groups())
+    groups[1][0].routing = None
+    groups[1][0].problem_id = "gsm8k-17"
+    with pytest.raises(errors.UserError, match="rollout 2 .problem 'gsm8k-17'. came without the engine's routing"):
+        build_batch(groups, micro_batches=1, rows_multiple=1, replay=True)
+    groups = _with_routing(_groups())
+    groups[0][1].routing = groups[0][1].routing[:-1]
+    with pytest.raises(errors.UserError, match=r"rollout 1 .*routing \(2, 3, 2\) for 3 input positions"):
+        build_batch(groups, micro_batches=1, rows_multiple=1, replay=True)

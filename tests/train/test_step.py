@@ -374,3 +374,38 @@ def test_model_runtime_carries_every_runtime_field():
     for name, value in chosen.items():
         want = hf_config.dtype_of(value) if name.endswith("dtype") else value
         assert getattr(mcfg, name) == want, name
+
+
+def test_step_replaying_the_routers_own_choice_is_the_plain_step():
+    """Routing replay in the step: the routers' own ids replayed give bitwise the step without replay (loss, metrics,
+    updated params); other ids give another update."""
+    import jax.numpy as jnp
+
+    from cisjax import forward
+
+    cfg, mesh = U.make_cfg(), U.mesh_for("single")
+    graphdef, _, rules, state = U.build(cfg, mesh)
+    batch = U.host_batch()
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
+    own = np.stack(
+        [
+            np.moveaxis(
+                np.asarray(
+                    fwd(
+                        state.params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])
+                    ).expert_ids_XxBxTxK
+                ),
+                0,
+                2,
+            )
+            for i in range(U.M)
+        ]
+    ).astype(np.uint8)
+    plain = U.run_steps(cfg, mesh, steps=1, batch=batch)
+    replayed = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=own))
+    np.testing.assert_array_equal(replayed["prox"], plain["prox"])
+    assert replayed["metrics"] == plain["metrics"]
+    np.testing.assert_array_equal(replayed["sums"], plain["sums"])
+    other = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=(own + 1) % 8))
+    assert other["metrics"][0]["loss"] != plain["metrics"][0]["loss"]
+    assert not np.array_equal(other["sums"], plain["sums"])
