@@ -1,4 +1,5 @@
-"""`cisjax bench step`: the train step with CIS vs without a correction, and JAX fwd+bwd+loss vs transformers/torch, one run."""
+"""`cisjax bench step`: the train step with CIS vs without a correction and with routing replay, and JAX fwd+bwd+loss vs
+transformers/torch, one run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from cisjax.bench import tiny_model
 
 TARGET_CIS_OVERHEAD = 0.01  # median step time with CIS / without - 1
 TARGET_JAX_VS_TORCH = 1.0  # JAX fwd+bwd+loss time / torch's
+TARGET_REPLAY_OVERHEAD = 0.03  # median step time with CIS + routing replay / CIS alone - 1
+STEPS = ("cis", "none", "cis+replay")  # the optimizer steps timed, interleaved call by call
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -124,11 +127,13 @@ def bench(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or tmp
         tiny_model.save_random(args, model_dir, max_positions=max(args.seq, 128))
-        # --- the full optimizer step, CIS vs none: two runs built as `cisjax train` builds one (each state is donated)
+        # --- the full optimizer step, CIS vs none vs CIS with routing replay: runs built as `cisjax train` builds one
+        # (each state is donated)
         runs = {}
-        for method in ("cis", "none"):
+        for method in STEPS:
             run_cfg = copy.deepcopy(cfg)
-            run_cfg.correction.method = method
+            run_cfg.correction.method = method.split("+")[0]
+            run_cfg.routing.replay = "rollout" if method.endswith("+replay") else "none"
             runs[method] = build(
                 run_cfg, model_dir=model_dir, mesh=mesh, inputs=False
             )  # the model and batch are made here
@@ -144,27 +149,34 @@ def bench(args) -> dict:
             prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32)
         )
         batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
+        # replay: the routers' own ids as the engine's routing (an engine that agrees: the same work as any other ids)
+        routed = _own_routing(graphdef, mesh, rules, params, host)
+        batches = {m: batch for m in STEPS}
+        batches["cis+replay"] = sharding.place(
+            host._replace(routing_MxBxTxXxK=routed), mesh, rules, sharding.BATCH_AXES
+        )
+        res["replay_rescore"] = _rescore_overhead(runs, params, batches, args.repeats)
 
         steps, states, compile_s = {}, {}, {}
-        for method in ("cis", "none"):
+        for method in STEPS:
             steps[method] = runs[method].train_step
             t0 = time.perf_counter()
-            state, met = steps[method](runs[method].state, batch)
+            state, met = steps[method](runs[method].state, batches[method])
             jax.block_until_ready(met)
             compile_s[method] = time.perf_counter() - t0
             states[method] = state
         del runs, run
-        times = {"cis": [], "none": []}
+        times = {m: [] for m in STEPS}
         metrics = {}
         for _ in range(args.repeats):
-            for method in ("cis", "none"):
+            for method in STEPS:
                 t0 = time.perf_counter()
-                states[method], met = steps[method](states[method], batch)
+                states[method], met = steps[method](states[method], batches[method])
                 jax.block_until_ready(met)
                 times[method].append(time.perf_counter() - t0)
                 metrics[method] = {k: float(v) for k, v in met.items()}
         rows = []
-        for method in ("cis", "none"):
+        for method in STEPS:
             med = statistics.median(times[method])
             rows.append(
                 dict(
@@ -179,13 +191,16 @@ def bench(args) -> dict:
         res["cis_overhead"] = statistics.median(c / n for c, n in zip(times["cis"], times["none"])) - 1.0
         res["cis_overhead_of_medians"] = rows[0]["median_s"] / rows[1]["median_s"] - 1.0
         res["cis_overhead_min"] = rows[0]["min_s"] / rows[1]["min_s"] - 1.0
+        res["replay_overhead"] = statistics.median(r / c for r, c in zip(times["cis+replay"], times["cis"])) - 1.0
+        res["replay_overhead_of_medians"] = rows[2]["median_s"] / rows[0]["median_s"] - 1.0
         flops = {}
-        for method in ("cis", "none"):
-            cost = steps[method].jitted.lower(states[method], batch).compile().cost_analysis()
+        for method in STEPS:
+            cost = steps[method].jitted.lower(states[method], batches[method]).compile().cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
             flops[method] = float((cost or {}).get("flops", float("nan")))
         res["xla_flops"] = flops
         res["cis_flops_overhead"] = flops["cis"] / flops["none"] - 1.0
+        res["replay_flops_overhead"] = flops["cis+replay"] / flops["cis"] - 1.0
         res["step_metrics"] = metrics
         del states
 
@@ -236,7 +251,45 @@ def bench(args) -> dict:
     res["grad_norm"] = dict(jax=jax_grad_norm, torch=torch_res["grad_norm"])
     res["meets_cis_target"] = res["cis_overhead"] <= TARGET_CIS_OVERHEAD
     res["meets_torch_target"] = res["jax_vs_torch"] <= TARGET_JAX_VS_TORCH
+    res["meets_replay_target"] = res["replay_overhead"] <= TARGET_REPLAY_OVERHEAD
     return res
+
+
+def _own_routing(graphdef, mesh, rules, params, host):
+    """The model's own expert ids of every position of the host batch, [M, B, T, X, k] uint8."""
+    import jax
+    import numpy as np
+
+    from cisjax import forward
+
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=1024))
+    out = []
+    for i in range(host.tokens_MxBxT.shape[0]):
+        args = (host.tokens_MxBxT[i], host.positions_MxBxT[i], host.segment_ids_MxBxT[i], host.targets_MxBxT[i])
+        ids_XxBxTxK = np.asarray(fwd(params, *args).expert_ids_XxBxTxK)
+        out.append(np.moveaxis(ids_XxBxTxK, 0, 2))
+    return np.stack(out).astype(np.uint8)
+
+
+def _rescore_overhead(runs, params, batches, repeats: int) -> dict:
+    """The proximal rescoring with routing replay (and its flip counts) vs the plain one, interleaved: median s each
+    and the median of paired ratios - 1."""
+    import jax
+
+    fns = {m: runs[m].rescore for m in ("cis", "cis+replay")}
+    for m, fn in fns.items():
+        jax.block_until_ready(fn(params, batches[m]))  # compile
+    times = {m: [] for m in fns}
+    for _ in range(repeats):
+        for m, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, batches[m]))
+            times[m].append(time.perf_counter() - t0)
+    return dict(
+        plain_s=statistics.median(times["cis"]),
+        replay_s=statistics.median(times["cis+replay"]),
+        overhead=statistics.median(r / p for r, p in zip(times["cis+replay"], times["cis"])) - 1.0,
+    )
 
 
 def _torch_fwd_bwd(args, model_dir: str, mb, cfg):
@@ -328,6 +381,13 @@ def _print(res: dict) -> None:
         f"CIS step overhead vs none: {res['cis_overhead']:+.2%} (median of paired ratios; ratio of medians "
         f"{res['cis_overhead_of_medians']:+.2%}, of minima {res['cis_overhead_min']:+.2%}; XLA flop count "
         f"{res['cis_flops_overhead']:+.5%}); target <= {TARGET_CIS_OVERHEAD:.0%}: {ok(res['meets_cis_target'])}"
+    )
+    console.print(
+        f"routing replay step overhead vs CIS alone: {res['replay_overhead']:+.2%} (median of paired ratios; ratio of "
+        f"medians {res['replay_overhead_of_medians']:+.2%}; XLA flop count {res['replay_flops_overhead']:+.5%}); "
+        f"target <= {TARGET_REPLAY_OVERHEAD:.0%}: {ok(res['meets_replay_target'])}; the rescoring "
+        f"{res['replay_rescore']['overhead']:+.2%} ({res['replay_rescore']['replay_s']:.4f} s vs "
+        f"{res['replay_rescore']['plain_s']:.4f} s)"
     )
     console.print(
         f"JAX / torch fwd+bwd+loss time: {res['jax_vs_torch']:.2f}x (median of paired ratios "
