@@ -17,6 +17,8 @@ class Seq:
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
+    # routing to replay: expert ids of every input position (prompt then response), [len - 1, MoE layers, k]; or None
+    routing: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -37,6 +39,7 @@ class Rows(NamedTuple):
     targets_RxT: np.ndarray  # int32, the next token of the sequence
     response_RxT: np.ndarray  # bool, the positions that predict a response token
     where: dict  # sequence index -> (row, offset) for the sequences the layout holds
+    routing_RxTxXxK: np.ndarray | None = None  # the sequences' routing where every one has it (padding: ids 0..k-1)
 
     def response_slice(self, seqs: Sequence[Seq], i: int) -> tuple[int, slice]:
         """(row, column slice) of the positions that predict sequence i's response tokens, in order."""
@@ -79,6 +82,12 @@ def build(seqs: Sequence[Seq], layout: Sequence[Sequence[int]], length: int, row
         raise ValueError(f"{len(layout)} rows of sequences do not fit in rows={r}")
     tokens, positions, segments, targets = (np.zeros((r, length), np.int32) for _ in range(4))
     response = np.zeros((r, length), bool)
+    members = [seqs[i] for row in layout for i in row]
+    routing = None
+    if members and all(s.routing is not None for s in members):
+        x, k = np.asarray(members[0].routing).shape[1:]
+        dtype = np.result_type(*(np.asarray(s.routing).dtype for s in members))
+        routing = np.broadcast_to(np.arange(k, dtype=dtype), (r, length, x, k)).copy()
     where: dict = {}
     for ri, members in enumerate(layout):
         offset = 0
@@ -96,6 +105,11 @@ def build(seqs: Sequence[Seq], layout: Sequence[Sequence[int]], length: int, row
             positions[ri, cols] = np.arange(n)
             segments[ri, cols] = seg
             response[ri, offset + len(s.prompt_ids) - 1 : offset + n] = True
+            if routing is not None:
+                ids = np.asarray(s.routing)
+                if ids.shape != (n, *routing.shape[2:]):
+                    raise ValueError(f"sequence {i}: routing {ids.shape} for {n} positions of {routing.shape[2:]}")
+                routing[ri, cols] = ids
             where[i] = (ri, offset)
             offset += n
-    return Rows(tokens, positions, segments, targets, response, where)
+    return Rows(tokens, positions, segments, targets, response, where, routing)

@@ -50,3 +50,16 @@ def test_bad_layouts_are_refused():
         rows_lib.build([Seq([1, 2], [3]), Seq([1, 2], [3, 4])], [[0, 1]], length=4)
     with pytest.raises(ValueError, match="do not fit"):
         rows_lib.build([Seq([1], [2])] * 2, rows_lib.one_per_row(2), length=4, rows=1)
+
+
+def test_packed_routing_follows_its_positions():
+    """Each sequence's routing (one row of [layers, k] per input position) lands on its positions in the packed row;
+    padding holds 0..k-1; a sequence without routing leaves the rows without it."""
+    a = Seq([1, 2], [3], routing=np.asarray([[[10, 11]], [[12, 13]]], np.uint8))  # 2 positions, 1 layer, k=2
+    b = Seq([4], [5, 6], routing=np.asarray([[[20, 21]], [[22, 23]]], np.uint8))
+    r = rows_lib.build([a, b], [[1, 0]], length=6)
+    assert r.routing_RxTxXxK.dtype == np.uint8
+    assert r.routing_RxTxXxK[0, :, 0].tolist() == [[20, 21], [22, 23], [10, 11], [12, 13], [0, 1], [0, 1]]
+    assert rows_lib.build([a, Seq([4], [5, 6])], [[1, 0]], length=6).routing_RxTxXxK is None
+    with pytest.raises(ValueError, match="routing"):
+        rows_lib.build([Seq([1, 2], [3, 4], routing=a.routing)], [[0]], length=6)

@@ -74,8 +74,13 @@ def build_batch(
     b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
     total = micro_batches * b
 
+    if replay:
+        _check_routing(rows)
     built = rows_lib.build(
-        [rows_lib.Seq(r.prompt_ids, r.response_ids) for r in rows], rows_lib.one_per_row(len(rows)), t, rows=total
+        [rows_lib.Seq(r.prompt_ids, r.response_ids, r.routing if replay else None) for r in rows],
+        rows_lib.one_per_row(len(rows)),
+        t,
+        rows=total,
     )
     mask = built.response_RxT
     infer = np.zeros((total, t), np.float32)
@@ -103,7 +108,7 @@ def build_batch(
     advantages[: g * n] = adv_GxNxT.reshape(g * n, t)
 
     shape = (micro_batches, b, t)
-    routing = _routing_rows(rows, total, t).reshape(*shape, -1, rows[0].routing.shape[-1]) if replay else None
+    routing = built.routing_RxTxXxK.reshape(*shape, *built.routing_RxTxXxK.shape[2:]) if replay else None
     batch = TrainBatch(
         tokens_MxBxT=built.tokens_RxT.reshape(shape),
         positions_MxBxT=built.positions_RxT.reshape(shape),
@@ -121,9 +126,8 @@ def build_batch(
     return batch, info
 
 
-def _routing_rows(rows: list[Rollout], total: int, t: int) -> np.ndarray:
-    """[total, t, layers, k] routing of the rows, left-aligned like the tokens; padding positions and rows hold the
-    ids 0..k-1 (distinct, as a router's; masked out of the loss)."""
+def _check_routing(rows: list[Rollout]) -> None:
+    """Routing replay needs every rollout's routing, one row per input position: errors name the rollout."""
     for i, r in enumerate(rows):
         need = len(r.prompt_ids) + len(r.response_ids) - 1
         if r.routing is None:
@@ -137,8 +141,3 @@ def _routing_rows(rows: list[Rollout], total: int, t: int) -> np.ndarray:
     layers_k = {r.routing.shape[1:] for r in rows}
     if len(layers_k) != 1:
         raise errors.UserError(f"rollouts disagree on (MoE layers, k) of their routing: {sorted(layers_k)}")
-    (x, k), dtype = layers_k.pop(), np.result_type(*(r.routing.dtype for r in rows))
-    out = np.broadcast_to(np.arange(k, dtype=dtype), (total, t, x, k)).copy()
-    for i, r in enumerate(rows):
-        out[i, : r.routing.shape[0]] = r.routing
-    return out
