@@ -87,7 +87,8 @@ class Scorer:
 
     def run(self, rows: rows_lib.Rows) -> forward.Output:
         """One call on one prepare()d group of rows; the outputs on the host (numpy)."""
-        placed = sharding.place(tuple(rows[:4]), self.mesh, self.rules)
+        routing = () if rows.routing_RxTxXxK is None else (rows.routing_RxTxXxK,)  # replayed when the items carry it
+        placed = sharding.place(tuple(rows[:4]) + routing, self.mesh, self.rules)
         out = self.fn(self.params, *placed)
         return jax.tree.map(np.asarray, out)
 

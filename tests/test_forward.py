@@ -147,3 +147,22 @@ def test_rescoring_replays_the_batch_routing(tiny):
     np.testing.assert_array_equal(logp[other], plain[other])
     mask = batch.loss_mask_MxBxT[0, 3]
     assert np.abs(logp[0, 3][mask] - plain[0, 3][mask]).max() > 1e-3
+
+
+def test_packed_scoring_replays_each_sequences_routing(tiny):
+    """`cisjax score`'s Scorer (the mismatch observatory's XLA side) with routing on its items: packed several to a
+    row, each sequence's ids follow its positions -- its own routers' ids give the plain scores, other ids others."""
+    cfg, mesh, rules, graphdef, params = tiny
+    batch = U.host_batch()
+    own = _own_routing(tiny, batch).reshape(-1, U.T, *_own_routing(tiny, batch).shape[3:])
+    seqs = _seqs(batch)
+    model = nnx.merge(graphdef, params)
+    kw = dict(temperature=1.0, row_tokens=32, rows_per_call=2, chunk_size=cfg.logprobs.chunk_size, progress=False)
+    plain = score.score_items(model, seqs, mesh, rules, **kw)
+    with_own = [rows.Seq(s.prompt_ids, s.response_ids, own[i, : s.positions]) for i, s in enumerate(seqs)]
+    got = score.score_items(model, with_own, mesh, rules, **kw)
+    for a, b in zip(got, plain):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    other = [rows.Seq(s.prompt_ids, s.response_ids, (s.routing + 1) % 8) for s in with_own]
+    moved = score.score_items(model, other, mesh, rules, **kw)
+    assert max(np.abs(np.subtract(a["logprobs"], b["logprobs"])).max() for a, b in zip(moved, plain)) > 1e-2

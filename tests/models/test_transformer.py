@@ -76,8 +76,19 @@ def test_one_scan_per_stack(tiny_hf_dir, scan):
     unscanned: no top-level loop (the layers inlined one after another)."""
     model, _, _ = hf_io.load(tiny_hf_dir("deepseek_v2", **MULTI_STACK["deepseek_v2"]), scan_layers=scan)
     jaxpr = jax.make_jaxpr(lambda t: model(t).hidden_BxLxD)(jnp.zeros((1, 6), jnp.int32))
-    lengths = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    assert lengths == ([1, 2] if scan else [])
+    scans = [e.params for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert [p["length"] for p in scans] == ([1, 2] if scan else [])
+    # on CPU the scans are unrolled (XLA:CPU runs a rolled one slower); on a TPU/GPU mesh they stay rolled
+    assert all(p["unroll"] == p["length"] for p in scans)
+
+
+def test_scan_stays_rolled_for_tpu(tiny_hf_dir, monkeypatch):
+    from cisjax import sharding
+
+    model, _, _ = hf_io.load(tiny_hf_dir("deepseek_v2", **MULTI_STACK["deepseek_v2"]))
+    monkeypatch.setattr(sharding, "current_platform", lambda: "tpu")
+    jaxpr = jax.make_jaxpr(lambda t: model(t).hidden_BxLxD)(jnp.zeros((1, 6), jnp.int32))
+    assert [e.params["unroll"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"] == [1, 1]
 
 
 def test_layer_runs_group_consecutive_layers_of_one_kind():
