@@ -404,7 +404,7 @@ def measure(args, overrides) -> list[Path]:
                 timings["vllm_topk_s"] = time.monotonic() - t0
             if args.routing:
                 side["vllm"]["routing"] = _routing_array(
-                    [s.routing or [] for s in samples], routing_index, n_tokens, "vllm sampling"
+                    [[] if s.routing is None else s.routing for s in samples], routing_index, n_tokens, "vllm sampling"
                 )
         if "transformers" in sides:
             hfc = servers.client("transformers")
@@ -423,7 +423,7 @@ def measure(args, overrides) -> list[Path]:
                 )
             if args.routing:
                 side["transformers"]["routing"] = _routing_array(
-                    [r.get("routing") or [] for r in res], routing_index, n_tokens, "transformers Score"
+                    [r.get("routing", []) for r in res], routing_index, n_tokens, "transformers Score"
                 )
         servers.close()  # the XLA side gets the machine to itself (and its memory)
 

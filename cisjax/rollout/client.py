@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from cisjax import errors
 from cisjax.rollout import manifest as manifest_lib
@@ -63,7 +64,10 @@ class Sample:
     versions: list  # per token
     top_ids: list | None = None
     top_logprobs: list | None = None
-    routing: list | None = None  # [token][layer][k]
+    # routed expert ids (rollout.proto Routing), uint8 or uint16: [R, MoE layers, k] of the passes that produced the
+    # response tokens (positions P-1 ..), and [P-1, MoE layers, k] of the prompt's other positions 0 .. P-2
+    routing: np.ndarray | None = None
+    prompt_routing: np.ndarray | None = None
     timing: dict | None = None
 
     @property
@@ -85,7 +89,9 @@ class Sample:
         if self.top_ids is not None:
             out["topk_ids"], out["topk_logprobs"] = self.top_ids, self.top_logprobs
         if self.routing is not None:
-            out["routing"] = self.routing
+            out["routing"] = self.routing.tolist()
+        if self.prompt_routing is not None:
+            out["prompt_routing"] = self.prompt_routing.tolist()
         if self.timing:
             out["timing"] = self.timing
         return out
@@ -279,7 +285,8 @@ class RolloutClient:
         routing: bool = False,
     ) -> list[dict]:
         """Server-side prefill logprobs of the response tokens: [{"logprobs", "version", ...}] in input order;
-        with `routing`, also "routing": [token][moe layer][k] routed expert ids (see rollout.proto Routing)."""
+        with `routing`, also the routed expert ids (rollout.proto Routing) as Sample has them: "routing" [R, MoE
+        layers, k] of the response tokens' passes and "prompt_routing" [P - 1, MoE layers, k]."""
         rp = self.pb.rollout_pb2
         out: dict[int, dict] = {}
 
@@ -298,9 +305,12 @@ class RolloutClient:
                 if logprobs:
                     rec["topk_ids"] = [list(t.token_ids) for t in r.top_logprobs]
                     rec["topk_logprobs"] = [list(t.logprobs) for t in r.top_logprobs]
+                i = todo[r.index]
                 if routing:
-                    rec["routing"] = _routing(r.routing)
-                out[todo[r.index]] = rec
+                    rec["prompt_routing"], rec["routing"] = decode_routing(
+                        r.routing, len(items[i][0]), len(items[i][1])
+                    )
+                out[i] = rec
 
         self._retrying("Score", attempt)
         if len(out) != len(items):
@@ -405,20 +415,29 @@ def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:
         out.top_ids = [list(t.token_ids) for t in s.top_logprobs]
         out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
     if s.HasField("routing"):
-        out.routing = _routing(s.routing)
+        out.prompt_routing, out.routing = decode_routing(s.routing, len(prompt_ids), len(out.response_ids))
     return out
 
 
-def _routing(r) -> list:
-    """A Routing message as [token][layer][k]."""
-    flat = list(r.expert_ids)
-    step = r.num_layers * r.k
-    if not step:
-        return []
-    return [
-        [flat[t * step + l * r.k : t * step + (l + 1) * r.k] for l in range(r.num_layers)]
-        for t in range(len(flat) // step)
-    ]
+def decode_routing(r, prompt_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Routing message of a P-token prompt and R-token response as (prompt rows [P - 1, layers, k], response rows
+    [R, layers, k]), uint8 or uint16 ids; RolloutError when it does not hold exactly those positions."""
+    if r.id_bytes not in (1, 2):
+        raise RolloutError(f"routing: id_bytes {r.id_bytes}, expected 1 (uint8) or 2 (uint16)")
+    if r.num_layers <= 0 or r.k <= 0:
+        raise RolloutError(f"routing: {r.num_layers} MoE layers of k={r.k} ids")
+    if r.prompt_positions != prompt_len - 1:
+        raise RolloutError(f"routing: {r.prompt_positions} prompt positions for a prompt of {prompt_len} tokens")
+    positions = prompt_len - 1 + response_len
+    want = positions * r.num_layers * r.k * r.id_bytes
+    if len(r.expert_ids) != want:
+        raise RolloutError(
+            f"routing: {len(r.expert_ids)} bytes of expert ids, expected {want} "
+            f"({positions} positions x {r.num_layers} layers x k={r.k} x {r.id_bytes} bytes)"
+        )
+    dtype = np.uint8 if r.id_bytes == 1 else np.uint16
+    ids = np.frombuffer(r.expert_ids, f"<u{r.id_bytes}").astype(dtype).reshape(positions, r.num_layers, r.k)
+    return ids[: prompt_len - 1], ids[prompt_len - 1 :]
 
 
 # ----------------------------------------------------------------------------- `cisjax generate`
@@ -459,7 +478,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routing",
         action="store_true",
-        help="also write routed expert ids ([token][moe_layer][k]; the engine runs each such call alone)",
+        help="also write routed expert ids: 'routing' [token][moe_layer][k] of the passes that produced the response "
+        "tokens, 'prompt_routing' of the prompt's other positions (the engine runs each such call alone)",
     )
     p.add_argument(
         "--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)"
@@ -506,6 +526,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         "topk_ids",
         "topk_logprobs",
         "routing",
+        "prompt_routing",
         "timing",
     ]
     write_jsonl_atomic(args.output, records, keys)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from cisjax import console, errors
 from cisjax.rollout import manifest as manifest_lib
@@ -68,7 +69,8 @@ class SampleResult:
     versions: list
     top_ids: list | None = None  # [tokens][k]
     top_logprobs: list | None = None
-    routing: object = None  # ndarray [tokens, layers, k] or None
+    routing: object = None  # ndarray [tokens, layers, k]: the passes that produced the tokens; or None
+    prompt_routing: object = None  # ndarray [prompt positions - 1, layers, k]: the prefill's other positions; or None
     timing: dict = field(default_factory=dict)
 
 
@@ -92,6 +94,7 @@ class Backend:
     max_model_len = 0
     version = 0
     supports_routing = False  # can return routed expert ids per token
+    config_json: dict = {}  # the model's HF config.json (its expert count sets the width of routing ids)
 
     # --- what a serial backend implements (called on the one worker thread)
     def generate(self, prompt_ids: list, prompt_id: int, params: Params):
@@ -101,7 +104,8 @@ class Backend:
     def score(
         self, prompt_ids: list, response_ids: list, temperature: float, top_k: int, routing: bool = False
     ) -> dict:
-        """{"logprobs": [...], "top_ids": [[...]], "top_logprobs": [[...]], "routing": ndarray [R, layers, k]} of the response tokens."""
+        """{"logprobs": [...], "top_ids": [[...]], "top_logprobs": [[...]]} of the response tokens; with `routing`, also
+        "routing" (ndarray [R, layers, k], the passes that produced them) and "prompt_routing" ([P - 1, layers, k])."""
         raise NotImplementedError
 
     def load_directory(self, path: Path, version: int) -> None:
@@ -246,6 +250,38 @@ def check_manifest(root: Path, sha256: dict) -> None:
             )
 
 
+# ----------------------------------------------------------------------------- routing
+
+# Config keys of the routed expert count: Qwen2/3-MoE, DeepSeek-V2/V3, Mixtral.
+_EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def routing_id_bytes(config_json: dict) -> int:
+    """Bytes per expert id in a Routing message: 1 when the model has <= 256 routed experts, else 2. From the config,
+    not from the ids, so that every message of a server has one width (2 when the config names no count)."""
+    for cfg in (config_json, config_json.get("text_config") or {}):
+        for key in _EXPERT_COUNT_KEYS:
+            if cfg.get(key):
+                return 1 if int(cfg[key]) <= 256 else 2
+    return 2
+
+
+def encode_routing(pb, prompt_rows, response_rows, id_bytes: int):
+    """A Routing message of a sequence's prompt rows [P - 1, layers, k] then response rows [R, layers, k]."""
+    ids = np.concatenate([np.asarray(prompt_rows), np.asarray(response_rows)])
+    if ids.ndim != 3:
+        raise ValueError(f"routing of shape {ids.shape}, expected [positions, layers, k]")
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << (8 * id_bytes)):
+        raise ValueError(f"routed expert ids in [{ids.min()}, {ids.max()}] do not fit {id_bytes}-byte ids")
+    return pb.Routing(
+        num_layers=ids.shape[1],
+        k=ids.shape[2],
+        expert_ids=ids.astype(f"<u{id_bytes}").tobytes(),
+        id_bytes=id_bytes,
+        prompt_positions=len(prompt_rows),
+    )
+
+
 # ----------------------------------------------------------------------------- servicer
 
 
@@ -323,6 +359,7 @@ class RolloutServicer:
         self.backend = backend
         self.export_root = Path(os.path.realpath(export_root)) if export_root else None
         self.update_lock = threading.Lock()  # one weight update at a time (version check + reload)
+        self.id_bytes = routing_id_bytes(backend.config_json)
 
     # Generate ---------------------------------------------------------------
     def Generate(self, request, context):
@@ -369,11 +406,14 @@ class RolloutServicer:
                         self.pb.TopLogprobs(token_ids=a, logprobs=b_) for a, b_ in zip(s.top_ids, s.top_logprobs)
                     )
                 if s.routing is not None:
-                    out.routing.CopyFrom(self._routing(s.routing))
+                    out.routing.CopyFrom(self._routing(context, s.prompt_routing, s.routing))
                 yield self.pb.GenerateResponse(sample=out)
 
-    def _routing(self, r):
-        return self.pb.Routing(num_layers=r.shape[1], k=r.shape[2], expert_ids=r.reshape(-1).tolist())
+    def _routing(self, context, prompt_rows, response_rows):
+        try:
+            return encode_routing(self.pb, prompt_rows, response_rows, self.id_bytes)
+        except ValueError as err:  # an engine's capture gone wrong: this call fails, not the server
+            context.abort(grpc.StatusCode.INTERNAL, f"engine routing: {err}")
 
     # Score ------------------------------------------------------------------
     def Score(self, request, context):
@@ -411,7 +451,7 @@ class RolloutServicer:
                     self.pb.TopLogprobs(token_ids=a, logprobs=c) for a, c in zip(res["top_ids"], res["top_logprobs"])
                 )
             if request.return_routing:
-                out.routing.CopyFrom(self._routing(res["routing"]))
+                out.routing.CopyFrom(self._routing(context, res["prompt_routing"], res["routing"]))
             yield out
 
     # UpdateWeights ----------------------------------------------------------

@@ -101,16 +101,12 @@ class Backend(server_lib.Backend):
             # call 0 is the prefill ([n * L, k] per layer; its last position produced token 0), call s
             # the decode step that produced token s ([n, k] per layer)
             n, plen = params.n, len(prompt_ids)
-            prefill = np.stack([a.reshape(n, plen, -1)[:, -1] for a in calls[0]], axis=1)  # [n, layers, k]
-            steps = [np.stack(layers, axis=1) for layers in calls[1:]]  # each [n, layers, k]
+            prefill = np.stack([a.reshape(n, plen, -1) for a in calls[0]], axis=2)  # [n, L, layers, k]
+            steps = [np.stack(layers, axis=1)[:, None] for layers in calls[1:]]  # each [n, 1, layers, k]
+            produced = np.concatenate([prefill[:, -1:]] + steps, axis=1)  # [n, steps, layers, k]
             for s in samples:
-                j = s.sample_index
-                rows = [prefill[j]] + [st[j] for st in steps]
-                s.routing = (
-                    np.stack(rows[: len(s.token_ids)])
-                    if s.token_ids
-                    else np.zeros((0, prefill.shape[1], prefill.shape[2]), np.int32)
-                )
+                s.prompt_routing = prefill[s.sample_index, :-1]
+                s.routing = produced[s.sample_index, : len(s.token_ids)]
         return samples
 
     def _generate(self, prompt_ids, prompt_id, params: Params):
@@ -178,7 +174,8 @@ class Backend(server_lib.Backend):
             v, i = torch.topk(lp, min(top_k, lp.shape[-1]), dim=-1)
             out["top_ids"], out["top_logprobs"] = i.tolist(), v.tolist()
         if routing:
-            out["routing"] = np.stack(calls[0], axis=1)[p - 1 : len(seq) - 1]  # [R, layers, k]
+            ids = np.stack(calls[0], axis=1)  # [positions, layers, k]
+            out["prompt_routing"], out["routing"] = ids[: p - 1], ids[p - 1 : len(seq) - 1]
         return out
 
     # ------------------------------------------------------------------ weights

@@ -306,7 +306,7 @@ class Backend(server_lib.Backend):
 
     def _run_alone(self, call: _Call) -> None:
         """A call whose routing is captured: each request alone in the engine, prefix cache reset
-        so every position runs through the routers."""
+        so every position runs through the routers (each of a prompt's n samples prefills it anew)."""
         if not call.future.set_running_or_notify_cancel():
             return
         call.version, call.started = self.version, time.monotonic()
@@ -316,13 +316,18 @@ class Backend(server_lib.Backend):
                 raise RuntimeError("routing capture needs an idle engine, but requests are still running")
             self.llm.collective_rpc(_set_routing_capture, args=(True,))
             for rid, prompt, sp in call.requests:
-                self.llm.reset_prefix_cache()
+                if not self.llm.reset_prefix_cache():
+                    raise RuntimeError("routing capture: vLLM did not reset its prefix cache")
                 _CAPTURED.clear()
                 engine.add_request(rid, prompt, sp)
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.finished:
                             call.outputs[out.request_id] = out
+                if call.outputs[rid].num_cached_tokens:  # those prompt positions skipped the routers
+                    raise RuntimeError(
+                        f"routing capture: {call.outputs[rid].num_cached_tokens} prompt tokens came from the prefix cache"
+                    )
                 per_layer = [[] for _ in range(self.moe_layers)]
                 for layer, ids in _CAPTURED:
                     per_layer[layer].append(ids)
@@ -394,7 +399,7 @@ class Backend(server_lib.Backend):
         return self._submit(
             requests,
             lambda call, outs: _scored(call, outs[0], len(prompt_ids), list(response_ids), temperature, top_k, routing),
-            routing and bool(response_ids),
+            routing,
         )
 
     # ------------------------------------------------------------------ weights
@@ -480,12 +485,13 @@ def _ranked(d: dict, k: int) -> list:
     return [(tid, float(v)) for _, tid, v in ranked if np.isfinite(v)][:k]
 
 
-def _routing_rows(captured, first: int, count: int):
-    """Rows [first, first + count) of a request's captured routing ([positions, layers, k]): the
-    passes that produced the `count` tokens after position `first`."""
+def _routing_rows(captured, prompt_len: int, count: int):
+    """(prompt rows, response rows) of a request's captured routing ([positions, layers, k]): positions
+    0 .. prompt_len - 2 (the prefill's), then the passes that produced the `count` tokens after the prompt."""
+    first = prompt_len - 1
     if captured.shape[0] < first + count:
         raise RuntimeError(f"routing capture has {captured.shape[0]} positions, expected at least {first + count}")
-    return captured[first : first + count]
+    return captured[:first], captured[first : first + count]
 
 
 def _samples(call: _Call, outs: list, params: Params, prompt_len: int) -> list:
@@ -494,6 +500,7 @@ def _samples(call: _Call, outs: list, params: Params, prompt_len: int) -> list:
     for j, out in enumerate(outs):
         c = out.outputs[0]
         tokens = list(c.token_ids)
+        prompt_rows, rows = _routing_rows(call.captured[j], prompt_len, len(tokens)) if call.routing else (None, None)
         lps, top_ids, top_lps = [], [], []
         for t, d in zip(tokens, c.logprobs):
             lps.append(float(d[t].logprob))
@@ -510,7 +517,8 @@ def _samples(call: _Call, outs: list, params: Params, prompt_len: int) -> list:
                 versions=[call.version] * len(tokens),
                 top_ids=top_ids if params.logprobs else None,
                 top_logprobs=top_lps if params.logprobs else None,
-                routing=_routing_rows(call.captured[j], prompt_len - 1, len(tokens)) if call.routing else None,
+                routing=rows,
+                prompt_routing=prompt_rows,
                 timing={"started": call.started, "finished": finished},
             )
         )
@@ -524,11 +532,7 @@ def _scored(
     if top_k:
         out["top_ids"], out["top_logprobs"] = [], []
     if routing:
-        out["routing"] = (
-            _routing_rows(call.captured[0], prompt_len - 1, len(response_ids))
-            if call.routing
-            else np.zeros((0, 0, 0), np.int32)
-        )
+        out["prompt_routing"], out["routing"] = _routing_rows(call.captured[0], prompt_len, len(response_ids))
     if not response_ids:
         return out
     dicts = res.prompt_logprobs[prompt_len:]  # entry i: the distribution over token i given tokens < i

@@ -14,7 +14,7 @@ import pytest
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
 from cisjax.rollout.client import add_args as generate_add_args
 from cisjax.rollout.client import run as generate_run
-from tests.helpers import SERVER_QWEN2_MOE, tiny_hf_config
+from tests.helpers import SERVER_QWEN2_MOE, hf_forward, tiny_hf_config
 from tests.rollout import serverutil, xla
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): server subprocesses
@@ -117,18 +117,29 @@ def test_seeds_reproduce(client):
 
 
 def test_routing_matches_cisjax(client, dirs):
-    """Routed expert ids from Generate and from Score equal cisjax's (XLA fp32) routing of the same tokens."""
+    """Routed expert ids from Generate and from Score equal cisjax's (XLA fp32) routing of the same tokens at the
+    response positions, and the HF model's own routers' top-k at the prompt positions (0 .. P-2)."""
     model_dir, _ = dirs
     samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
     items = _items(samples)
     scored = client.score(items, routing=True)
     refs = xla.routing(model_dir, items)
     flat = [s for per in samples for s in per]
+
+    def hf_prompt(prompt_ids):  # the HF routers' sorted top-k at positions 0 .. P-2: [P - 1, layers, k]
+        return np.transpose(hf_forward(model_dir, np.asarray([prompt_ids]))[1][:, 0, :-1], (1, 0, 2))
+
     for i, (s, sc, ref) in enumerate(zip(flat, scored, refs)):
         assert ref.shape == (len(s.response_ids), 2, 2)
         xla.assert_routing_matches(s.routing, ref, f"generate {i}")
         xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
-    assert client.score([([1, 2], [])], routing=True)[0]["routing"] == []
+        ref_prompt = hf_prompt(s.prompt_ids)
+        for where, got in (("generate", s.prompt_routing), ("score", sc["prompt_routing"])):
+            assert got.dtype == np.uint8 and got.shape == (len(s.prompt_ids) - 1, 2, 2)  # 8 experts: one byte an id
+            xla.assert_routing_matches(got, ref_prompt, f"{where} {i} prompt")
+    empty = client.score([([1, 2], [])], routing=True)[0]
+    assert empty["routing"].shape == (0, 2, 2)
+    xla.assert_routing_matches(empty["prompt_routing"], hf_prompt([1, 2]), "score without a response")
 
 
 def test_score_matches_cisjax_score(client, dirs, tmp_path):
@@ -350,6 +361,7 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
             assert [x["response_ids"] for x in lines] == [s.response_ids for per in before for s in per]
             assert all(x["version"] == 1 and x["finish_reason"] == "length" and len(x["topk_ids"]) == 5 for x in lines)
             assert all(np.asarray(x["routing"]).shape == (5, 2, 2) for x in lines)
+            assert all(np.asarray(x["prompt_routing"]).shape == (len(x["prompt_ids"]) - 1, 2, 2) for x in lines)
         finally:
             assert _stop(proc) == 0
 

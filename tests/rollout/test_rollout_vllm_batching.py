@@ -94,16 +94,29 @@ def test_cancelled_call_leaves_the_engine_serving(client, server):
 
 
 def test_routing_matches_cisjax(client, dirs):
-    """Routed expert ids captured from vLLM's routers (Generate and Score) equal cisjax's XLA fp32 routing."""
+    """Routed expert ids captured from vLLM's routers (Generate and Score) equal cisjax's XLA fp32 routing at every
+    input position: the prompt's (from the prefill, run anew for each of a prompt's samples) and the response's."""
     model_dir, _ = dirs
     samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
     items = [(s.prompt_ids, s.response_ids) for per in samples for s in per]
     scored = client.score(items, routing=True, logprobs=2)
-    refs = xla.routing(model_dir, items)
-    for i, (s, sc, ref) in enumerate(zip([s for per in samples for s in per], scored, refs)):
-        assert ref.shape == (len(s.response_ids), TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
+    *refs, (ref_alone, _) = xla.routing_of_positions(model_dir, items + [(PROMPTS[2], [])])
+    layers_k = (TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
+    assert TINY["num_experts"] <= 256
+    for i, (s, sc, (ref_prompt, ref)) in enumerate(zip([s for per in samples for s in per], scored, refs)):
+        assert ref.shape == (len(s.response_ids), *layers_k)
+        assert s.prompt_routing.shape == sc["prompt_routing"].shape == (len(s.prompt_ids) - 1, *layers_k)
+        for ids in (s.routing, s.prompt_routing, sc["routing"], sc["prompt_routing"]):
+            assert ids.dtype == np.uint8  # <= 256 experts: one byte an id
         xla.assert_routing_matches(s.routing, ref, f"generate {i}")
         xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
+        xla.assert_routing_matches(s.prompt_routing, ref_prompt, f"generate {i} prompt")
+        # the same prompt positions on the same weights: Generate's prefill routes as Score's, id for id
+        np.testing.assert_array_equal(s.prompt_routing, sc["prompt_routing"], err_msg=f"sequence {i}")
+    # an empty response: the prompt's positions alone; a one-token prompt: no position at all
+    alone, one = client.score([(PROMPTS[2], []), ([7], [])], routing=True)
+    assert alone["routing"].shape == one["routing"].shape == one["prompt_routing"].shape == (0, *layers_k)
+    xla.assert_routing_matches(alone["prompt_routing"], ref_alone, "score without a response")
     plain = client.score(items, logprobs=2)
     for r, q in zip(plain, scored):  # capture changes nothing (batched vs alone: last-bit differences only)
         np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)

@@ -10,20 +10,27 @@ from cisjax.models import hf_io
 from tests.models import parity
 
 
-def routing(model_dir, items) -> list:
-    """Per (prompt_ids, response_ids): sorted routed expert ids [R, MoE layers, k] of the passes that
-    produced each response token (positions len(prompt) - 1 .. end - 1), as rollout.proto's Routing."""
+def routing_of_positions(model_dir, items) -> list:
+    """Per (prompt_ids, response_ids): sorted routed expert ids as rollout.proto's Routing splits them, (prompt rows
+    [P - 1, MoE layers, k] of positions 0 .. P-2, response rows [R, MoE layers, k] of the passes that produced each
+    response token, positions P-1 .. P+R-2)."""
     model, _, _ = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
     out = []
     for prompt, response in items:
         seq = np.asarray([list(prompt) + list(response)], np.int32)
         _, ids_XxBxLxK = parity.run(model, seq)
+        ids = np.transpose(ids_XxBxLxK[:, 0], (1, 0, 2))  # [positions, layers, k]
         p = len(prompt)
-        out.append(np.transpose(ids_XxBxLxK[:, 0, p - 1 : p - 1 + len(response)], (1, 0, 2)))
+        out.append((ids[: p - 1], ids[p - 1 : p - 1 + len(response)]))
     return out
 
 
-def assert_routing_matches(got: list, ref: np.ndarray, where: str) -> None:
+def routing(model_dir, items) -> list:
+    """Per (prompt_ids, response_ids): the response rows of routing_of_positions."""
+    return [response for _, response in routing_of_positions(model_dir, items)]
+
+
+def assert_routing_matches(got, ref: np.ndarray, where: str) -> None:
     """Engine routing ([token][layer][k], any order within k) equals the sorted reference."""
     got = np.sort(np.asarray(got, np.int64).reshape(ref.shape), axis=-1)
     bad = np.argwhere((got != ref).any(-1))
