@@ -94,7 +94,7 @@ class Scorer:
 
     def collect(self, seqs, prepared, outs, results: list) -> None:
         """Per sequence of `prepared` (outs = run() of each): logprobs, entropy, top-k and routing of its response
-        tokens into results[i]."""
+        tokens into results[i]; with routing, also "prompt_routing", that of the prompt's other positions."""
         for rows, out in zip(prepared, outs):
             stats, expert_ids = out
             for i in rows.where:
@@ -104,9 +104,11 @@ class Scorer:
                     res["topk_ids"] = stats.topk_ids_NxK[r, sl].tolist()
                     res["topk_logprobs"] = stats.topk_logprobs_NxK[r, sl].tolist()
                 if expert_ids is not None:
-                    # routing of the passes that produced the response tokens (the logprobs' positions), as the
-                    # rollout service reports it: [token][layer][k]
+                    # routing of the passes that produced the response tokens (the logprobs' positions), and of the
+                    # prompt positions before them (0 .. P-2), as the rollout service reports them: [position][layer][k]
                     res["routing"] = np.transpose(expert_ids[:, r, sl], (1, 0, 2)).tolist()
+                    prompt = slice(rows.where[i][1], sl.start)
+                    res["prompt_routing"] = np.transpose(expert_ids[:, r, prompt], (1, 0, 2)).tolist()
                 results[i] = res
 
 
@@ -180,7 +182,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--entropy", action="store_true", help="also write the per-token entropy")
     p.add_argument(
-        "--routing", action="store_true", help="also write selected expert ids per MoE layer ([token][layer][k])"
+        "--routing",
+        action="store_true",
+        help="also write selected expert ids per MoE layer: 'routing' [token][layer][k] of the passes that produced "
+        "the response tokens, 'prompt_routing' of the prompt's other positions",
     )
     p.add_argument(
         "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
@@ -225,7 +230,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         ["logprobs"]
         + (["entropy"] if args.entropy else [])
         + (["topk_ids", "topk_logprobs"] if top_k else [])
-        + (["routing"] if args.routing else [])
+        + (["routing", "prompt_routing"] if args.routing else [])
     )
     files.write_jsonl_atomic(args.output, results, keys)
     print(

@@ -74,6 +74,9 @@ def test_score_matches_reference(model_dir, tmp_path):
         # routing of the pass that produced each response token (position before it), [token][layer][k]
         ours = np.sort(np.array(got["routing"]).reshape(len(it["response_ids"]), 2, 2), -1)
         np.testing.assert_array_equal(ours, np.transpose(routing[:, 0, p - 1 : n - 1], (1, 0, 2)))
+        # and of the prompt's positions before them (0 .. P-2; packed rows: at the sequence's offset)
+        ours = np.sort(np.array(got["prompt_routing"]).reshape(p - 1, 2, 2), -1)
+        np.testing.assert_array_equal(ours, np.transpose(routing[:, 0, : p - 1], (1, 0, 2)))
 
 
 def test_score_temperature(model_dir, tmp_path):
