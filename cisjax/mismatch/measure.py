@@ -24,6 +24,8 @@ PAIRS = {
     "xla-transformers": ("xla", "transformers"),
     "vllm-transformers": ("transformers", "vllm"),
     "xla_bf16-xla_fp32": ("xla_bf16", "xla_fp32"),
+    # routing replay: the trainer's forward on vLLM's expert ids of every position (--replay adds it beside xla-vllm)
+    "xla_replay-vllm": ("xla_replay", "vllm"),
 }
 PROMPT_FORMATS = """prompts (--prompts, jsonl): {"prompt_ids": [...]} lines are used as they are; {"prompt": "text"} lines are
 encoded as they are (no chat template); any other row is a problem of --kind (default dapo_math_17k, e.g. the
@@ -71,6 +73,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--routing", action="store_true", help="also store the routed expert ids of every MoE layer on both sides"
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="also rescore on the XLA side with vLLM's routing of every position replayed (an MoE model): the pair "
+        "xla_replay-vllm, measured beside xla-vllm; its routing, with --routing, is the XLA routers' own choice",
     )
     p.add_argument(
         "--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)"
@@ -328,6 +336,9 @@ def measure(args, overrides) -> list[Path]:
     if bad:
         raise errors.UserError(f"prompt {bad[0]} has token ids outside the model's vocabulary [0, {vocab_size})")
     cfg = config_lib.load(args.config, list(overrides or []))
+    if args.replay and "xla_replay-vllm" not in pairs:
+        pairs.append("xla_replay-vllm")
+    replay = "xla_replay-vllm" in pairs
     sides = {s for pair in pairs for s in PAIRS[pair]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +355,7 @@ def measure(args, overrides) -> list[Path]:
             max_new_tokens=args.max_new_tokens,
             stop_token_ids=_stop_ids(model_dir),
             seed=args.seed,
-            return_routing=args.routing and "vllm" in sides,
+            return_routing=(args.routing and "vllm" in sides) or replay,
         )
         t0 = time.monotonic()
         samples = [s for per_prompt in vllm.generate(prompts, params) for s in per_prompt]
@@ -428,6 +439,8 @@ def measure(args, overrides) -> list[Path]:
         servers.close()  # the XLA side gets the machine to itself (and its memory)
 
         # 2. rescoring by the trainer (XLA), teacher forcing on the same ids and weights
+        if replay:
+            side["xla_replay"] = _replay_side(model_dir, samples, items, cfg, args, n_tokens, routing_index, timings)
         xla_dtypes = {"xla": args.dtype, "xla_bf16": "bfloat16", "xla_fp32": "float32"}
         scored: dict[str, dict] = {}
         control = {}
@@ -518,6 +531,10 @@ def measure(args, overrides) -> list[Path]:
             mean_abs_log_k=float(np.mean(np.abs(logp - logq))),
             max_abs_log_k=float(np.max(np.abs(logp - logq))),
         )
+        if p_name == "xla_replay":
+            # where the XLA routers' own top-k set differs from vLLM's (the routes replay overrode), per (token, layer)
+            meta["routing_replay"] = True
+            meta["router_flip_frac"] = p["router_flip_frac"]
         xla_dtype = xla_dtypes.get(p_name)
         meta["control_rescore_max_abs_diff"] = control[xla_dtype] if xla_dtype else None
         if xla_dtype:
@@ -546,6 +563,37 @@ def measure(args, overrides) -> list[Path]:
             records.save(out / pair, records.Measurement(meta=meta, tokens=tokens, topk=topk, routing=routing))
         )
     return written
+
+
+def _replay_side(model_dir, samples, items, cfg, args, n_tokens, routing_index, timings) -> dict:
+    """The XLA side with vLLM's routing replayed (cisjax.models.moe): the same items, each carrying the engine's expert
+    ids of every position (the prompt's from the prefill). Its "routing" is the XLA routers' own choice, so N_flip in
+    the report counts where replay overrode them."""
+    from cisjax.rows import Seq
+
+    replayed = []
+    for i, (s, it) in enumerate(zip(samples, items)):
+        if getattr(s, "routing", None) is None or getattr(s, "prompt_routing", None) is None:
+            raise errors.UserError(f"--replay: the vLLM server returned no routing for sample {i} (an MoE model?)")
+        ids = np.concatenate([np.asarray(s.prompt_routing), np.asarray(s.routing)])
+        replayed.append(Seq(it.prompt_ids, it.response_ids, routing=ids))
+    r = xla_scores(model_dir, args.dtype, replayed, [], cfg=cfg, top_k=0, twice=False, progress=not args.no_progress)
+    timings[f"xla_replay_{args.dtype}_score_s"] = r["score_s"][0]
+    res = r["results"]
+    out = {
+        "logp": _flat([x["logprobs"] for x in res], n_tokens, f"XLA {args.dtype} replay"),
+        "label": f"xla/{args.dtype} + vLLM routing replayed",
+        "topk": None,
+        "routing": None,
+    }
+    if "routing" not in res[0]:
+        raise errors.UserError(f"--replay: {model_dir} is not a mixture-of-experts model (no routing to replay)")
+    own = _routing_array([x["routing"] for x in res], np.arange(n_tokens), n_tokens, "XLA replay")
+    engine = _routing_array([s.routing for s in samples], np.arange(n_tokens), n_tokens, "vllm sampling")
+    out["router_flip_frac"] = float(np.mean(np.any(np.sort(own, -1) != np.sort(engine, -1), axis=-1)))
+    if args.routing:
+        out["routing"] = own[:, routing_index]
+    return out
 
 
 def _count(values) -> dict:

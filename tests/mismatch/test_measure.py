@@ -150,6 +150,23 @@ def test_pairs_load_with_consistent_tokens(measured, servers):
         assert meta["routing_agreement"] > 0.95
 
 
+def test_replay_pair_rescores_with_the_engines_routing(servers, tmp_path):
+    """--replay: a second XLA pass with vLLM's routing of every position replayed, measured as xla_replay-vllm beside
+    xla-vllm on the same tokens. All fp32: the replayed forward matches the engine as closely as the plain one (ids
+    replayed at the wrong positions or from another sample would move logprobs by far more); the routers' own choice
+    agrees with the engine's almost everywhere."""
+    out = tmp_path / "out"
+    assert command.run(_args(servers, out, pairs="xla-vllm", dtype="float32", replay=True, routing=True), []) == 0
+    ms = {m.meta["pair"]: m for m in (records.load(d) for d in records.find([out]))}
+    assert sorted(ms) == ["xla-vllm", "xla_replay-vllm"]
+    plain, replayed = ms["xla-vllm"], ms["xla_replay-vllm"]
+    np.testing.assert_array_equal(plain.tokens["logq"], replayed.tokens["logq"])
+    assert replayed.meta["routing_replay"] is True and replayed.meta["side_p"].endswith("routing replayed")
+    assert 0.0 <= replayed.meta["router_flip_frac"] < 0.05
+    assert np.max(np.abs(replayed.tokens["logp"] - replayed.tokens["logq"])) < 1e-3
+    assert replayed.routing["experts_p"].shape == plain.routing["experts_p"].shape
+
+
 def test_dump_reader(tmp_path, servers):
     run_dir = tmp_path / "run"
     rng = np.random.default_rng(0)

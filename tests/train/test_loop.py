@@ -151,6 +151,25 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
 
 
 @pytest.mark.slow
+def test_routing_replay_through_the_loop(prepared, tmp_path):
+    """cis+replay: the real vLLM engine returns the routing of every position (prompt and response), the rescoring
+    and the update replay it. With the engine in fp32 it chose what the fp32 trainer's routers choose at almost every
+    (position, layer) -- replayed ids that were not the engine's (misaligned, or another sample's) would flip most."""
+    run_dir = tmp_path / "run"
+    loop.train(_cfg(prepared, run_dir, **{"run.steps": 2, "routing.replay": "rollout", "run.dump_every": 1}))
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0.0 <= r["replay/flip_pair_frac"] <= r["replay/flip_token_frac"] <= 1.0
+        assert r["replay/flip_pair_frac"] < 0.05, r
+        assert np.isfinite(r["train/loss"]) and r["skipped_steps"] == 0
+    dump = np.load(run_dir / "dumps" / "step_0000001.npz")
+    assert dump["routing_flips"].shape == dump["logp_infer"].shape
+    assert dump["routing_flips_per_layer"].shape == (2,)  # the demo model's two MoE layers
+    assert 0 <= dump["routing_flips"].min() and dump["routing_flips"].max() <= 2
+
+
+@pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
     the current weights, and the run completes every step."""
