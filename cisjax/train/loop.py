@@ -188,7 +188,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             batch = batch._replace(prox_logprobs_MxBxT=prox)
             jax.block_until_ready(prox)
             rescore_s = time.monotonic() - t0
-            flips_host = None if flips is None else type(flips)(*map(distributed.to_host, flips))  # collective across processes
+            flips_host = (
+                None if flips is None else type(flips)(*map(distributed.to_host, flips))
+            )  # collective across processes
             # dump before the step donates the params (the batch and prox are not donated)
             if cfg.run.dump_every and s % cfg.run.dump_every == 0:
                 prox_host = distributed.to_host(prox)  # collective when prox spans processes
