@@ -43,6 +43,10 @@ COMMANDS = {
         "cisjax.plan.command",
         "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline",
     ),
+    "sweep": (
+        "cisjax.sweep.command",
+        "correction arms x seeds as train runs (here, one after another, or as commands), then sweep.md + plots",
+    ),
     "info": ("cisjax.info", "describe a Hugging Face model directory as cisjax loads it"),
     "config": ("cisjax.info", "print a config file with --config.x=y overrides applied"),
 }

@@ -163,6 +163,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.timeout_s = 3600.0  # deadline of one rollout call
     c.rollout.retry_s = 900.0  # how long the client retries an unavailable server (restarts included)
     c.rollout.startup_s = 900.0  # how long to wait for the server to serve
+    # Controlled mismatch (ablations: how each correction copes when the engines disagree by a known amount). The
+    # engine's dtype (rollout.dtype, publish.dtype) is the third dial. Each shows in metrics.jsonl: publish/perturb_rel_rms,
+    # rollout/staleness_mean.
+    c.rollout.perturb = "none"  # the engine serves a perturbed copy of the weights: none | int8 | int4 | fp8 (one scale per matrix) | noise
+    c.rollout.perturb_scale = 0.0  # perturb=noise: w + scale x rms(w) x N(0, 1), one rms per matrix (e.g. 0.01)
+    c.rollout.perturb_seed = 0  # seed of the noise: the same perturbation pattern at every version
+    c.rollout.lag = 0  # the engine is sent the weights of N steps ago: every rollout exactly N versions stale (<= max_staleness)
 
     # --- evaluation in the loop (cisjax.evaluation.in_loop; the same code as `cisjax eval`) -----------------------
     # Greedy pass@1 of the weights just published, on the run's rollout server (the version the trainer published),

@@ -81,6 +81,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "xla_replay-vllm, measured beside xla-vllm; its routing, with --routing, is the XLA routers' own choice",
     )
     p.add_argument(
+        "--perturb",
+        default="none",
+        help="controlled mismatch (cisjax.train.perturb, as the trainer's rollout.perturb): the engines started here "
+        "serve a perturbed copy of --model (none | int8 | int4 | fp8 | noise) while XLA rescores with --model itself",
+    )
+    p.add_argument("--perturb-scale", type=float, default=0.0, help="--perturb noise: the relative rms (e.g. 0.01)")
+    p.add_argument("--perturb-seed", type=int, default=0, help="--perturb noise: its seed")
+    p.add_argument(
         "--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)"
     )
     p.add_argument(
@@ -318,6 +326,7 @@ def measure(args, overrides) -> list[Path]:
     from cisjax import config as config_lib
     from cisjax.rollout.client import SamplingParams
     from cisjax.rows import Seq
+    from cisjax.train import perturb as perturb_lib
 
     pairs = parse_pairs(args.pairs)
     if args.model is None or args.prompts is None:
@@ -336,6 +345,9 @@ def measure(args, overrides) -> list[Path]:
     if bad:
         raise errors.UserError(f"prompt {bad[0]} has token ids outside the model's vocabulary [0, {vocab_size})")
     cfg = config_lib.load(args.config, list(overrides or []))
+    perturb_lib.check(args.perturb, args.perturb_scale)
+    if args.perturb != "none" and (args.server or args.transformers_server):
+        raise errors.UserError("--perturb serves a perturbed copy from the servers started here: drop --server")
     if args.replay and "xla_replay-vllm" not in pairs:
         pairs.append("xla_replay-vllm")
     replay = "xla_replay-vllm" in pairs
@@ -343,7 +355,10 @@ def measure(args, overrides) -> list[Path]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    servers = Servers(args, model_dir, out, vocab_size)
+    engine_dir, perturbed = model_dir, None
+    if args.perturb != "none":
+        engine_dir, perturbed = _perturbed_copy(model_dir, args, out / "engine_model")
+    servers = Servers(args, engine_dir, out, vocab_size)
     try:
         # 1. sampling on vLLM: q of every token from the sampling step itself (paper C.5), and its routing
         vllm = servers.client("vllm")
@@ -498,6 +513,8 @@ def measure(args, overrides) -> list[Path]:
         "prompts_file": str(args.prompts),
         "sequences": len(items),
         "tokens": n_tokens,
+        # controlled mismatch: the engines served a perturbed copy of "model" (XLA rescored with "model" itself)
+        "perturb": perturbed,
         "seed": args.seed,
         "probe_seed": args.seed + 1,
         "probe_positions": int(n_probe),
@@ -563,6 +580,28 @@ def measure(args, overrides) -> list[Path]:
             records.save(out / pair, records.Measurement(meta=meta, tokens=tokens, topk=topk, routing=routing))
         )
     return written
+
+
+def _perturbed_copy(model_dir: Path, args, root: Path) -> tuple[Path, dict]:
+    """--perturb: --model loaded by cisjax, perturbed (cisjax.train.perturb) and saved in its own dtype as root/v000000,
+    the model directory the engines start on; with the settings and the relative rms change."""
+    import shutil
+
+    import flax.nnx as nnx
+
+    from cisjax import export as export_lib
+    from cisjax.models import hf_io
+    from cisjax.train import perturb as perturb_lib
+
+    model, _, hf = hf_io.load(model_dir)
+    graphdef, params = nnx.split(model)
+    sent, rel = perturb_lib.perturb(params, kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed)
+    shutil.rmtree(root, ignore_errors=True)
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    path = export_lib.export((graphdef, sent), hf, root, 0, dtype=dtype, keep=1, metadata={"source": "measure"})
+    info = dict(kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed, rel_rms=float(rel))
+    log.info("--perturb: the engines serve %s (relative rms change %.3g)", path, info["rel_rms"])
+    return path, info
 
 
 def _replay_side(model_dir, samples, items, cfg, args, n_tokens, routing_index, timings) -> dict:

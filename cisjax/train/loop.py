@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
@@ -27,11 +28,13 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages;
       3. proximal rescoring: p of every token under the current params (the step's own forward);
       4. the jitted step: correction weights from p and q, the clipped loss, AdamW;
-      5. publish version s + 1 (export or stream, reload, canary);
+      5. publish version s + 1 (export or stream, reload, canary; rollout.lag: version s + 1 - lag; rollout.perturb:
+         a perturbed copy, cisjax.train.perturb);
       6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
          server; then metrics, dump, checkpoint.
     """
     import jax
+    import jax.numpy as jnp
 
     from cisjax import sharding
     from cisjax.rl import corrections
@@ -70,6 +73,10 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     start = int(state.step)
 
     # --- data, rewards, rollout service (process 0 talks to the server) ----------------------
+    # rollout.perturb: version 0 is what the engine starts on, so it starts on the perturbed copy (export: collective)
+    engine_model = cfg.model.path
+    if cfg.rollout.perturb != "none" and start == 0:
+        engine_model = _perturbed_start(run, state.params, cfg, run_dir, lead)
     stream, formatter, pool, server, client, producer = None, None, None, None, None, None
     publisher = evaluator = None
     try:
@@ -96,7 +103,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 from cisjax.evaluation.in_loop import LoopEval
 
                 evaluator = LoopEval(cfg, run_dir, cfg.data.tokenizer or cfg.model.path)
-            server, client = _rollout_service(cfg, run_dir)
+            server, client = _rollout_service(cfg, run_dir, engine_model)
         available = distributed.broadcast(stream.total_steps if lead else None)
         total = int(cfg.run.steps) or available
         if total > available:  # found now, not when the prompts run out mid-run
@@ -109,6 +116,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             if lead and publisher.root is not None:
                 _drop_exports_from(publisher.root, start)
             publisher.publish(state.params, version=start)
+        # rollout.lag = N: the engine is sent the params of N steps ago (copies: the step donates its state)
+        lag, held = int(cfg.rollout.lag), collections.deque()
         version = start  # the params of step s are weights version s
 
         sampling = SamplingParams(
@@ -201,21 +210,30 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             state, m = train_step(state, batch)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             train_s = time.monotonic() - t0
-            # 5. publish the new weights as version s + 1
+            # 5. publish the new weights as version s + 1 (with rollout.lag, version s + 1 - lag; the last step's always)
             t0 = time.monotonic()
-            report = publisher.publish(state.params, version=s + 1)
+            report = None
+            if lag and s + 1 < total:
+                held.append((s + 1, jax.tree.map(jnp.copy, state.params)))
+                if len(held) > lag:
+                    v, params = held.popleft()
+                    report = publisher.publish(params, version=v)
+                    del params
+            else:
+                report = publisher.publish(state.params, version=s + 1)
             publish_s = time.monotonic() - t0
             state = state_lib.with_counters(
                 state, policy_version=s + 1, data_position=int(roll_metrics["data/position"])
             )
-            if lead:
-                producer.published(s + 1)
+            if lead and report is not None:
+                producer.published(report.version)
             step_s = time.monotonic() - t_step
             # 6. evaluation of the weights just published (version s + 1), greedy, on the same server
             evaluated = evaluator.run(client, s + 1) if evaluator is not None and evaluator.due(s, total) else {}
             out = {f"train/{k}": v for k, v in m.items()}
             out.update(roll_metrics)
-            out.update(report.metrics())
+            if report is not None:
+                out.update(report.metrics())
             if flips_host is not None and lead:
                 out.update(_flip_metrics(flips_host, host.segment_ids_MxBxT))
             out.update(
@@ -383,14 +401,40 @@ def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr
     )
 
 
-def _rollout_service(cfg, run_dir: Path):
-    """(embedded server or None, connected client): the configured address, or a child server on this machine."""
+def _perturbed_start(run, params, cfg, run_dir: Path, lead: bool) -> str:
+    """The engine's version 0 under rollout.perturb: the initial params perturbed (cisjax.train.perturb), exported as
+    an HF directory <run dir>/engine_start/v000000 (outside the export root, whose pruning would remove it)."""
+    import shutil
+
+    from cisjax import export as export_lib
+    from cisjax.train import perturb as perturb_lib
+
+    r = cfg.rollout
+    sent, rel = perturb_lib.perturb(params, kind=r.perturb, scale=float(r.perturb_scale), seed=int(r.perturb_seed))
+    root = Path(run_dir) / "engine_start"
+    if lead:
+        shutil.rmtree(root, ignore_errors=True)  # a fresh run (start 0) replaces an earlier run's start
+    path = export_lib.export(
+        (run.graphdef, sent),
+        run.hf_config,
+        root,
+        0,
+        dtype=cfg.publish.dtype or None,
+        keep=1,
+        metadata={"source": "rollout.perturb", "perturb": r.perturb, "rel_rms": float(rel)},
+    )
+    log.info("rollout.perturb=%s: the engine starts on %s (relative rms change %.3g)", r.perturb, path, float(rel))
+    return str(path)
+
+
+def _rollout_service(cfg, run_dir: Path, model_dir):
+    """(embedded server or None, connected client): the configured address, or a child server on `model_dir`."""
     from cisjax.train import server_proc
 
     r = cfg.rollout
     return server_proc.connect(
         r.server,
-        model_dir=cfg.model.path,
+        model_dir=model_dir,
         export_root=Path(cfg.publish.dir or run_dir / "exports"),
         log_path=run_dir / "rollout_server.log",
         backend=r.backend,

@@ -20,6 +20,7 @@ from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
 from cisjax.rollout import canary as canary_lib
+from cisjax.train import perturb as perturb_lib
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class PublishReport:
     reload_s: float  # disk: the UpdateWeights call (the server verifies and reloads); stream: the rest of the call (sending, reloading)
     canary_s: float  # trainer logprobs + server scoring + comparison; 0 when the canary did not run
     canary: canary_lib.CanaryReport | None  # None when the canary did not run (or on processes other than 0)
+    perturb_rel_rms: float | None = (
+        None  # rollout.perturb: ||sent - params|| / ||params|| over the matrices; None = off
+    )
 
     def metrics(self) -> dict:
         """Flat numbers for the training log."""
@@ -68,6 +72,8 @@ class PublishReport:
         }
         if self.canary is not None:
             out.update({"publish/canary_mean_abs": self.canary.mean_abs, "publish/canary_max_abs": self.canary.max_abs})
+        if self.perturb_rel_rms is not None:
+            out["publish/perturb_rel_rms"] = self.perturb_rel_rms
         return out
 
 
@@ -206,6 +212,10 @@ class Publisher:
         self.root = Path(root) if root else None
         self.server_dir = pc.server_dir or None
         self.publishes = 0
+        # controlled mismatch (cisjax.train.perturb): the engine gets a perturbed copy; the canary checks that copy
+        rc = cfg.rollout
+        self.perturb = dict(kind=str(rc.perturb), scale=float(rc.perturb_scale), seed=int(rc.perturb_seed))
+        perturb_lib.check(self.perturb["kind"], self.perturb["scale"])
 
         c = pc.canary
         self.every = int(c.every)
@@ -257,6 +267,10 @@ class Publisher:
 
     def publish(self, params, version: int) -> PublishReport:
         version = int(version)
+        rel_rms = None
+        if self.perturb["kind"] != "none":
+            params, rel = perturb_lib.perturb(params, **self.perturb)
+            rel_rms = float(rel)
         model = (self.graphdef, params)
         path = None
         jax.block_until_ready(params)  # the step that produced them is not export time
@@ -325,6 +339,7 @@ class Publisher:
             reload_s=reload_s,
             canary_s=canary_s,
             canary=report,
+            perturb_rel_rms=rel_rms,
         )
         log.debug(
             "published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s",

@@ -17,6 +17,7 @@ from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
+from cisjax.train import perturb
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 
@@ -297,6 +298,24 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.number("rollout.seed", low=-1, integer=True, why=" (-1 = fresh randomness)")
     for what in ("timeout_s", "retry_s", "startup_s"):
         c.number(f"rollout.{what}", low=0, low_open=True)
+    # controlled mismatch (cisjax.train.perturb, the loop's lag)
+    c.number("rollout.perturb_scale", low=0)
+    c.number("rollout.perturb_seed", low=0, integer=True)
+    c.raises("rollout.perturb", perturb.check, c.get("rollout.perturb"), c.get("rollout.perturb_scale"))
+    if c.get("rollout.perturb") != "none" and c.get("rollout.server"):
+        c.add(
+            f"rollout.perturb={c.get('rollout.perturb')!r} with rollout.server={c.get('rollout.server')!r}: version 0 "
+            "is the weights the engine starts on, so a perturbed run starts its own (embedded) server"
+        )
+    lag = c.number("rollout.lag", low=0, integer=True, why=" (0 = the engine gets each step's weights)")
+    stale = c.get("rollout.max_staleness")
+    if lag and isinstance(stale, int) and lag > stale:
+        c.add(f"rollout.lag={lag} > rollout.max_staleness={stale}: lagged rollouts would break the staleness bound")
+    if lag and c.get("eval.sets") and c.get("eval.every"):
+        c.add(
+            f"rollout.lag={lag} with eval.every={c.get('eval.every')}: the engine holds older weights than the step's; "
+            "evaluate at the end only (eval.every=0), where the final weights are published"
+        )
 
 
 def _eval_and_reward(c: _Checker) -> None:

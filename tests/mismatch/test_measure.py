@@ -167,6 +167,36 @@ def test_replay_pair_rescores_with_the_engines_routing(servers, tmp_path):
     assert replayed.routing["experts_p"].shape == plain.routing["experts_p"].shape
 
 
+def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
+    """--perturb: the vLLM child serves a perturbed copy (seeded noise), XLA rescores the original; all fp32, so ε is
+    the perturbation's. sd(ε) of the same prompts grows with the noise; the same seed reproduces the copy exactly."""
+    from cisjax.mismatch import stats as S
+
+    sd, copies = {}, {}
+    for scale in (0.02, 0.1):
+        out = tmp_path / f"noise{scale}"
+        args = _args(servers, out, pairs="xla-vllm", dtype="float32", engine_dtype="float32", num_prompts=2)
+        args.server = args.transformers_server = None
+        args.perturb, args.perturb_scale, args.perturb_seed = "noise", scale, 5
+        assert command.run(args, []) == 0
+        m = records.load(out / "xla-vllm")
+        assert m.meta["perturb"]["kind"] == "noise" and abs(m.meta["perturb"]["rel_rms"] - scale) < 0.2 * scale
+        sd[scale] = S.eps_stats(m.tokens["logp"], m.tokens["logq"])["sd"]
+        copies[scale] = (out / "engine_model" / "v000000" / "model.safetensors").read_bytes()
+    assert 0 < sd[0.02] < sd[0.1], sd
+    args = _args(servers, tmp_path / "again", pairs="xla-vllm", num_prompts=1)
+    args.server = args.transformers_server = None
+    args.perturb, args.perturb_scale, args.perturb_seed = "noise", 0.02, 5
+    from cisjax.mismatch import measure as measure_lib
+
+    path, _ = measure_lib._perturbed_copy(servers["model"], args, tmp_path / "again_model")
+    assert (path / "model.safetensors").read_bytes() == copies[0.02]
+    with pytest.raises(Exception, match="drop --server"):
+        bad = _args(servers, tmp_path / "bad", pairs="xla-vllm")
+        bad.perturb, bad.perturb_scale = "int8", 0.0
+        command.run(bad, [])
+
+
 def test_dump_reader(tmp_path, servers):
     run_dir = tmp_path / "run"
     rng = np.random.default_rng(0)

@@ -170,6 +170,34 @@ def test_routing_replay_through_the_loop(prepared, tmp_path):
 
 
 @pytest.mark.slow
+def test_perturbed_and_lagged_engine(prepared, tmp_path):
+    """rollout.perturb=int4 and rollout.lag=1 on the fp32 engine: every publish (version 0 included) sends the int4
+    copy, which the tight canary checks against the engine (so the engine serves exactly the copy, not the params);
+    the exported matrices lie on the int4 grid; the engine trails by one version (staleness exactly 1 after step 0)
+    and the last step publishes the final weights."""
+    from safetensors.numpy import load_file
+
+    run_dir = tmp_path / "run"
+    over = {"run.steps": 3, "rollout.perturb": "int4", "rollout.lag": 1, "publish.canary.mean_abs": 1e-3}
+    loop.train(_cfg(prepared, run_dir, **{**over, "publish.canary.max_abs": 1e-2, "checkpoint.every": 0}))
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    start = load_file(str(run_dir / "engine_start" / "v000000" / "model.safetensors"))  # version 0: perturbed too
+    w0 = start["model.layers.0.self_attn.q_proj.weight"].astype(np.float64)
+    np.testing.assert_allclose(w0 / (np.abs(w0).max() / 7), np.round(w0 / (np.abs(w0).max() / 7)), atol=1e-4)
+    assert "publish/version" not in rows[0]  # version 1 held back
+    assert [r["publish/version"] for r in rows[1:]] == [1.0, 3.0]
+    for r in rows[1:]:
+        assert 0.05 < r["publish/perturb_rel_rms"] < 0.3  # int4 on Gaussian-like matrices: ~0.1-0.2
+        assert r["publish/canary_mean_abs"] < 1e-3
+    tensors = load_file(str(run_dir / "exports" / "v000003" / "model.safetensors"))
+    w = tensors["model.layers.0.self_attn.q_proj.weight"].astype(np.float64)
+    steps = w / (np.abs(w).max() / 7)
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+
+
+@pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
     the current weights, and the run completes every step."""

@@ -1,0 +1,193 @@
+"""The sweep's comparison: per arm, mean and spread over seeds of reward, held-out accuracy, correction and cost metrics; sweep.md + sweep.png."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["arm_table", "read_rows", "write"]
+
+# (column, metrics.jsonl key, how a run's rows reduce to one number)
+PER_RUN = [
+    ("acted frac", "train/acted_frac", "mean"),
+    ("mean \\|log k\\|", "train/abs_logk_mean", "mean"),
+    ("grad norm", "train/grad_norm", "mean"),
+    ("step s", "time/step_s", "median"),
+    ("train s", "time/train_s", "median"),
+    ("staleness", "rollout/staleness_mean", "mean"),
+    ("engine perturbation (rel rms)", "publish/perturb_rel_rms", "mean"),
+]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut by a crash ends them (the rows before it stand)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return read_rows(Path(run_dir) / "metrics.jsonl")
+
+
+def _series(rows: list[dict], key: str, steps: int) -> np.ndarray:
+    out = np.full(steps, np.nan)
+    for r in rows:
+        if key in r and 0 <= r["step"] < steps:
+            out[r["step"]] = r[key]
+    return out
+
+
+def _reduce(values: np.ndarray, how: str, skip_first: bool) -> float:
+    v = values[1:] if skip_first and values.size > 1 else values  # step 0 holds the compile
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return float("nan")
+    return float(np.median(v) if how == "median" else np.mean(v))
+
+
+def _held_out(rows: list[dict]) -> dict:
+    """The last evaluation logged (eval/<set>/accuracy, the final one when eval.final), per set."""
+    out = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("eval/") and k.endswith("/accuracy"):
+                out[k.split("/")[1]] = float(v)
+    return out
+
+
+def _spread(values: list[float]) -> dict:
+    v = [x for x in values if np.isfinite(x)]
+    if not v:
+        return {"mean": float("nan"), "sd": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {
+        "mean": float(np.mean(v)),
+        "sd": float(statistics.stdev(v)) if len(v) > 1 else 0.0,
+        "min": float(min(v)),
+        "max": float(max(v)),
+        "n": len(v),
+    }
+
+
+def arm_table(runs, steps: int, window: int = 0) -> dict:
+    """{arm: {"seeds": [...], "final_reward": spread, "held_out": {set: spread}, <column>: spread, "curve": {mean, min,
+    max} per step, "complete": finished seeds}} over the runs' metrics.jsonl. A run's final reward is its mean
+    reward over the last `window` steps (0 = a quarter of the steps)."""
+    window = window or max(1, steps // 4)
+    arms: dict[str, dict] = {}
+    for r in runs:
+        rows = _rows(r.run_dir)
+        a = arms.setdefault(r.arm, {"seeds": [], "curves": [], "finals": [], "held": {}, "cols": {}, "complete": 0})
+        if not rows:
+            continue
+        reward = _series(rows, "reward/mean", steps)
+        a["seeds"].append(r.seed)
+        a["curves"].append(reward)
+        a["complete"] += int(rows[-1].get("step") == steps - 1)
+        tail = reward[-window:]
+        a["finals"].append(float(np.nanmean(tail)) if np.isfinite(tail).any() else float("nan"))
+        for name, v in _held_out(rows).items():
+            a["held"].setdefault(name, []).append(v)
+        for col, key, how in PER_RUN:
+            a["cols"].setdefault(col, []).append(_reduce(_series(rows, key, steps), how, key.startswith("time/")))
+    out = {}
+    for arm, a in arms.items():
+        curves = np.asarray(a["curves"]) if a["curves"] else np.full((0, steps), np.nan)
+        with warnings.catch_warnings():  # steps no seed reached yet are NaN: not a problem
+            warnings.simplefilter("ignore", RuntimeWarning)
+            curve = {
+                "mean": np.nanmean(curves, 0).tolist() if len(curves) else [],
+                "min": np.nanmin(curves, 0).tolist() if len(curves) else [],
+                "max": np.nanmax(curves, 0).tolist() if len(curves) else [],
+            }
+        out[arm] = {
+            "seeds": a["seeds"],
+            "complete": a["complete"],
+            "final_reward": _spread(a["finals"]),
+            "final_reward_per_seed": a["finals"],
+            "held_out": {k: _spread(v) for k, v in a["held"].items()},
+            **{col: _spread(v) for col, v in a["cols"].items()},
+            "curve": curve,
+            "window": window,
+        }
+    return out
+
+
+def _fmt(s: dict, digits: int = 3) -> str:
+    if not s or not s["n"] or not np.isfinite(s["mean"]):
+        return "—"
+    if s["n"] == 1:
+        return f"{s['mean']:.{digits}g}"
+    return f"{s['mean']:.{digits}g} ± {s['sd']:.2g} ({s['min']:.{digits}g}–{s['max']:.{digits}g})"
+
+
+def _plot(table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, t in table.items():
+        mean = np.asarray(t["curve"]["mean"], float)
+        if not mean.size:
+            continue
+        x = np.arange(mean.size)
+        line = ax.plot(x, mean, label=f"{arm} ({len(t['seeds'])} seeds)", lw=1.2)[0]
+        ax.fill_between(x, t["curve"]["min"], t["curve"]["max"], color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training reward (mean over seeds; band: min-max)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out: Path, runs, steps: int, window: int = 0) -> Path:
+    """sweep.md, sweep_summary.json and sweep.png in `out`; returns the markdown's path."""
+    out = Path(out)
+    table = arm_table(runs, steps, window)
+    (out / "sweep_summary.json").write_text(json.dumps(table, indent=1))
+    _plot(table, out / "sweep.png")
+    meta = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").is_file() else {}
+    sets = sorted({s for t in table.values() for s in t["held_out"]})
+    md = ["# cisjax sweep\n"]
+    if meta:
+        md.append(f"`{meta.get('config')}`, arms {', '.join(meta.get('arms', []))}, {meta.get('seeds')} seeds, ")
+        md.append(f"{steps} steps; overrides: `{' '.join(meta.get('overrides', [])) or 'none'}`.\n")
+    md.append(
+        f"\nValues are mean ± sd over seeds (min–max). Final reward: a run's mean training reward over its last "
+        f"{next(iter(table.values()))['window'] if table else '-'} steps. Step and train seconds: medians over a run's "
+        "steps after the first (compilation). Cost: the arm's train seconds / the `none` arm's.\n\n"
+    )
+    head = ["arm", "runs (finished)", "final reward", *[f"held-out {s}" for s in sets], *[c for c, _, _ in PER_RUN]]
+    head.append("cost vs none")
+    md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
+    base = table.get("none", {}).get("train s", {}).get("mean")
+    for arm, t in table.items():
+        cells = [arm, f"{len(t['seeds'])} ({t['complete']})", _fmt(t["final_reward"])]
+        cells += [_fmt(t["held_out"].get(s, {})) for s in sets]
+        cells += [_fmt(t.get(c, {})) for c, _, _ in PER_RUN]
+        own = t.get("train s", {})
+        cost = own["mean"] / base if base and np.isfinite(base) and own.get("n") else float("nan")
+        cells.append(f"{cost:.3f}" if np.isfinite(cost) else "—")
+        md.append("| " + " | ".join(cells) + " |\n")
+    md.append("\nFinal reward per seed:\n\n")
+    for arm, t in table.items():
+        per = ", ".join(f"seed {s}: {v:.3f}" for s, v in zip(t["seeds"], t["final_reward_per_seed"]))
+        md.append(f"- {arm}: {per or 'no runs yet'}\n")
+    md.append("\n![training reward per arm](sweep.png)\n")
+    path = out / "sweep.md"
+    path.write_text("".join(md))
+    return path

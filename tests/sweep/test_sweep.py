@@ -1,0 +1,98 @@
+"""`cisjax sweep` end to end: two arms, one seed, a few steps each as real `cisjax train` runs (the vLLM engine), the
+summary, the cluster command list, and a second invocation that resumes the runs instead of redoing them."""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.train import looputil
+
+if os.environ.get("CISJAX_SKIP_VLLM") == "1":
+    pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
+
+pytestmark = pytest.mark.slow  # train runs on the real engine
+
+
+def _sweep(prepared, out, cache, *extra):
+    cmd = [
+        *looputil.cisjax_command(),
+        "sweep",
+        "--config",
+        str(looputil.DEMO_CONFIG),
+        "--arms",
+        "cis,none",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        f"--config.model.path={prepared / 'model'}",
+        f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
+        "--config.data.prompts_per_step=8",
+        "--config.rollout.group_size=4",
+        "--config.rollout.max_new_tokens=12",
+        "--config.rollout.dtype=float32",
+        "--config.publish.dtype=float32",
+        "--config.publish.canary.num_sequences=2",
+        "--config.publish.canary.response_len=8",
+        "--config.reward.workers=1",
+        "--config.run.dump_every=0",
+        "--config.run.tensorboard=false",
+        "--config.checkpoint.every=0",
+        *extra,
+    ]
+    return subprocess.run(cmd, env=looputil.subprocess_env(cache), capture_output=True, text=True, timeout=1500)
+
+
+def test_two_arms_run_summarise_and_resume(tmp_path):
+    prepared = looputil.prepare(tmp_path / "demo")
+    out, cache = tmp_path / "sweep", tmp_path / "cache"
+
+    listed = _sweep(prepared, out, cache, "--config.run.steps=2", "--print-commands")
+    assert listed.returncode == 0, listed.stderr
+    lines = [x for x in (out / "commands.sh").read_text().splitlines() if x.startswith("cisjax train")]
+    assert len(lines) == 2 and "demo_cpu.py:cis " in lines[0] and "demo_cpu.py:none " in lines[1]
+    assert all("--config.seed=0" in x and "--config.rollout.seed=0" in x for x in lines)
+    assert not (out / "cis").exists()  # listing runs nothing
+
+    done = _sweep(prepared, out, cache, "--config.run.steps=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = {arm: looputil.metrics(out / arm / "seed0") for arm in ("cis", "none")}
+    assert {arm: [r["step"] for r in rows] for arm, rows in first.items()} == {"cis": [0, 1], "none": [0, 1]}
+    md = (out / "sweep.md").read_text()
+    assert "| cis | 1 (1) |" in md and "| none | 1 (1) |" in md and (out / "sweep.png").is_file()
+
+    # a longer sweep over the same directory: the runs resume from their checkpoints, steps 0-1 are not redone
+    more = _sweep(prepared, out, cache, "--config.run.steps=3")
+    assert more.returncode == 0, more.stdout + more.stderr
+    for arm, rows in first.items():
+        now = looputil.metrics(out / arm / "seed0")
+        assert [r["step"] for r in now] == [0, 1, 2]
+        assert now[:2] == rows
+    again = _sweep(prepared, out, cache, "--config.run.steps=3")  # all finished: nothing runs
+    assert again.returncode == 0 and again.stdout.count("done before, kept") == 2
+
+
+def test_bad_arm_fails_before_anything_runs(tmp_path):
+    out = tmp_path / "sweep"
+    r = subprocess.run(
+        [
+            *looputil.cisjax_command(),
+            "sweep",
+            "--config",
+            str(looputil.DEMO_CONFIG),
+            "--arms",
+            "cis,bogus",
+            "--out",
+            str(out),
+            "--config.run.steps=2",
+            "--config.model.path=/nonexistent",
+            "--config.data.source=/nonexistent",
+        ],
+        env=looputil.subprocess_env(tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "bogus" in r.stderr, r.stderr
+    assert not (out / "cis").exists()
