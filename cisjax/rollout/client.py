@@ -231,9 +231,18 @@ class RolloutClient:
                 raise RolloutError(f"rollout server {self.target} not serving after {timeout_s:.0f}s")
             time.sleep(0.2)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[Sample]]:
-        """n samples per prompt, as [prompt][sample], whatever order the server streams them in."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | None = None, *, ids: list[int] | None = None
+    ) -> list[list[Sample]]:
+        """n samples per prompt, as [prompt][sample], whatever order the server streams them in. `ids`: the prompts'
+        ids on the wire (default their positions), which the server mixes into the per-sample seeds: a caller that
+        sends part of a batch (a RolloutFleet) passes the positions in the whole batch so that the samples do not
+        depend on the split. Sample.prompt_index is the position in `prompts` either way."""
         params = params or SamplingParams()
+        wire = list(range(len(prompts))) if ids is None else [int(i) for i in ids]
+        if len(wire) != len(prompts) or len(set(wire)) != len(wire):
+            raise ValueError(f"generate: {len(wire)} ids for {len(prompts)} prompts, or repeated ids")
+        position = {w: i for i, w in enumerate(wire)}
         rp = self.pb.rollout_pb2
         p = rp.SamplingParams(
             n=params.n,
@@ -260,12 +269,14 @@ class RolloutClient:
                 sent.append(len(missing))
                 if not missing:
                     return
-                req = rp.GenerateRequest(prompts=[rp.Prompt(token_ids=prompts[i], id=i) for i in missing], params=p)
+                req = rp.GenerateRequest(
+                    prompts=[rp.Prompt(token_ids=prompts[i], id=wire[i]) for i in missing], params=p
+                )
                 for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
                     s = resp.sample
-                    i = s.prompt_id
+                    i = position.get(s.prompt_id, -1)
                     if i not in results:
-                        raise RolloutError(f"server returned a sample for unknown prompt id {i}")
+                        raise RolloutError(f"server returned a sample for unknown prompt id {s.prompt_id}")
                     results[i][s.sample_index] = _sample(s, i, prompts[i])
 
             self._retrying("Generate", attempt)

@@ -1,0 +1,451 @@
+"""A rollout fleet: several rollout servers behind one client (dispatch, weights to all, re-sending a dead one's work)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from cisjax.rollout.client import RolloutClient, RolloutError, Sample, SamplingParams
+
+log = logging.getLogger("cisjax.rollout.fleet")
+
+_DOWN = {grpc.StatusCode.UNAVAILABLE}  # a replica that answers this is out of rotation; its work goes elsewhere
+_END = object()  # end of a replica's tensor stream
+
+
+@dataclass
+class Replica:
+    """One server of the fleet and what the fleet knows of it."""
+
+    index: int
+    client: RolloutClient
+    restarts: object = None  # () -> how often its process was restarted (embedded children), else None
+    in_rotation: bool = True
+    in_flight: int = 0  # tokens of the calls in flight on it (prompt + max_new_tokens x n per prompt)
+    version: int = 0  # the weights version it last reported
+    failures: int = 0  # times it was taken out of rotation
+    rejoins: int = 0
+    tokens: int = 0  # response tokens it returned
+    probed: float = 0.0  # monotonic time of the last probe while out of rotation
+    last: dict = field(default_factory=lambda: {"t": time.monotonic(), "tokens": 0})  # at the last metrics()
+
+
+class RolloutFleet:
+    """RolloutClient's interface (generate, score, update_weights, update_weights_from_tensors, info, health,
+    wait_ready, expected_version, close) over N servers, each behind its own RolloutClient built with retry_s=0 (a
+    replica that fails fails fast: the fleet, not the replica's client, decides where its work goes).
+
+    generate: each prompt (with its n samples: a group never splits, so one prefix cache serves it) goes to the
+    in-rotation replica with the fewest in-flight tokens, counting the calls of every thread. Prompts keep their
+    position in the whole call as their id on the wire, and the servers derive each sample's seed from (seed,
+    prompt id, sample index): a seeded call returns the same samples whichever replica serves a prompt, and the
+    order is the caller's. A replica whose call fails UNAVAILABLE is taken out of rotation and its unfinished prompts
+    go to the others (a prompt's samples come whole from one replica: nothing twice). With none in rotation, the call
+    waits (logging every `log_every_s`) for one to return, at most `retry_s`.
+
+    Out-of-rotation replicas are probed at the start of each call (at most every `probe_s`): one that serves again
+    rejoins once it holds `expected_version`; an older one is first sent the current weights (the last exported
+    directory; after a streamed update it waits for the next update, which goes to every serving replica). So no
+    replica serves an older version than the fleet's. Weight updates go to all replicas in parallel (one thread each;
+    a streamed update reads the tensors once and hands them to every replica)."""
+
+    def __init__(
+        self,
+        clients: list[RolloutClient],
+        *,
+        retry_s: float = 120.0,
+        restarts: list | None = None,
+        probe_s: float = 1.0,
+        log_every_s: float = 30.0,
+    ):
+        if not clients:
+            raise ValueError("RolloutFleet: no replicas")
+        self.replicas = [
+            Replica(i, c, restarts=None if restarts is None else restarts[i]) for i, c in enumerate(clients)
+        ]
+        for c in clients:
+            c.retry_s = 0.0  # fail fast: the fleet re-sends elsewhere
+        self.target = ",".join(c.target for c in clients)
+        self.timeout_s = max(c.timeout_s for c in clients)
+        self.retry_s, self.probe_s, self.log_every_s = retry_s, probe_s, log_every_s
+        self.expected_version = 0
+        self._restore = None  # (path, checksums) of the last directory update: what a returning replica is sent
+        self._lock = threading.Lock()  # replica state (rotation, in-flight tokens, counters)
+        self._update_lock = threading.Lock()  # one weight update (or restore) at a time
+        # generate's calls on one pool; weight updates on their own, so that they never queue behind generate calls
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(8, 4 * len(clients)), thread_name_prefix="fleet")
+        self._updates = futures.ThreadPoolExecutor(max_workers=len(clients) + 1, thread_name_prefix="fleet-update")
+
+    @classmethod
+    def connect(cls, targets: list[str], *, token: str | None = None, timeout_s: float = 600.0, **kw) -> RolloutFleet:
+        """A fleet of running servers HOST:PORT."""
+        return cls([RolloutClient(t, token=token, timeout_s=timeout_s) for t in targets], **kw)
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._updates.shutdown(wait=False, cancel_futures=True)
+        for r in self.replicas:
+            r.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ rotation
+    def _in_rotation(self) -> list[Replica]:
+        with self._lock:
+            return [r for r in self.replicas if r.in_rotation]
+
+    def _take_out(self, r: Replica, why: str) -> None:
+        with self._lock:
+            if not r.in_rotation:
+                return
+            r.in_rotation, r.probed = False, time.monotonic()
+            r.failures += 1
+        log.warning("rollout replica %d (%s) out of rotation: %s", r.index, r.client.target, why)
+
+    def _revive(self, force: bool = False) -> None:
+        """Probe the replicas out of rotation (each at most every probe_s unless `force`); bring back those serving
+        the current weights, sending them the current directory first when they hold an older version."""
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r in self.replicas if not r.in_rotation and (force or now - r.probed >= self.probe_s)]
+            for r in due:
+                r.probed = now
+        for r in due:
+            try:
+                if r.client.health() != "SERVING":
+                    continue
+                version = r.client.info()["version"]
+                if version < self.expected_version:
+                    if self._restore is None:
+                        continue  # streamed weights: it gets the next update
+                    with self._update_lock:
+                        path, checksums = self._restore
+                        target = self.expected_version
+                        log.warning(
+                            "rollout replica %d (%s) is back on version %d: sending version %d",
+                            r.index,
+                            r.client.target,
+                            version,
+                            target,
+                        )
+                        version = r.client.update_weights(path, version=target, checksums=checksums)
+                if version != self.expected_version:
+                    continue
+            except (grpc.RpcError, RolloutError) as err:
+                log.debug("replica %d not back yet: %s", r.index, err)
+                continue
+            with self._lock:
+                r.version, r.in_rotation = version, True
+                r.rejoins += 1
+            log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
+
+    def _wait_for_replica(self, what: str, start: float, last_log: list) -> None:
+        """No replica in rotation: probe until one returns; RolloutError after retry_s."""
+        while True:
+            self._revive(force=True)
+            if self._in_rotation():
+                log.warning("%s: rollout replica back after %.0fs", what, time.monotonic() - start)
+                return
+            waited = time.monotonic() - start
+            if waited > self.retry_s:
+                raise RolloutError(
+                    f"{what}: no rollout replica serving after {waited:.0f}s ({self.target})",
+                    grpc.StatusCode.UNAVAILABLE,
+                )
+            if time.monotonic() - last_log[0] >= self.log_every_s:
+                last_log[0] = time.monotonic()
+                log.warning(
+                    "%s: all %d rollout replicas are down; waiting for one (%.0fs of %.0fs)",
+                    what,
+                    len(self.replicas),
+                    waited,
+                    self.retry_s,
+                )
+            time.sleep(min(self.probe_s, 1.0))
+
+    def _pick(self, costs: list[int]) -> list[Replica]:
+        """Least-loaded placement of items of these token costs on the replicas in rotation (their in-flight tokens
+        raised accordingly): a replica per item, or [] when none is in rotation."""
+        with self._lock:
+            live = [r for r in self.replicas if r.in_rotation]
+            if not live:
+                return []
+            out = []
+            for cost in costs:
+                r = min(live, key=lambda r: (r.in_flight, r.index))
+                r.in_flight += cost
+                out.append(r)
+            return out
+
+    # ------------------------------------------------------------------ calls
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[Sample]]:
+        """n samples per prompt, as [prompt][sample] (RolloutClient.generate), spread over the replicas."""
+        params = params or SamplingParams()
+        self._revive()
+        costs = [len(p) + params.max_new_tokens * params.n for p in prompts]
+        done: dict[int, list] = {}
+        pending = list(range(len(prompts)))
+        running: dict[futures.Future, tuple[Replica, list[int]]] = {}
+        start, last_log = time.monotonic(), [time.monotonic()]
+        try:
+            while pending or running:
+                if pending:
+                    placed = self._pick([costs[i] for i in pending])
+                    if not placed:
+                        if not running:
+                            self._wait_for_replica("Generate", start, last_log)
+                            continue
+                    else:
+                        per: dict[int, list[int]] = {}
+                        for i, r in zip(pending, placed):
+                            per.setdefault(r.index, []).append(i)
+                        for ri, ids in per.items():
+                            r = self.replicas[ri]
+                            for lo in range(0, len(ids), r.client.batch_size):
+                                chunk = ids[lo : lo + r.client.batch_size]
+                                fut = self._pool.submit(
+                                    r.client.generate, [prompts[i] for i in chunk], params, ids=chunk
+                                )
+                                running[fut] = (r, chunk)
+                        pending = []
+                if not running:
+                    continue
+                finished, _ = futures.wait(list(running), return_when=futures.FIRST_COMPLETED)
+                for fut in finished:
+                    r, chunk = running.pop(fut)
+                    with self._lock:
+                        r.in_flight -= sum(costs[i] for i in chunk)
+                    try:
+                        samples = fut.result()
+                    except RolloutError as err:
+                        if err.code not in _DOWN:
+                            raise
+                        self._take_out(r, str(err))
+                        log.warning("re-sending %d prompts of replica %d to the others", len(chunk), r.index)
+                        pending.extend(chunk)
+                        continue
+                    with self._lock:
+                        r.tokens += sum(len(s.response_ids) for per_prompt in samples for s in per_prompt)
+                    for i, per_prompt in zip(chunk, samples):
+                        for s in per_prompt:
+                            s.prompt_index = i
+                        done[i] = per_prompt
+        finally:
+            for fut, (r, chunk) in running.items():  # an error above: do not count their tokens forever
+                fut.cancel()
+                with self._lock:
+                    r.in_flight -= sum(costs[i] for i in chunk)
+        return [done[i] for i in range(len(prompts))]
+
+    def score(
+        self, items: list[tuple[list[int], list[int]]], *, temperature: float = 1.0, logprobs: int = 0, routing=False
+    ) -> list[dict]:
+        """RolloutClient.score on the least-loaded replica (another one if it is down)."""
+        return self._one(
+            "Score",
+            sum(len(p) + len(r) for p, r in items),
+            lambda c: c.score(items, temperature=temperature, logprobs=logprobs, routing=routing),
+        )
+
+    def info(self) -> dict:
+        """RolloutClient.info of a replica in rotation, with `replicas`: how many the fleet has."""
+        return dict(self._one("Info", 0, lambda c: c.info()), replicas=len(self.replicas))
+
+    def _one(self, what: str, cost: int, call):
+        self._revive()
+        start, last_log = time.monotonic(), [time.monotonic()]
+        while True:
+            placed = self._pick([cost])
+            if not placed:
+                self._wait_for_replica(what, start, last_log)
+                continue
+            r = placed[0]
+            try:
+                return call(r.client)
+            except RolloutError as err:
+                if err.code not in _DOWN:
+                    raise
+                self._take_out(r, str(err))
+            finally:
+                with self._lock:
+                    r.in_flight -= cost
+
+    def health(self, service: str = "") -> str:
+        """SERVING when any replica serves, else the first replica's status (raises as RolloutClient.health when
+        none answers)."""
+        error, first = None, None
+        for r in self.replicas:
+            try:
+                status = r.client.health(service)
+            except grpc.RpcError as err:
+                error = error or err
+                continue
+            if status == "SERVING":
+                return status
+            first = first or status
+        if first is None:
+            raise error
+        return first
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every replica serves (RolloutError naming the first that does not)."""
+        deadline = time.monotonic() + timeout_s
+        for r in self.replicas:
+            r.client.wait_ready(max(deadline - time.monotonic(), 0.0))
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True) -> int:
+        """RolloutClient.update_weights on every replica in parallel (those out of rotation too, when they serve):
+        the version they all hold. A replica that fails is out of rotation (it gets this directory when it is back);
+        RolloutError when none took it."""
+        from cisjax.rollout import client as client_lib
+        from cisjax.rollout import manifest as manifest_lib
+
+        if checksums is True:  # computed once here, not once per replica
+            checksums = manifest_lib.recorded_checksums(path) or client_lib.sha256_manifest(path)
+        with self._update_lock:
+            version = version or self.expected_version + 1
+            served = self._to_all(
+                lambda r: r.client.update_weights(path, version=version, checksums=checksums), version
+            )
+            self._restore = (path, checksums)
+        return served
+
+    def update_weights_from_tensors(self, tensors, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
+        """RolloutClient.update_weights_from_tensors on every replica in parallel; `tensors.items()` is read once
+        and each tensor handed to every replica's stream (at most a few tensors on the host per replica)."""
+        with self._update_lock:
+            version = version or self.expected_version + 1
+            targets = self._update_targets()
+            feeds = {r.index: queue.Queue(maxsize=2) for r in targets}
+            dead: set[int] = set()
+
+            def stream(i):
+                while (item := feeds[i].get()) is not _END:
+                    yield item
+
+            def send(r):
+                try:
+                    return r.client.update_weights_from_tensors(
+                        _Feed(stream(r.index)), version=version, chunk_bytes=chunk_bytes
+                    )
+                finally:
+                    dead.add(r.index)  # stop feeding it (done, or failed part-way)
+                    while True:  # unblock the producer if it waits on this queue
+                        try:
+                            feeds[r.index].get_nowait()
+                        except queue.Empty:
+                            break
+
+            def put(i, item):
+                while i not in dead:  # a replica that stopped reading is skipped, not waited for
+                    try:
+                        return feeds[i].put(item, timeout=0.5)
+                    except queue.Full:
+                        pass
+
+            def produce():
+                try:
+                    for item in tensors.items():
+                        for i in feeds:
+                            put(i, item)
+                finally:
+                    for i in feeds:
+                        put(i, _END)
+
+            producer = self._updates.submit(produce)
+            served = self._to_all(send, version, targets=targets)
+            producer.result()
+            self._restore = None
+        return served
+
+    def _update_targets(self) -> list[Replica]:
+        """Replicas a weight update goes to: those in rotation and those out of it that serve again."""
+        out = []
+        for r in self.replicas:
+            if not r.in_rotation:
+                try:
+                    if r.client.health() != "SERVING":
+                        continue
+                except grpc.RpcError:
+                    continue
+            out.append(r)
+        return out
+
+    def _to_all(self, send, version: int, targets: list[Replica] | None = None) -> int:
+        """send(replica) on every target in parallel; each must report `version`."""
+        targets = self._update_targets() if targets is None else targets
+        jobs = {r.index: self._updates.submit(send, r) for r in targets}
+        ok, errors = [], []
+        for r in targets:
+            try:
+                got = jobs[r.index].result()
+            except RolloutError as err:
+                errors.append((r, err))
+                continue
+            if got != version:
+                errors.append((r, RolloutError(f"{r.client.target} reports version {got} after update to {version}")))
+                continue
+            ok.append(r)
+        if not ok:
+            if errors:
+                raise errors[0][1]
+            raise RolloutError(
+                f"UpdateWeights: no rollout replica serving ({self.target})", grpc.StatusCode.UNAVAILABLE
+            )
+        for r, err in errors:
+            self._take_out(r, f"weight update to version {version} failed: {err}")
+        with self._lock:
+            self.expected_version = version
+            ok_index = {r.index for r in ok}
+            for r in self.replicas:
+                if r.index in ok_index:
+                    r.version = version
+                    if not r.in_rotation:
+                        r.in_rotation = True
+                        r.rejoins += 1
+                        log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
+                elif r.in_rotation:  # not reached (it was not serving): it must not serve the old version
+                    r.in_rotation, r.probed = False, time.monotonic()
+                    r.failures += 1
+        return version
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict:
+        """Per replica, for the loop's log: response tokens/s since the last call, in-flight tokens, weights version,
+        in rotation (0/1), failures (times taken out), rejoins, and process restarts (embedded replicas)."""
+        now, out = time.monotonic(), {}
+        with self._lock:
+            for r in self.replicas:
+                p = f"rollout/replica{r.index}/"
+                dt = max(now - r.last["t"], 1e-9)
+                out[p + "tokens_per_s"] = (r.tokens - r.last["tokens"]) / dt
+                r.last = {"t": now, "tokens": r.tokens}
+                out[p + "in_flight"] = float(r.in_flight)
+                out[p + "version"] = float(r.version)
+                out[p + "in_rotation"] = float(r.in_rotation)
+                out[p + "failures"] = float(r.failures)
+                out[p + "rejoins"] = float(r.rejoins)
+                if r.restarts is not None:
+                    out[p + "restarts"] = float(r.restarts())
+        return out
+
+
+class _Feed:
+    """The Mapping-like view RolloutClient.update_weights_from_tensors reads (`items()`) over one replica's queue."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def items(self):
+        return self._items
