@@ -1,9 +1,10 @@
-"""The embedded rollout server: `cisjax.rollout.server` as a child process of the trainer, restarted if it dies."""
+"""The rollout service a run talks to: running server(s), or `cisjax.rollout.server` children restarted if they die."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cisjax import errors
 from cisjax.rollout import launch
 
 
@@ -40,6 +41,30 @@ class EmbeddedServer(launch.ChildServer):
         )
 
 
+class EmbeddedServers:
+    """Several EmbeddedServer children (a fleet's replicas), stopped together."""
+
+    def __init__(self, servers: list[EmbeddedServer]):
+        self.servers = servers
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        """Stop them all (in parallel: each waits its own grace); the first non-zero exit code, else 0."""
+        from concurrent import futures
+
+        with futures.ThreadPoolExecutor(max_workers=len(self.servers)) as ex:
+            codes = list(ex.map(lambda s: s.stop(timeout_s), self.servers))
+        return next((c for c in codes if c), 0)
+
+    def kill(self) -> None:
+        for s in self.servers:
+            s.kill()
+
+
+def parse_servers(server: str) -> list[str]:
+    """`rollout.server`: "" or HOST:PORT[,HOST:PORT...] as a list of targets."""
+    return [t.strip() for t in server.split(",") if t.strip()]
+
+
 def connect(
     server: str,
     *,
@@ -53,32 +78,60 @@ def connect(
     timeout_s: float = 3600.0,
     retry_s: float = 900.0,
     startup_s: float = 900.0,
+    replicas: int = 1,
 ):
-    """(embedded server or None, a RolloutClient waiting until it serves): `server` HOST:PORT of a running one
-    (`cisjax serve`), or "" for a child on `model_dir` (its exports confined to `export_root`, its output in
-    `log_path`; on vLLM-CPU `kv_cache_gib` is VLLM_CPU_KVCACHE_SPACE, 0 = the environment's). `cisjax train` and
-    `cisjax eval` both get their engine here."""
+    """(embedded server(s) or None, a client waiting until they serve): `server` HOST:PORT of a running one
+    (`cisjax serve`), several as HOST:PORT,HOST:PORT,..., or "" for `replicas` children on `model_dir` (their exports
+    confined to `export_root`, their output in `log_path`, `log_path` with the replica's index before the suffix when
+    there are several; on vLLM-CPU `kv_cache_gib` is VLLM_CPU_KVCACHE_SPACE, 0 = the environment's). One server: a
+    RolloutClient and an EmbeddedServer; several: a cisjax.rollout.fleet.RolloutFleet and EmbeddedServers. `cisjax
+    train` and `cisjax eval` both get their engine here."""
     from cisjax.rollout.client import RolloutClient
+    from cisjax.rollout.fleet import RolloutFleet
 
-    if server:
-        client = RolloutClient(server, token=token, timeout_s=timeout_s, retry_s=retry_s)
+    targets = parse_servers(server)
+    if targets and replicas > 1:
+        raise errors.UserError(f"rollout.server={server!r} and rollout.replicas={replicas}: set one of them")
+    if len(targets) == 1:
+        client = RolloutClient(targets[0], token=token, timeout_s=timeout_s, retry_s=retry_s)
         client.wait_ready(startup_s)
         return None, client
+    if targets:
+        fleet = RolloutFleet.connect(targets, token=token, timeout_s=timeout_s, retry_s=retry_s)
+        try:
+            fleet.wait_ready(startup_s)
+        except BaseException:
+            fleet.close()
+            raise
+        return None, fleet
     Path(export_root).mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} if kv_cache_gib else {}
-    child = EmbeddedServer(
-        backend=backend,
-        model_dir=str(model_dir),
-        export_root=str(export_root),
-        dtype=dtype,
-        log_path=log_path,
-        env=env,
-        startup_s=startup_s,
-    )
+    log_path = Path(log_path)
+    children: list[EmbeddedServer] = []
+    clients: list[RolloutClient] = []
     try:
-        client = RolloutClient(child.target, timeout_s=timeout_s, retry_s=retry_s)
-        child.wait_ready(client)
+        for i in range(replicas):  # all spawned before any is waited for: their engines load together
+            children.append(
+                EmbeddedServer(
+                    backend=backend,
+                    model_dir=str(model_dir),
+                    export_root=str(export_root),
+                    dtype=dtype,
+                    log_path=log_path if replicas == 1 else log_path.with_name(f"{log_path.stem}{i}{log_path.suffix}"),
+                    env=env,
+                    startup_s=startup_s,
+                )
+            )
+        for child in children:
+            clients.append(RolloutClient(child.target, timeout_s=timeout_s, retry_s=retry_s))
+            child.wait_ready(clients[-1])
     except BaseException:
-        child.stop()
+        for c in clients:
+            c.close()
+        if children:
+            EmbeddedServers(children).stop()
         raise
-    return child, client
+    if replicas == 1:
+        return children[0], clients[0]
+    fleet = RolloutFleet(clients, retry_s=retry_s, restarts=[lambda c=c: c.restarts for c in children])
+    return EmbeddedServers(children), fleet

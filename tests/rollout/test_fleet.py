@@ -151,3 +151,178 @@ def test_streamed_update_reaches_every_replica_once_read():
     assert reads == [1] and fleet.expected_version == 5
     for r in reps:
         assert sorted(r.got) == sorted(f"t{i}" for i in range(10)) and r.got["t7"].tolist() == [7, 7, 7]
+
+
+# ----------------------------------------------------------------------------- the real vLLM engine, two replicas
+
+PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8], [40, 41], [7, 7, 7], [13, 80, 2, 61], [22], [64, 3, 90]]
+STOPS = [5, 9, 11]  # samples end at different lengths: a stream is mid-way when its first sample arrives
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory, tiny_hf_dir):
+    """Two embedded vLLM replicas (server_proc.connect with replicas=2, as `cisjax train` starts them, fp32) and the
+    RolloutFleet over them; the model dir and the export root."""
+    import os
+
+    if os.environ.get("CISJAX_SKIP_VLLM") == "1":
+        pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
+    from cisjax.train import server_proc
+    from tests.helpers import VLLM_QWEN2_MOE
+
+    model_dir = tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE)
+    root = tmp_path_factory.mktemp("fleet")
+    servers, fleet = server_proc.connect(
+        "",
+        replicas=2,
+        model_dir=model_dir,
+        export_root=root / "exports",
+        log_path=root / "rollout_server.log",
+        backend="vllm",
+        dtype="float32",
+        timeout_s=300,
+        retry_s=300,
+        startup_s=300,
+    )
+    yield servers, fleet, model_dir, root / "exports"
+    fleet.close()
+    assert servers.stop() == 0
+
+
+def _recorded(monkeypatch, fleet) -> list[list]:
+    """The wire ids of every generate call, per replica."""
+    calls = [[] for _ in fleet.replicas]
+    for r in fleet.replicas:
+
+        def rec(prompts, params, *, ids, orig=r.client.generate, log=calls[r.index]):
+            log.append((list(ids), params.n))
+            return orig(prompts, params, ids=ids)
+
+        monkeypatch.setattr(r.client, "generate", rec)
+    return calls
+
+
+def _one(target):
+    from cisjax.rollout.client import RolloutClient
+
+    return RolloutClient(target, retry_s=10)
+
+
+def _flat(samples, what):
+    return [[getattr(s, what) for s in per] for per in samples]
+
+
+def _max_diff(a, b) -> float:
+    """max |a - b| over two [prompt][sample][token](...) nests of floats of the same shape."""
+    out = 0.0
+    for per_a, per_b in zip(a, b, strict=True):
+        for x, y in zip(per_a, per_b, strict=True):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            assert x.shape == y.shape
+            out = max(out, float(np.max(np.abs(x - y), initial=0.0)))
+    return out
+
+
+@pytest.mark.slow
+def test_fleet_equals_one_server(embedded, monkeypatch):
+    servers, fleet, _, _ = embedded
+    calls = _recorded(monkeypatch, fleet)
+    params = SamplingParams(n=3, max_new_tokens=24, seed=11, logprobs=2, stop_token_ids=STOPS)
+    got = fleet.generate(PROMPTS, params)
+    with _one(servers.servers[0].target) as single:
+        ref = single.generate(PROMPTS, params)
+    for what in ("response_ids", "top_ids", "versions", "finish_reason", "prompt_index", "sample_index"):
+        assert _flat(got, what) == _flat(ref, what), what
+    # the same tokens; logprobs to an fp32 ulp: a server's own numerics shift that much with its batch's make-up
+    # (the fleet sends each replica half the prompts; measured: 2.4e-7 on one top-2 logprob of 24 samples)
+    for what in ("logprobs", "top_logprobs"):
+        diff = _max_diff(_flat(got, what), _flat(ref, what))
+        assert diff <= 1e-6, (what, diff)
+    # both replicas served, every prompt once, each prompt's n samples in one request (groups whole)
+    placed = [sorted(i for ids, _ in per for i in ids) for per in calls]
+    assert all(placed) and sorted(placed[0] + placed[1]) == list(range(len(PROMPTS)))
+    assert all(n == 3 for per in calls for _, n in per)
+    m = fleet.metrics()
+    assert m["rollout/replica0/tokens_per_s"] > 0 and m["rollout/replica1/tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_update_weights_reaches_every_replica(embedded):
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    servers, fleet, model_dir, exports = embedded
+    params = SamplingParams(n=2, max_new_tokens=16, seed=4, stop_token_ids=STOPS)
+    before = fleet.generate(PROMPTS, params)
+    v = fleet.expected_version + 1
+    path = shutil.copytree(model_dir, exports / f"v{v:06d}")  # the same weights under a new version
+    assert fleet.update_weights(str(path), version=v) == v
+    versions = []
+    for s in servers.servers:
+        with _one(s.target) as c:
+            versions.append(c.info()["version"])
+    assert versions == [v, v] and fleet.info()["version"] == v
+    # streamed: the tensors read once, every replica gets them all
+    tensors = load_file(str(path / "model.safetensors"))
+    assert fleet.update_weights_from_tensors(tensors, version=v + 1, chunk_bytes=4000) == v + 1
+    for s in servers.servers:
+        with _one(s.target) as c:
+            assert c.info()["version"] == v + 1
+    after = fleet.generate(PROMPTS, params)  # reloaded engines == the first ones (same weights)
+    assert _flat(after, "response_ids") == _flat(before, "response_ids")
+    assert _max_diff(_flat(after, "logprobs"), _flat(before, "logprobs")) <= 1e-6
+    assert all(s.versions == [v + 1] * len(s.response_ids) for per in after for s in per)
+
+
+@pytest.mark.slow
+def test_killed_replica_work_resent_and_it_rejoins_on_current_weights(embedded, monkeypatch):
+    import shutil
+
+    servers, fleet, model_dir, exports = embedded
+    victim = servers.servers[1]
+    v = fleet.expected_version + 1
+    path = shutil.copytree(model_dir, exports / f"v{v:06d}")
+    assert fleet.update_weights(str(path), version=v) == v  # a directory: what a restarted replica is sent
+    restarts = victim.restarts
+
+    # kill -9 the replica as its first sample arrives: the rest of its stream is lost mid-way
+    stub = fleet.replicas[1].client.stub
+    first = threading.Event()
+
+    def killing(request, **kw):
+        for response in Generate(request, **kw):
+            if not first.is_set():
+                first.set()
+                victim.kill()
+            yield response
+
+    Generate = stub.Generate
+    monkeypatch.setattr(stub, "Generate", killing)
+    params = SamplingParams(n=4, max_new_tokens=100, seed=5, stop_token_ids=STOPS)
+    prompts = PROMPTS * 2
+    got = fleet.generate(prompts, params)
+    assert first.is_set()
+    m = fleet.metrics()
+    assert m["rollout/replica1/failures"] == 1 and m["rollout/replica1/in_rotation"] == 0
+    with _one(servers.servers[0].target) as single:
+        ref = single.generate(prompts, params)
+    for what in ("response_ids", "versions", "sample_index", "prompt_index"):
+        assert _flat(got, what) == _flat(ref, what), what
+    assert _max_diff(_flat(got, "logprobs"), _flat(ref, "logprobs")) <= 1e-6
+
+    # the watchdog restarts it on the model's own weights (version 0); the fleet's next call sends it version v first
+    victim.wait_ready()
+    with _one(victim.target) as c:
+        assert c.info()["version"] == 0
+    calls = _recorded(monkeypatch, fleet)
+    again = fleet.generate(prompts, params)
+    with _one(victim.target) as c:
+        assert c.info()["version"] == v
+    assert calls[1], "the restarted replica got no work"
+    assert all(s.versions == [v] * len(s.response_ids) for per in again for s in per)
+    assert _flat(again, "response_ids") == _flat(ref, "response_ids")
+    m = fleet.metrics()
+    assert victim.restarts == restarts + 1
+    assert m["rollout/replica1/restarts"] == restarts + 1 and m["rollout/replica1/rejoins"] == 1
+    assert m["rollout/replica1/in_rotation"] == 1 and m["rollout/replica1/version"] == v
