@@ -148,7 +148,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- rollouts (cisjax.rollout via cisjax.train.rollouts) -------------------------------------
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.server = ""  # HOST:PORT of a running rollout server; "" = start one as a child process (embedded)
+    # several servers are a fleet (cisjax.rollout.fleet): prompts spread over them, weights published to all, a dead
+    # one's prompts re-sent to the others, and it rejoins on the current weights
+    c.rollout.server = ""  # HOST:PORT of a running rollout server, or HOST:PORT,HOST:PORT,...; "" = embedded children
+    c.rollout.replicas = 1  # embedded children (rollout.server=""), one engine each, restarted if they die; > 1: a fleet
     c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN)
     c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32

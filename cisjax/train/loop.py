@@ -39,6 +39,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     from cisjax import sharding
     from cisjax.rl import corrections
     from cisjax.rollout.client import SamplingParams
+    from cisjax.rollout.fleet import RolloutFleet
     from cisjax.train import metrics as metrics_lib
     from cisjax.train import rollouts as rollouts_lib
     from cisjax.train import state as state_lib
@@ -260,6 +261,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                     {f"reward/pool_{k}": float(v) for k, v in pool.metrics().items()}
                 )  # cumulative: lost scores show
                 out.update(evaluated)
+                if isinstance(client, RolloutFleet):  # tokens/s, in flight, version, failures, restarts per replica
+                    out.update(client.metrics())
                 mlog.log(s, out)
             last = out
             # checkpoint: the state after step s and the data position after batch s
@@ -428,7 +431,8 @@ def _perturbed_start(run, params, cfg, run_dir: Path, lead: bool) -> str:
 
 
 def _rollout_service(cfg, run_dir: Path, model_dir):
-    """(embedded server or None, connected client): the configured address, or a child server on `model_dir`."""
+    """(embedded server(s) or None, connected client): the configured address(es), or child servers on `model_dir`
+    (rollout.replicas of them; several: a RolloutFleet)."""
     from cisjax.train import server_proc
 
     r = cfg.rollout
@@ -444,6 +448,7 @@ def _rollout_service(cfg, run_dir: Path, model_dir):
         timeout_s=r.timeout_s,
         retry_s=r.retry_s,
         startup_s=r.startup_s,
+        replicas=r.replicas,
     )
 
 

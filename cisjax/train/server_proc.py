@@ -61,8 +61,18 @@ class EmbeddedServers:
 
 
 def parse_servers(server: str) -> list[str]:
-    """`rollout.server`: "" or HOST:PORT[,HOST:PORT...] as a list of targets."""
-    return [t.strip() for t in server.split(",") if t.strip()]
+    """`rollout.server` ("" or HOST:PORT[,HOST:PORT...]) as a list of targets; UserError naming a malformed or
+    repeated one."""
+    if not isinstance(server, str):
+        raise errors.UserError("HOST:PORT or a comma-separated list of them")
+    targets = [t.strip() for t in server.split(",")] if server.strip() else []
+    for t in targets:
+        host, _, port = t.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise errors.UserError(f"{t!r} is not HOST:PORT")
+    if len(set(targets)) != len(targets):
+        raise errors.UserError("a server is listed twice (its replica would get twice the work)")
+    return targets
 
 
 def connect(

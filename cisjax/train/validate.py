@@ -17,7 +17,7 @@ from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
-from cisjax.train import perturb
+from cisjax.train import perturb, server_proc
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 
@@ -298,6 +298,13 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.number("rollout.seed", low=-1, integer=True, why=" (-1 = fresh randomness)")
     for what in ("timeout_s", "retry_s", "startup_s"):
         c.number(f"rollout.{what}", low=0, low_open=True)
+    c.raises("rollout.server", server_proc.parse_servers, c.get("rollout.server"))
+    replicas = c.number("rollout.replicas", low=1, integer=True, why=" (1 = one embedded server)")
+    if replicas and replicas > 1 and str(c.get("rollout.server")).strip():
+        c.add(
+            f"rollout.server={c.get('rollout.server')!r} and rollout.replicas={replicas}: embedded replicas are for "
+            "rollout.server=''; list running servers in rollout.server instead"
+        )
     # controlled mismatch (cisjax.train.perturb, the loop's lag)
     c.number("rollout.perturb_scale", low=0)
     c.number("rollout.perturb_seed", low=0, integer=True)

@@ -91,6 +91,13 @@ RULES = [
     (["--config.rollout.max_staleness=-1"], "rollout.max_staleness=-1"),
     (["--config.rollout.seed=-2"], "rollout.seed=-2"),
     (["--config.rollout.timeout_s=0"], "rollout.timeout_s=0.0"),
+    (["--config.rollout.replicas=0"], "rollout.replicas=0 must be >= 1"),
+    (["--config.rollout.server=host:1,host"], "rollout.server='host:1,host': 'host' is not HOST:PORT"),
+    (["--config.rollout.server=a:1,a:1"], "rollout.server='a:1,a:1': a server is listed twice"),
+    (
+        ["--config.rollout.server=a:1,b:2", "--config.rollout.replicas=2"],
+        "rollout.server='a:1,b:2' and rollout.replicas=2: embedded replicas are for rollout.server=''",
+    ),
     (["--config.run.steps=-1"], "run.steps=-1"),
     (["--config.run.print_every=0"], "run.print_every=0"),
     (["--config.checkpoint.every=-1"], "checkpoint.every=-1"),
