@@ -195,7 +195,7 @@ class RolloutFleet:
         costs = [len(p) + params.max_new_tokens * params.n for p in prompts]
         done: dict[int, list] = {}
         pending = list(range(len(prompts)))
-        running: dict[futures.Future, tuple[Replica, list[int]]] = {}
+        running: dict[futures.Future, tuple[Replica, list[int], int]] = {}  # replica, prompts, version sent at
         start, last_log = time.monotonic(), [time.monotonic()]
         try:
             while pending or running:
@@ -216,13 +216,13 @@ class RolloutFleet:
                                 fut = self._pool.submit(
                                     r.client.generate, [prompts[i] for i in chunk], params, ids=chunk
                                 )
-                                running[fut] = (r, chunk)
+                                running[fut] = (r, chunk, self.expected_version)
                         pending = []
                 if not running:
                     continue
                 finished, _ = futures.wait(list(running), return_when=futures.FIRST_COMPLETED)
                 for fut in finished:
-                    r, chunk = running.pop(fut)
+                    r, chunk, want = running.pop(fut)
                     with self._lock:
                         r.in_flight -= sum(costs[i] for i in chunk)
                     try:
@@ -234,6 +234,11 @@ class RolloutFleet:
                         log.warning("re-sending %d prompts of replica %d to the others", len(chunk), r.index)
                         pending.extend(chunk)
                         continue
+                    oldest = min((min(s.versions) for per in samples for s in per if s.versions), default=want)
+                    if oldest < want:  # it restarted unnoticed (on its initial weights): never serve those
+                        self._take_out(r, f"it served version {oldest} < {want} (restarted?)")
+                        pending.extend(chunk)
+                        continue
                     with self._lock:
                         r.tokens += sum(len(s.response_ids) for per_prompt in samples for s in per_prompt)
                     for i, per_prompt in zip(chunk, samples):
@@ -241,7 +246,7 @@ class RolloutFleet:
                             s.prompt_index = i
                         done[i] = per_prompt
         finally:
-            for fut, (r, chunk) in running.items():  # an error above: do not count their tokens forever
+            for fut, (r, chunk, _) in running.items():  # an error above: do not count their tokens forever
                 fut.cancel()
                 with self._lock:
                     r.in_flight -= sum(costs[i] for i in chunk)

@@ -114,6 +114,18 @@ def test_dead_replica_work_resent_and_it_rejoins_on_current_weights():
     assert m["rollout/replica0/version"] == m["rollout/replica1/version"] == 2
 
 
+def test_replica_restarted_unnoticed_on_old_weights_is_not_used():
+    fleet, (a, b) = _fleet(probe_s=0.0)
+    fleet.update_weights("/exports/v1", version=1, checksums={})
+    a.version = 0  # it restarted between two calls, on its initial weights: its samples say so
+    out = fleet.generate([[i] for i in range(4)], SamplingParams(n=2, max_new_tokens=4, seed=3))
+    assert all(s.versions == [1] * 4 for per in out for s in per)
+    assert sorted(i for ids, _ in b.calls for i in ids) == [0, 1, 2, 3]
+    assert fleet.metrics()["rollout/replica0/in_rotation"] == 0
+    fleet.generate([[1]], SamplingParams(max_new_tokens=4))  # the next call sends it version 1, then it rejoins
+    assert a.updates[-1] == ("/exports/v1", 1) and fleet.metrics()["rollout/replica0/in_rotation"] == 1
+
+
 def test_all_down_waits_then_fails_after_retry_s():
     fleet, reps = _fleet(retry_s=0.5, probe_s=0.0)
     for r in reps:

@@ -228,6 +228,47 @@ def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
 
 
+@pytest.mark.slow
+def test_fleet_of_two_replicas_one_killed_mid_run(prepared, tmp_path):
+    """rollout.replicas=2: both embedded engines generate; one is killed (-9) after the first step. The run completes
+    every step with continuous versions, its work goes to the other, and no replica in rotation ever holds an older
+    version than the one just published (the per-replica metrics of every step say so)."""
+    from cisjax.train import server_proc
+
+    run_dir = tmp_path / "run"
+    servers = []
+    real = server_proc.EmbeddedServer
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            servers.append(self)
+
+    def killer():
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            time.sleep(0.2)
+        servers[1].kill()
+
+    server_proc.EmbeddedServer = Spy
+    try:
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, "rollout.replicas": 2, "rollout.retry_s": 300}))
+    finally:
+        server_proc.EmbeddedServer = real
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["publish/version"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["rollout/replica0/tokens_per_s"] > 0 and rows[0]["rollout/replica1/tokens_per_s"] > 0
+    assert len(servers) == 2 and servers[1].restarts >= 1 and servers[0].restarts == 0
+    assert rows[-1]["rollout/replica1/failures"] >= 1 and rows[-1]["rollout/replica0/failures"] == 0
+    for r in rows:
+        for i in (0, 1):
+            if r[f"rollout/replica{i}/in_rotation"]:
+                assert r[f"rollout/replica{i}/version"] == r["publish/version"], (r["step"], i)
+    assert (run_dir / "rollout_server0.log").is_file() and (run_dir / "rollout_server1.log").is_file()
+
+
 def test_bad_config_field_is_named():
     with pytest.raises(Exception, match="rollout.group_sizee|group_sizee"):
         config_lib.load(os.path.join(REPO, "configs", "demo_cpu.py"), ["--config.rollout.group_sizee=3"])
