@@ -8,7 +8,8 @@
 #
 # Arguments go to `cisjax train` (--config.model.path=DIR: the model on every worker's disk). Environment:
 #   CONFIG    the train config (required)
-#   ROLLOUT   HOST:PORT of the rollout server (required); its token in CISJAX_ROLLOUT_TOKEN
+#   ROLLOUT   HOST:PORT of the rollout server, or HOST:PORT,HOST:PORT,... of several (a fleet: prompts spread over
+#             them, weights to all) (required); their token in CISJAX_ROLLOUT_TOKEN
 #   RUN       the run directory on each worker (default: run.dir of the config); worker 0 writes the metrics
 #   CKPT_DIR  checkpoints: a directory every worker mounts (NFS, Filestore), each writes its shards there
 #             (default: RUN/checkpoints, enough on a single-host slice only)
@@ -28,7 +29,8 @@ CONFIG=${CONFIG:-}
 ROLLOUT=${ROLLOUT:-}
 PUBLISH=${PUBLISH:-stream}
 [ -n "$CONFIG" ] && [ -f "$CONFIG" ] || { echo "tpu_pod.sh: CONFIG=${CONFIG:-(unset)} is not a config file" >&2; usage; }
-[[ "$ROLLOUT" =~ ^[^:[:space:]]+:[0-9]+$ ]] || { echo "tpu_pod.sh: ROLLOUT=${ROLLOUT:-(unset)} is not HOST:PORT" >&2; usage; }
+[[ "$ROLLOUT" =~ ^[^:,[:space:]]+:[0-9]+(,[^:,[:space:]]+:[0-9]+)*$ ]] \
+  || { echo "tpu_pod.sh: ROLLOUT=${ROLLOUT:-(unset)} is not HOST:PORT[,HOST:PORT...]" >&2; usage; }
 for a in "$@"; do
   case "$a" in --config.* | --resume) ;; *) echo "tpu_pod.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
 done
