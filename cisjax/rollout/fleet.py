@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ class Replica:
 
     index: int
     client: RolloutClient
-    restarts: object = None  # () -> how often its process was restarted (embedded children), else None
+    restarts: Callable[[], int] | None = None  # how often its process was restarted (embedded children)
     in_rotation: bool = True
     in_flight: int = 0  # tokens of the calls in flight on it (prompt + max_new_tokens x n per prompt)
     version: int = 0  # the weights version it last reported
@@ -114,40 +115,40 @@ class RolloutFleet:
 
     def _revive(self, force: bool = False) -> None:
         """Probe the replicas out of rotation (each at most every probe_s unless `force`); bring back those serving
-        the current weights, sending them the current directory first when they hold an older version."""
+        the current weights, sending them the last exported directory first when they hold an older version. Under
+        the update lock: a rejoin never interleaves with a weight update."""
         now = time.monotonic()
         with self._lock:
             due = [r for r in self.replicas if not r.in_rotation and (force or now - r.probed >= self.probe_s)]
             for r in due:
                 r.probed = now
-        for r in due:
-            try:
-                if r.client.health() != "SERVING":
-                    continue
-                version = r.client.info()["version"]
-                if version < self.expected_version:
-                    if self._restore is None:
-                        continue  # streamed weights: it gets the next update
-                    with self._update_lock:
+        if not due:
+            return
+        with self._update_lock:
+            for r in due:
+                try:
+                    if r.client.health() != "SERVING":
+                        continue
+                    version = r.client.info()["version"]
+                    if version < self.expected_version and self._restore is not None:
                         path, checksums = self._restore
-                        target = self.expected_version
                         log.warning(
                             "rollout replica %d (%s) is back on version %d: sending version %d",
                             r.index,
                             r.client.target,
                             version,
-                            target,
+                            self.expected_version,
                         )
-                        version = r.client.update_weights(path, version=target, checksums=checksums)
-                if version != self.expected_version:
+                        version = r.client.update_weights(path, version=self.expected_version, checksums=checksums)
+                    if version != self.expected_version:  # after a streamed update: it gets the next one
+                        continue
+                except (grpc.RpcError, RolloutError) as err:
+                    log.debug("replica %d not back yet: %s", r.index, err)
                     continue
-            except (grpc.RpcError, RolloutError) as err:
-                log.debug("replica %d not back yet: %s", r.index, err)
-                continue
-            with self._lock:
-                r.version, r.in_rotation = version, True
-                r.rejoins += 1
-            log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
+                with self._lock:
+                    r.version, r.in_rotation = version, True
+                    r.rejoins += 1
+                log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
 
     def _wait_for_replica(self, what: str, start: float, last_log: list) -> None:
         """No replica in rotation: probe until one returns; RolloutError after retry_s."""
@@ -311,24 +312,29 @@ class RolloutFleet:
     # ------------------------------------------------------------------ weights
     def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True) -> int:
         """RolloutClient.update_weights on every replica in parallel (those out of rotation too, when they serve):
-        the version they all hold. A replica that fails is out of rotation (it gets this directory when it is back);
-        RolloutError when none took it."""
+        the version they all hold. A replica that fails is out of rotation (it gets this directory when it is back).
+        With every replica down, it waits (as `generate` does, up to retry_s) for one to come back and sends it the
+        directory; another error on every replica is raised."""
         from cisjax.rollout import client as client_lib
         from cisjax.rollout import manifest as manifest_lib
 
         if checksums is True:  # computed once here, not once per replica
             checksums = manifest_lib.recorded_checksums(path) or client_lib.sha256_manifest(path)
+        start = time.monotonic()
         with self._update_lock:
             version = version or self.expected_version + 1
-            served = self._to_all(
-                lambda r: r.client.update_weights(path, version=version, checksums=checksums), version
-            )
-            self._restore = (path, checksums)
-        return served
+            ok = self._to_all(lambda r: r.client.update_weights(path, version=version, checksums=checksums), version)
+            # a replica that is back later is sent this directory; with none ok, they all are (first in the wait below)
+            self._restore, self.expected_version = (path, checksums), version
+        if not ok:
+            self._wait_for_replica("UpdateWeights", start, [start])
+        return version
 
     def update_weights_from_tensors(self, tensors, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
         """RolloutClient.update_weights_from_tensors on every replica in parallel; `tensors.items()` is read once
-        and each tensor handed to every replica's stream (at most a few tensors on the host per replica)."""
+        and each tensor handed to every replica's stream (at most a few tensors on the host per replica). A replica
+        that fails is out of rotation until the next update (streamed tensors cannot be sent again); RolloutError
+        when none took it."""
         with self._update_lock:
             version = version or self.expected_version + 1
             targets = self._update_targets()
@@ -369,10 +375,19 @@ class RolloutFleet:
                         put(i, _END)
 
             producer = self._updates.submit(produce)
-            served = self._to_all(send, version, targets=targets)
+            errors: list = []
+            ok = self._to_all(send, version, targets=targets, errors=errors)
             producer.result()
-            self._restore = None
-        return served
+            if not ok:
+                raise (
+                    errors[0]
+                    if errors
+                    else RolloutError(
+                        f"UpdateWeights: no rollout replica serving ({self.target})", grpc.StatusCode.UNAVAILABLE
+                    )
+                )
+            self._restore, self.expected_version = None, version
+        return version
 
     def _update_targets(self) -> list[Replica]:
         """Replicas a weight update goes to: those in rotation and those out of it that serve again."""
@@ -387,34 +402,32 @@ class RolloutFleet:
             out.append(r)
         return out
 
-    def _to_all(self, send, version: int, targets: list[Replica] | None = None) -> int:
-        """send(replica) on every target in parallel; each must report `version`."""
+    def _to_all(self, send, version: int, targets: list[Replica] | None = None, errors: list | None = None) -> bool:
+        """send(replica) on every target in parallel, each to report `version`. Those that do are in rotation on it;
+        every other replica is out of rotation (its error appended to `errors`). Whether any did; raises the first
+        error when none did and not every failure was UNAVAILABLE (a bad export, not replicas down)."""
         targets = self._update_targets() if targets is None else targets
+        errors = [] if errors is None else errors
         jobs = {r.index: self._updates.submit(send, r) for r in targets}
-        ok, errors = [], []
+        ok, failed = set(), []
         for r in targets:
             try:
                 got = jobs[r.index].result()
             except RolloutError as err:
-                errors.append((r, err))
+                failed.append((r, err))
                 continue
             if got != version:
-                errors.append((r, RolloutError(f"{r.client.target} reports version {got} after update to {version}")))
+                failed.append((r, RolloutError(f"{r.client.target} reports version {got} after update to {version}")))
                 continue
-            ok.append(r)
-        if not ok:
-            if errors:
-                raise errors[0][1]
-            raise RolloutError(
-                f"UpdateWeights: no rollout replica serving ({self.target})", grpc.StatusCode.UNAVAILABLE
-            )
-        for r, err in errors:
+            ok.add(r.index)
+        errors.extend(err for _, err in failed)
+        if not ok and any(err.code not in _DOWN for err in errors):
+            raise errors[0]
+        for r, err in failed:
             self._take_out(r, f"weight update to version {version} failed: {err}")
         with self._lock:
-            self.expected_version = version
-            ok_index = {r.index for r in ok}
             for r in self.replicas:
-                if r.index in ok_index:
+                if r.index in ok:
                     r.version = version
                     if not r.in_rotation:
                         r.in_rotation = True
@@ -423,7 +436,7 @@ class RolloutFleet:
                 elif r.in_rotation:  # not reached (it was not serving): it must not serve the old version
                     r.in_rotation, r.probed = False, time.monotonic()
                     r.failures += 1
-        return version
+        return bool(ok)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:

@@ -48,6 +48,8 @@ class FakeReplica:
 
     def update_weights(self, path, *, version=0, checksums=True):
         self._check()
+        if "bad" in path:
+            raise RolloutError(f"{self.target}: reload failed", grpc.StatusCode.FAILED_PRECONDITION)
         self.updates.append((path, version))
         self.version = version
         return version
@@ -124,6 +126,25 @@ def test_replica_restarted_unnoticed_on_old_weights_is_not_used():
     assert fleet.metrics()["rollout/replica0/in_rotation"] == 0
     fleet.generate([[1]], SamplingParams(max_new_tokens=4))  # the next call sends it version 1, then it rejoins
     assert a.updates[-1] == ("/exports/v1", 1) and fleet.metrics()["rollout/replica0/in_rotation"] == 1
+
+
+def test_update_with_every_replica_down_waits_for_one_and_sends_it():
+    fleet, (a, b) = _fleet(retry_s=60, probe_s=0.0)
+    a.down = b.down = True
+    timer = threading.Timer(0.5, lambda: setattr(a, "down", False))
+    timer.start()
+    assert fleet.update_weights("/exports/v3", version=3, checksums={}) == 3
+    assert a.updates == [("/exports/v3", 3)] and not b.updates
+    m = fleet.metrics()
+    assert (m["rollout/replica0/in_rotation"], m["rollout/replica1/in_rotation"]) == (1, 0)
+
+
+def test_update_refused_by_every_replica_is_raised_and_changes_nothing():
+    fleet, (a, b) = _fleet()
+    fleet.update_weights("/exports/v1", version=1, checksums={})
+    with pytest.raises(RolloutError, match="reload failed"):
+        fleet.update_weights("/exports/bad", version=2, checksums={})
+    assert fleet.expected_version == 1 and fleet.metrics()["rollout/replica0/in_rotation"] == 1
 
 
 def test_all_down_waits_then_fails_after_retry_s():
