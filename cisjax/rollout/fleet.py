@@ -31,6 +31,9 @@ class Replica:
     in_flight: int = 0  # tokens of the calls in flight on it (prompt + max_new_tokens x n per prompt)
     version: int = 0  # the weights version it last reported
     failures: int = 0  # times it was taken out of rotation
+    probation: bool = False  # reloaded, its check (a weight canary) not yet passed: no new work
+    quarantined: str = ""  # why it failed its check: out of rotation until a later check passes
+    check_failures: int = 0
     rejoins: int = 0
     tokens: int = 0  # response tokens it returned
     probed: float = 0.0  # monotonic time of the last probe while out of rotation
@@ -77,6 +80,8 @@ class RolloutFleet:
         self.retry_s, self.probe_s, self.log_every_s = retry_s, probe_s, log_every_s
         self.expected_version = 0
         self._restore = None  # (path, checksums) of the last directory update: what a returning replica is sent
+        self._check = None  # the check of the last update that had one (for the replicas that are sent it later)
+        self.last_checks: dict[int, tuple] = {}  # replica -> (passed, detail, message) of the last checked update
         self._lock = threading.Lock()  # replica state (rotation, in-flight tokens, counters)
         self._update_lock = threading.Lock()  # one weight update (or restore) at a time
         # generate's calls on one pool; weight updates on their own, so that they never queue behind generate calls
@@ -115,8 +120,10 @@ class RolloutFleet:
 
     def _revive(self, force: bool = False) -> None:
         """Probe the replicas out of rotation (each at most every probe_s unless `force`); bring back those serving
-        the current weights, sending them the last exported directory first when they hold an older version. Under
-        the update lock: a rejoin never interleaves with a weight update."""
+        the current weights, sending them the last exported directory first when they hold an older version, and
+        running the last update's check (if it had one) before they rejoin. A quarantined replica (failed its check)
+        is probed only when it came back on an older version (restarted). Under the update lock: a rejoin never
+        interleaves with a weight update."""
         now = time.monotonic()
         with self._lock:
             due = [r for r in self.replicas if not r.in_rotation and (force or now - r.probed >= self.probe_s)]
@@ -130,6 +137,8 @@ class RolloutFleet:
                     if r.client.health() != "SERVING":
                         continue
                     version = r.client.info()["version"]
+                    if r.quarantined and version >= self.expected_version:
+                        continue  # the next checked update decides
                     if version < self.expected_version and self._restore is not None:
                         path, checksums = self._restore
                         log.warning(
@@ -142,13 +151,34 @@ class RolloutFleet:
                         version = r.client.update_weights(path, version=self.expected_version, checksums=checksums)
                     if version != self.expected_version:  # after a streamed update: it gets the next one
                         continue
+                    if self._check is not None and not self._run_check(r, self._check):
+                        continue
                 except (grpc.RpcError, RolloutError) as err:
                     log.debug("replica %d not back yet: %s", r.index, err)
                     continue
                 with self._lock:
-                    r.version, r.in_rotation = version, True
+                    r.version, r.in_rotation, r.quarantined = version, True, ""
                     r.rejoins += 1
                 log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
+
+    def _run_check(self, r: Replica, check) -> bool:
+        """check(client) -> (passed, detail, message) on a replica that holds the current weights, its outcome kept in
+        last_checks; a failure quarantines it (message: why, for the log)."""
+        try:
+            passed, detail, message = check(r.client)
+        except RolloutError as err:
+            if err.code in _DOWN:
+                raise
+            passed, detail, message = False, None, f"the check failed: {err}"
+        self.last_checks[r.index] = (passed, detail, message)
+        if not passed:
+            with self._lock:
+                r.in_rotation, r.quarantined, r.probed = False, message or "failed its check", time.monotonic()
+                r.check_failures += 1
+            log.error(
+                "rollout replica %d (%s) failed its check, out of rotation:\n%s", r.index, r.client.target, message
+            )
+        return passed
 
     def _wait_for_replica(self, what: str, start: float, last_log: list) -> None:
         """No replica in rotation: probe until one returns; RolloutError after retry_s."""
@@ -178,7 +208,7 @@ class RolloutFleet:
         """Least-loaded placement of items of these token costs on the replicas in rotation (their in-flight tokens
         raised accordingly): a replica per item, or [] when none is in rotation."""
         with self._lock:
-            live = [r for r in self.replicas if r.in_rotation]
+            live = [r for r in self.replicas if r.in_rotation and not r.probation]
             if not live:
                 return []
             out = []
@@ -310,11 +340,16 @@ class RolloutFleet:
             r.client.wait_ready(max(deadline - time.monotonic(), 0.0))
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True) -> int:
+    def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True, check=None) -> int:
         """RolloutClient.update_weights on every replica in parallel (those out of rotation too, when they serve):
         the version they all hold. A replica that fails is out of rotation (it gets this directory when it is back).
         With every replica down, it waits (as `generate` does, up to retry_s) for one to come back and sends it the
-        directory; another error on every replica is raised."""
+        directory; another error on every replica is raised.
+
+        `check(client) -> (passed, detail, message)` (the publisher's weight canary): run on each replica after its reload,
+        before it gets new work (replicas reloading take none); one that fails is quarantined: out of rotation until
+        a later checked update passes. `last_checks` holds each replica's outcome; with a check, the version is
+        served even when every replica failed it (the caller decides)."""
         from cisjax.rollout import client as client_lib
         from cisjax.rollout import manifest as manifest_lib
 
@@ -323,18 +358,20 @@ class RolloutFleet:
         start = time.monotonic()
         with self._update_lock:
             version = version or self.expected_version + 1
-            ok = self._to_all(lambda r: r.client.update_weights(path, version=version, checksums=checksums), version)
-            # a replica that is back later is sent this directory; with none ok, they all are (first in the wait below)
+            updated = self._to_all(
+                lambda r: r.client.update_weights(path, version=version, checksums=checksums), version, check=check
+            )
+            # a replica that is back later is sent this directory; with none updated, they all are (in the wait below)
             self._restore, self.expected_version = (path, checksums), version
-        if not ok:
+        if not updated:
             self._wait_for_replica("UpdateWeights", start, [start])
         return version
 
-    def update_weights_from_tensors(self, tensors, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
+    def update_weights_from_tensors(self, tensors, *, version: int = 0, chunk_bytes: int = 1 << 20, check=None) -> int:
         """RolloutClient.update_weights_from_tensors on every replica in parallel; `tensors.items()` is read once
         and each tensor handed to every replica's stream (at most a few tensors on the host per replica). A replica
         that fails is out of rotation until the next update (streamed tensors cannot be sent again); RolloutError
-        when none took it."""
+        when none took it. `check` as in update_weights."""
         with self._update_lock:
             version = version or self.expected_version + 1
             targets = self._update_targets()
@@ -376,9 +413,9 @@ class RolloutFleet:
 
             producer = self._updates.submit(produce)
             errors: list = []
-            ok = self._to_all(send, version, targets=targets, errors=errors)
+            updated = self._to_all(send, version, targets=targets, errors=errors, check=check)
             producer.result()
-            if not ok:
+            if not updated:
                 raise (
                     errors[0]
                     if errors
@@ -402,41 +439,73 @@ class RolloutFleet:
             out.append(r)
         return out
 
-    def _to_all(self, send, version: int, targets: list[Replica] | None = None, errors: list | None = None) -> bool:
-        """send(replica) on every target in parallel, each to report `version`. Those that do are in rotation on it;
-        every other replica is out of rotation (its error appended to `errors`). Whether any did; raises the first
-        error when none did and not every failure was UNAVAILABLE (a bad export, not replicas down)."""
+    def _to_all(
+        self, send, version: int, targets: list[Replica] | None = None, errors: list | None = None, check=None
+    ) -> bool:
+        """send(replica) on every target in parallel, each to report `version`, then `check` it (while on probation:
+        no new work). Those that report it and pass are in rotation on it; one that fails its check is quarantined;
+        every other replica is out of rotation (its error appended to `errors`). Whether any replica holds `version`
+        now; raises the first error when none does and not every failure was UNAVAILABLE (a bad export, not replicas
+        down)."""
         targets = self._update_targets() if targets is None else targets
         errors = [] if errors is None else errors
-        jobs = {r.index: self._updates.submit(send, r) for r in targets}
-        ok, failed = set(), []
-        for r in targets:
-            try:
-                got = jobs[r.index].result()
-            except RolloutError as err:
-                failed.append((r, err))
-                continue
-            if got != version:
-                failed.append((r, RolloutError(f"{r.client.target} reports version {got} after update to {version}")))
-                continue
-            ok.add(r.index)
-        errors.extend(err for _, err in failed)
-        if not ok and any(err.code not in _DOWN for err in errors):
-            raise errors[0]
-        for r, err in failed:
-            self._take_out(r, f"weight update to version {version} failed: {err}")
-        with self._lock:
-            for r in self.replicas:
-                if r.index in ok:
+        if check is not None:
+            self._check, self.last_checks = check, {}
+            with self._lock:
+                for r in targets:
+                    r.probation = True
+        try:
+            jobs = {r.index: self._updates.submit(send, r) for r in targets}
+            updated, failed = [], []
+            for r in targets:
+                try:
+                    got = jobs[r.index].result()
+                except RolloutError as err:
+                    failed.append((r, err))
+                    continue
+                if got != version:
+                    msg = f"{r.client.target} reports version {got} after update to {version}"
+                    failed.append((r, RolloutError(msg)))
+                    continue
+                updated.append(r)
+            errors.extend(err for _, err in failed)
+            if not updated and any(err.code not in _DOWN for err in errors):
+                raise errors[0]
+            for r, err in failed:
+                self._take_out(r, f"weight update to version {version} failed: {err}")
+            with self._lock:
+                self.expected_version = version if updated else self.expected_version
+                for r in updated:
                     r.version = version
-                    if not r.in_rotation:
-                        r.in_rotation = True
-                        r.rejoins += 1
-                        log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
-                elif r.in_rotation:  # not reached (it was not serving): it must not serve the old version
-                    r.in_rotation, r.probed = False, time.monotonic()
-                    r.failures += 1
-        return bool(ok)
+            passed = set()
+            if check is not None:  # in parallel: each replica's check is its own scoring call
+                checks = {r.index: self._updates.submit(self._run_check, r, check) for r in updated}
+                for r in updated:
+                    try:
+                        if checks[r.index].result():
+                            passed.add(r.index)
+                    except RolloutError as err:  # down during its check
+                        self._take_out(r, f"down during its check: {err}")
+            else:
+                passed = {r.index for r in updated if not r.quarantined}
+            with self._lock:
+                for r in self.replicas:
+                    if r.index in passed:
+                        r.quarantined = ""
+                        if not r.in_rotation:
+                            r.in_rotation = True
+                            r.rejoins += 1
+                            log.warning(
+                                "rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version
+                            )
+                    elif r.in_rotation and r.version != version:  # not reached: it must not serve the old version
+                        r.in_rotation, r.probed = False, time.monotonic()
+                        r.failures += 1
+            return bool(updated)
+        finally:
+            with self._lock:
+                for r in targets:
+                    r.probation = False
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
@@ -454,6 +523,7 @@ class RolloutFleet:
                 out[p + "in_rotation"] = float(r.in_rotation)
                 out[p + "failures"] = float(r.failures)
                 out[p + "rejoins"] = float(r.rejoins)
+                out[p + "check_failures"] = float(r.check_failures)
                 if r.restarts is not None:
                     out[p + "restarts"] = float(r.restarts())
         return out

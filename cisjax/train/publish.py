@@ -60,6 +60,8 @@ class PublishReport:
     perturb_rel_rms: float | None = (
         None  # rollout.perturb: ||sent - params|| / ||params|| over the matrices; None = off
     )
+    # a RolloutFleet: the replicas that failed their canary (quarantined by the fleet; the publish stands while one passes)
+    failed_replicas: tuple = ()
 
     def metrics(self) -> dict:
         """Flat numbers for the training log."""
@@ -72,6 +74,7 @@ class PublishReport:
         }
         if self.canary is not None:
             out.update({"publish/canary_mean_abs": self.canary.mean_abs, "publish/canary_max_abs": self.canary.max_abs})
+            out["publish/canary_failed_replicas"] = float(len(self.failed_replicas))
         if self.perturb_rel_rms is not None:
             out["publish/perturb_rel_rms"] = self.perturb_rel_rms
         return out
@@ -274,6 +277,13 @@ class Publisher:
         model = (self.graphdef, params)
         path = None
         jax.block_until_ready(params)  # the step that produced them is not export time
+        due, trainer, trainer_s = self.canary_due(), None, 0.0
+        if due:  # before the update: a fleet canaries each replica as it reloads, before it gets new work
+            t1 = time.perf_counter()
+            trainer = self.trainer_logprobs(params)  # collective
+            trainer_s = time.perf_counter() - t1
+        check = self._replica_check(trainer, version) if due and self.is_writer and self._fleet() else None
+        more = {} if check is None else {"check": check}
         t0 = time.perf_counter()
         if self.mode == "disk":
             path = export_lib.export(
@@ -293,7 +303,10 @@ class Publisher:
                     manifest = export_lib.read_manifest(path)
                     target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
                     served = self.client.update_weights(
-                        target, version=version, checksums={n: f["sha256"] for n, f in manifest["files"].items()}
+                        target,
+                        version=version,
+                        checksums={n: f["sha256"] for n, f in manifest["files"].items()},
+                        **more,
                     )
                 except Exception as e:
                     error = e
@@ -304,7 +317,7 @@ class Publisher:
             try:
                 if self.is_writer:
                     try:
-                        served = self.client.update_weights_from_tensors(stream, version=version)
+                        served = self.client.update_weights_from_tensors(stream, version=version, **more)
                     except Exception as e:
                         error = e
             finally:
@@ -324,11 +337,11 @@ class Publisher:
                 f"publishing version {version} ({self.mode}) failed: {type(error).__name__}: {error}"
             ) from error
 
-        report, canary_s = None, 0.0
-        if self.canary_due():
+        report, canary_s, failed = None, 0.0, ()
+        if due:
             t1 = time.perf_counter()
-            report = self._canary(params, version, path)
-            canary_s = time.perf_counter() - t1
+            report, failed = self._canary(params, version, path, trainer, check)
+            canary_s = time.perf_counter() - t1 + trainer_s
         self.publishes += 1
         out = PublishReport(
             version=version,
@@ -340,6 +353,7 @@ class Publisher:
             canary_s=canary_s,
             canary=report,
             perturb_rel_rms=rel_rms,
+            failed_replicas=failed,
         )
         log.debug(
             "published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s",
@@ -353,29 +367,58 @@ class Publisher:
         )
         return out
 
-    def _canary(self, params, version: int, path: Path | None):
-        trainer = self.trainer_logprobs(params)  # collective
+    def _fleet(self) -> bool:
+        from cisjax.rollout.fleet import RolloutFleet
+
+        return isinstance(self.client, RolloutFleet)
+
+    def _server_check(self, scored, trainer, version: int):
+        """(passed, CanaryReport or None, message) of a server's scores of the canary sequences."""
+        stale = sorted({s["version"] for s in scored} - {version})
+        if stale:
+            return (
+                False,
+                None,
+                f"weight canary FAILED: the server scored with version(s) {stale}, not the published {version}",
+            )
+        report = canary_lib.compare(trainer, [s["logprobs"] for s in scored], **self.bounds)
+        return report.ok, report, "" if report.ok else report.summary()
+
+    def _replica_check(self, trainer, version: int):
+        """A fleet's check of each replica after its reload: client -> (passed, its CanaryReport or None, message)."""
+        return lambda client: self._server_check(client.score(self.sequences, temperature=1.0), trainer, version)
+
+    def _canary(self, params, version: int, path: Path | None, trainer, check=None):
+        """(the CanaryReport, the failed replicas of a fleet) or CanaryError: every replica failed (one server: it)."""
         report, message, error = None, "", None
-        code = _OK
+        code, failed = _OK, ()
         if self.is_writer:
             try:
-                scored = self.client.score(self.sequences, temperature=1.0)
-                stale = sorted({s["version"] for s in scored} - {version})
-                if stale:
-                    code, message = (
-                        _MISMATCH,
-                        f"weight canary FAILED: the server scored with version(s) {stale}, not the published {version}",
-                    )
+                if check is not None:  # a fleet: each replica was checked as it reloaded
+                    outcomes = self.client.last_checks
+                    passed = [r for ok, r, _ in outcomes.values() if ok]
+                    failed = tuple(sorted(i for i, (ok, _, _) in outcomes.items() if not ok))
+                    if passed:
+                        report = max(passed, key=lambda r: r.mean_abs)  # the worst replica that passed
+                    elif not failed:
+                        code, message = _ERROR, f"weight canary: no rollout replica was checked on version {version}"
+                    else:
+                        code = _MISMATCH
+                        report = next((outcomes[i][1] for i in failed if outcomes[i][1] is not None), None)
+                        message = f"every rollout replica failed the weight canary of version {version}:\n" + "\n".join(
+                            f"replica {i}: {outcomes[i][2]}" for i in failed
+                        )
                 else:
-                    report = canary_lib.compare(trainer, [s["logprobs"] for s in scored], **self.bounds)
-                    if not report.ok:
-                        code, message = _MISMATCH, report.summary()
+                    scored = self.client.score(self.sequences, temperature=1.0)
+                    passed_one, report, message = self._server_check(scored, trainer, version)
+                    if not passed_one:
+                        code = _MISMATCH
             except Exception as e:
                 code, error = _ERROR, e
                 message = f"weight canary: scoring on the server failed: {type(e).__name__}: {e}"
         code = distributed.agree(code)
         if code == _OK:
-            return report
+            return report, failed
         families = None
         if self.mode == "disk" and code == _MISMATCH:
             expected = hf_io.HFTensors((self.graphdef, params), self.hf_config, self.dtype)

@@ -147,6 +147,33 @@ def test_update_refused_by_every_replica_is_raised_and_changes_nothing():
     assert fleet.expected_version == 1 and fleet.metrics()["rollout/replica0/in_rotation"] == 1
 
 
+def test_checked_update_quarantines_a_failing_replica_until_a_check_passes():
+    fleet, (a, b) = _fleet()
+    seen = []
+
+    def check(bad):
+        def run(client):
+            seen.append((client.target, [r.probation for r in fleet.replicas]))
+            return client.target not in bad, client.target, f"{client.target} is off"
+
+        return run
+
+    fleet.update_weights("/exports/v1", version=1, checksums={}, check=check({"r1"}))
+    assert sorted(seen) == [("r0", [True, True]), ("r1", [True, True])]  # no new work while any is checked
+    assert fleet.last_checks == {0: (True, "r0", "r0 is off"), 1: (False, "r1", "r1 is off")}
+    m = fleet.metrics()
+    assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/check_failures"]) == (0, 1)
+    assert m["rollout/replica1/version"] == 1  # it holds the version, and still gets no work
+    fleet.generate([[i] for i in range(4)], SamplingParams(max_new_tokens=2))
+    assert not b.calls and sorted(i for ids, _ in a.calls for i in ids) == [0, 1, 2, 3]
+    fleet.update_weights("/exports/v2", version=2, checksums={})  # unchecked: it stays out
+    assert fleet.metrics()["rollout/replica1/in_rotation"] == 0
+    fleet.update_weights("/exports/v3", version=3, checksums={}, check=check(set()))  # passes: back
+    m = fleet.metrics()
+    assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/rejoins"]) == (1, 1)
+    assert [r.probation for r in fleet.replicas] == [False, False]
+
+
 def test_all_down_waits_then_fails_after_retry_s():
     fleet, reps = _fleet(retry_s=0.5, probe_s=0.0)
     for r in reps:

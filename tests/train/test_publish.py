@@ -221,6 +221,65 @@ def test_canary_every_and_off(tf_server, trainer):
         assert rep.canary is None and rep.canary_s == 0 and client.info()["version"] == v + 2
 
 
+@pytest.fixture(scope="module")
+def tf_server2(model_dir, tf_server):
+    """A second transformers-backend server on the same export root: with tf_server, a fleet of two."""
+    s = _Server("transformers", model_dir, tf_server[1], env={"OMP_NUM_THREADS": "1"}, timeout=90)
+    yield s.target
+    assert s.stop() == 0
+
+
+def test_fleet_replica_failing_its_canary_is_quarantined(tf_server, tf_server2, trainer, monkeypatch):
+    """A fleet of two: one replica's reload misses the change (the old params under the new version). Its canary
+    fails, it is out of rotation and the publish stands on the other; once it reloads right, it passes and rejoins.
+    Both failing is a CanaryError naming each replica."""
+    from cisjax.rollout.fleet import RolloutFleet
+
+    target, root = tf_server
+    fleet = RolloutFleet([RolloutClient(target), RolloutClient(tf_server2)])
+    try:
+        old = {
+            name: np.asarray(a)
+            for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")
+        }
+        stale_replica = fleet.replicas[1].client
+        honest = stale_replica.update_weights_from_tensors
+        pub = _publisher(trainer, fleet, root, mode="stream")
+        v = max(r.client.info()["version"] for r in fleet.replicas) + 1
+        monkeypatch.setattr(stale_replica, "update_weights_from_tensors", _stale_of(stale_replica, old))
+        rep = pub.publish(_changed(trainer["params"], 8), v)
+        assert rep.canary.ok and rep.failed_replicas == (1,) and rep.metrics()["publish/canary_failed_replicas"] == 1
+        assert not fleet.last_checks[1][0] and "mean_abs" in fleet.last_checks[1][2]
+        m = fleet.metrics()
+        assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/check_failures"]) == (0, 1)
+        assert m["rollout/replica0/in_rotation"] == 1 and fleet.info()["version"] == v
+
+        monkeypatch.setattr(stale_replica, "update_weights_from_tensors", honest)
+        rep = pub.publish(_changed(trainer["params"], 9), v + 1)
+        assert rep.canary.ok and rep.failed_replicas == ()
+        m = fleet.metrics()
+        assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/rejoins"]) == (1, 1)
+
+        for c in (stale_replica, fleet.replicas[0].client):  # both miss the change
+            monkeypatch.setattr(c, "update_weights_from_tensors", _stale_of(c, old))
+        with pytest.raises(CanaryError, match=r"(?s)every rollout replica failed.*replica 0: .*replica 1: "):
+            pub.publish(_changed(trainer["params"], 10), v + 2)
+    finally:
+        fleet.close()
+
+
+def _stale_of(client, old):
+    """`client`'s update_weights_from_tensors that consumes the publisher's stream and sends the `old` tensors."""
+    honest = client.update_weights_from_tensors
+
+    def stale(tensors, *, version, chunk_bytes=1 << 20):
+        for _ in tensors.items():
+            pass
+        return honest(old, version=version)
+
+    return stale
+
+
 def test_publish_vllm_fp32(vllm_server, trainer):
     """The real engine (fp32 on CPU): a disk publish and a stream publish both pass the default bounds."""
     target, root = vllm_server
