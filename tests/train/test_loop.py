@@ -263,7 +263,9 @@ def test_fleet_of_two_replicas_one_killed_mid_run(prepared, tmp_path):
     assert len(servers) == 2 and servers[1].restarts >= 1 and servers[0].restarts == 0
     assert rows[-1]["rollout/replica1/failures"] >= 1 and rows[-1]["rollout/replica0/failures"] == 0
     for r in rows:
+        assert r["publish/canary_failed_replicas"] == 0  # every replica that took the weights was canaried
         for i in (0, 1):
+            assert r[f"rollout/replica{i}/check_failures"] == 0
             if r[f"rollout/replica{i}/in_rotation"]:
                 assert r[f"rollout/replica{i}/version"] == r["publish/version"], (r["step"], i)
     assert (run_dir / "rollout_server0.log").is_file() and (run_dir / "rollout_server1.log").is_file()
