@@ -33,7 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server",
         default="",
-        help="HOST:PORT of a running `cisjax serve` (default: start a vLLM server child on --model)",
+        help="HOST:PORT of a running `cisjax serve`, or HOST:PORT,HOST:PORT,... of several (a fleet) "
+        "(default: start a vLLM server child on --model)",
     )
     p.add_argument(
         "--token",

@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
+from cisjax import errors
 from cisjax.rollout.client import RolloutError, Sample, SamplingParams
 from cisjax.rollout.fleet import RolloutFleet
 
@@ -304,6 +305,27 @@ def test_fleet_equals_one_server(embedded, monkeypatch):
     assert all(n == 3 for per in calls for _, n in per)
     m = fleet.metrics()
     assert m["rollout/replica0/tokens_per_s"] > 0 and m["rollout/replica1/tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_running_servers_as_a_list(embedded):
+    """rollout.server=HOST:PORT,HOST:PORT (running servers, here the embedded ones): a fleet, no child started."""
+    from cisjax.rollout.fleet import RolloutFleet
+    from cisjax.train import server_proc
+
+    servers, fleet, _, _ = embedded
+    listed = ",".join(s.target for s in servers.servers)
+    child, other = server_proc.connect(listed, model_dir="", export_root="", log_path="", startup_s=60, retry_s=10)
+    try:
+        assert child is None and isinstance(other, RolloutFleet) and other.target == listed
+        params = SamplingParams(n=2, max_new_tokens=8, seed=2, stop_token_ids=STOPS)
+        assert _flat(other.generate(PROMPTS, params), "response_ids") == _flat(
+            fleet.generate(PROMPTS, params), "response_ids"
+        )
+    finally:
+        other.close()
+    with pytest.raises(errors.UserError, match="is not HOST:PORT"):
+        server_proc.connect(listed + ",nohost", model_dir="", export_root="", log_path="")
 
 
 @pytest.mark.slow
