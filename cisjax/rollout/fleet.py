@@ -49,15 +49,18 @@ class RolloutFleet:
     in-rotation replica with the fewest in-flight tokens, counting the calls of every thread. Prompts keep their
     position in the whole call as their id on the wire, and the servers derive each sample's seed from (seed,
     prompt id, sample index): a seeded call returns the same samples whichever replica serves a prompt, and the
-    order is the caller's. A replica whose call fails UNAVAILABLE is taken out of rotation and its unfinished prompts
-    go to the others (a prompt's samples come whole from one replica: nothing twice). With none in rotation, the call
-    waits (logging every `log_every_s`) for one to return, at most `retry_s`.
+    order is the caller's. A replica whose call fails UNAVAILABLE, or whose samples carry a version older than the one
+    it was sent at (it restarted unnoticed), is taken out of rotation and its unfinished prompts go to the others (a
+    prompt's samples come whole from one replica: nothing twice). With none in rotation, the call waits (logging
+    every `log_every_s`) for one to return, at most `retry_s`.
 
     Out-of-rotation replicas are probed at the start of each call (at most every `probe_s`): one that serves again
     rejoins once it holds `expected_version`; an older one is first sent the current weights (the last exported
     directory; after a streamed update it waits for the next update, which goes to every serving replica). So no
     replica serves an older version than the fleet's. Weight updates go to all replicas in parallel (one thread each;
-    a streamed update reads the tensors once and hands them to every replica)."""
+    a streamed update reads the tensors once and hands them to every replica); with a `check` (the publisher's
+    weight canary) each replica is checked after its reload, before it gets new work, and one that fails is
+    quarantined until a later checked update passes on it."""
 
     def __init__(
         self,
