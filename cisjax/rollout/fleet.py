@@ -27,6 +27,7 @@ class Replica:
     index: int
     client: RolloutClient
     restarts: Callable[[], int] | None = None  # how often its process was restarted (embedded children)
+    restart: Callable[[], None] | None = None  # restarts its process (embedded children: kill, the watchdog restarts)
     in_rotation: bool = True
     in_flight: int = 0  # tokens of the calls in flight on it (prompt + max_new_tokens x n per prompt)
     version: int = 0  # the weights version it last reported
@@ -68,13 +69,20 @@ class RolloutFleet:
         *,
         retry_s: float = 120.0,
         restarts: list | None = None,
+        restart: list | None = None,
         probe_s: float = 1.0,
         log_every_s: float = 30.0,
     ):
         if not clients:
             raise ValueError("RolloutFleet: no replicas")
         self.replicas = [
-            Replica(i, c, restarts=None if restarts is None else restarts[i]) for i, c in enumerate(clients)
+            Replica(
+                i,
+                c,
+                restarts=None if restarts is None else restarts[i],
+                restart=None if restart is None else restart[i],
+            )
+            for i, c in enumerate(clients)
         ]
         for c in clients:
             c.retry_s = 0.0  # fail fast: the fleet re-sends elsewhere
@@ -164,9 +172,12 @@ class RolloutFleet:
                     r.rejoins += 1
                 log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
 
-    def _run_check(self, r: Replica, check) -> bool:
+    def _run_check(self, r: Replica, check, restart: bool = False) -> bool:
         """check(client) -> (passed, detail, message) on a replica that holds the current weights, its outcome kept in
-        last_checks; a failure quarantines it (message: why, for the log)."""
+        last_checks; a failure quarantines it (message: why, for the log) and, with `restart`, restarts its process
+        when the fleet can (embedded replicas): it comes back on its initial weights, is sent the current export and
+        checked again before it rejoins. (Only after a publish: a replica failing again right after its restart
+        waits for the next publish, not another restart.)"""
         try:
             passed, detail, message = check(r.client)
         except RolloutError as err:
@@ -181,6 +192,9 @@ class RolloutFleet:
             log.error(
                 "rollout replica %d (%s) failed its check, out of rotation:\n%s", r.index, r.client.target, message
             )
+            if restart and r.restart is not None:
+                log.warning("restarting rollout replica %d (%s)", r.index, r.client.target)
+                r.restart()
         return passed
 
     def _wait_for_replica(self, what: str, start: float, last_log: list) -> None:
@@ -482,7 +496,7 @@ class RolloutFleet:
                     r.version = version
             passed = set()
             if check is not None:  # in parallel: each replica's check is its own scoring call
-                checks = {r.index: self._updates.submit(self._run_check, r, check) for r in updated}
+                checks = {r.index: self._updates.submit(self._run_check, r, check, True) for r in updated}
                 for r in updated:
                     try:
                         if checks[r.index].result():

@@ -143,5 +143,10 @@ def connect(
         raise
     if replicas == 1:
         return children[0], clients[0]
-    fleet = RolloutFleet(clients, retry_s=retry_s, restarts=[lambda c=c: c.restarts for c in children])
+    fleet = RolloutFleet(
+        clients,
+        retry_s=retry_s,
+        restarts=[lambda c=c: c.restarts for c in children],
+        restart=[c.kill for c in children],  # the watchdog starts it again
+    )
     return EmbeddedServers(children), fleet

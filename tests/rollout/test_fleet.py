@@ -175,6 +175,34 @@ def test_checked_update_quarantines_a_failing_replica_until_a_check_passes():
     assert [r.probation for r in fleet.replicas] == [False, False]
 
 
+def test_replica_failing_its_check_is_restarted_then_sent_and_checked_before_it_rejoins():
+    restarted = []
+    reps = [FakeReplica("r0"), FakeReplica("r1")]
+
+    def restart():  # it comes back on its initial weights
+        restarted.append(1)
+        reps[1].version = 0
+
+    fleet = RolloutFleet(reps, restart=[None, restart], probe_s=0.0)
+    bad = {"r1"}
+
+    def check(c):
+        return c.target not in bad, None, f"{c.target} is off"
+
+    fleet.update_weights("/exports/v1", version=1, checksums={}, check=check)
+    assert restarted == [1] and fleet.metrics()["rollout/replica1/in_rotation"] == 0
+    bad.clear()  # the fresh engine is right: the next call sends it version 1 and checks it
+    fleet.generate([[1]], SamplingParams(max_new_tokens=2))
+    m = fleet.metrics()
+    assert reps[1].updates[-1] == ("/exports/v1", 1) and fleet.last_checks[1][0]
+    assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/rejoins"], m["rollout/replica1/version"]) == (
+        1,
+        1,
+        1,
+    )
+    assert restarted == [1]
+
+
 def test_all_down_waits_then_fails_after_retry_s():
     fleet, reps = _fleet(retry_s=0.5, probe_s=0.0)
     for r in reps:
