@@ -18,7 +18,8 @@ seed gives different samples on each.
 
 Environment the engine needs (set before the server starts; cisjax.rollout.engine_env's defaults applied here when
 unset): VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process), VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU;
-unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1, and VLLM_TARGET_DEVICE=cpu with vLLM's CPU build.
+unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1, VLLM_USE_V2_MODEL_RUNNER=0 (the routing capture reads the V1 model
+runner's token layout), and VLLM_TARGET_DEVICE=cpu with vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ class _RoutingStore:
     in its forward are split along it once the forward has run."""
 
     def __init__(self):
-        self.on = False
         self.step = None  # (req ids, tokens each, first position each) of the forward being run
         self.ids: list = []  # (MoE layer, routed ids [tokens, k]) of that forward
         self.requests: dict = {}  # internal request id -> [prompt ids, [(first position, ids [n, layers, k])]]
@@ -168,15 +168,19 @@ class _RoutingStore:
                 f"(first {int(missing[0])}), not a prefix of its prompt"
             )
         head = prompt[:cached]
-        sources = sorted(
-            (chunks_[0][0] if chunks_ else n, other)
+        sources = [  # requests that computed some of the prefix themselves (the rest, if any, from their own source)
+            (chunks_[0][0], other)
             for other, (p, chunks_) in self.requests.items()
-            if other != rid and other not in seen and len(p) > cached and p[:cached] == head
-        )
-        for first, other in sources:
-            if first < cached:  # computed some of the prefix itself; the rest, if any, from its own source
-                out[:cached] = self.positions(other, cached, seen | {rid})
-                return out
+            if chunks_
+            and chunks_[0][0] < cached
+            and other != rid
+            and other not in seen
+            and len(p) > cached
+            and p[:cached] == head
+        ]
+        if sources:
+            out[:cached] = self.positions(min(sources)[1], cached, seen | {rid})
+            return out
         raise RuntimeError(
             f"routing capture: prompt positions 0..{cached - 1} of request {rid} came from the prefix cache, "
             "but no request of this routing phase computed them"
@@ -197,6 +201,8 @@ def _set_routing_capture(worker, on: bool) -> int:
     from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
 
     runner = worker.model_runner
+    if on and not all(hasattr(runner, a) for a in ("_prepare_inputs", "input_batch", "requests")):
+        raise RuntimeError(f"routing capture needs vLLM's V1 model runner, not {type(runner).__name__}")
     n = 0
     for module in runner.get_model().modules():
         router = getattr(module, "router", None)
@@ -209,12 +215,9 @@ def _set_routing_capture(worker, on: bool) -> int:
             router.set_capture_fn(fn)
             n += 1
     _STORE.clear()
-    _STORE.on = on
     for name in ("_prepare_inputs", "execute_model"):
         runner.__dict__.pop(name, None)  # the class's own method again
     if on:
-        if not all(hasattr(runner, a) for a in ("_prepare_inputs", "input_batch", "requests")):
-            raise RuntimeError(f"routing capture needs vLLM's V1 model runner, not {type(runner).__name__}")
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
