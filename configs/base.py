@@ -53,8 +53,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.routing = ml_collections.ConfigDict()
     # rollout: every MoE layer of the rescoring and the update uses the engine's expert ids of each position (prompt
     # and response; the rollout service returns them), gate weights from the current router at those ids. Combines
-    # with any correction.method; dense models ignore it. Costs rollout throughput: the vLLM backend captures routing
-    # with each request alone in the engine.
+    # with any correction.method; dense models ignore it. The vLLM backend captures routing with the routing calls
+    # batched together (a few percent of a Generate).
     c.routing.replay = "none"  # none | rollout
 
     # --- advantages (cisjax.rl.advantages) ---------------------------------------------------

@@ -490,7 +490,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--routing",
         action="store_true",
         help="also write routed expert ids: 'routing' [token][moe_layer][k] of the passes that produced the response "
-        "tokens, 'prompt_routing' of the prompt's other positions (the engine runs each such call alone)",
+        "tokens, 'prompt_routing' of the prompt's other positions (the engine batches such calls among themselves)",
     )
     p.add_argument(
         "--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)"

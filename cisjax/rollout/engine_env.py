@@ -6,8 +6,14 @@ import os
 from importlib import metadata
 
 # An in-process engine (no engine-core subprocess), 1 GiB of CPU KV cache (unset, vLLM on CPU takes ~11 GiB), no
-# torch.compile (3-15 s per start on CPU).
-DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCH_COMPILE_DISABLE": "1"}
+# torch.compile (3-15 s per start on CPU), the V1 model runner (the routing capture splits each forward's rows along
+# its token layout, vllm_backend._RoutingStore; on GPUs vLLM would otherwise pick its V2 runner; CPU has only V1).
+DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
 
 
 def cpu_build() -> bool:

@@ -2,8 +2,13 @@
 
 One engine thread owns the engine: it admits the requests of every call in flight, steps the
 engine and resolves each call's future as its requests finish (continuous batching). Weight
-reloads and routing captures are exclusive: new requests wait while the engine drains, the
-operation runs, then they are admitted — so every token of a sample has one weights version.
+reloads are exclusive: new requests wait while the engine drains, the reload runs, then they are
+admitted — so every token of a sample has one weights version. Calls that return routing run in
+routing phases, exclusive of the other calls but batched among themselves: on an idle engine the
+prefix cache is emptied and the capture turned on, the routing calls waiting (and those arriving
+while nothing else waits) run together, and each forward's routed ids are split per request and
+position (`_RoutingStore`); a prompt prefix read from the prefix cache gets the rows of the request
+of the phase that computed it.
 
 Each reported logprob is that of the distribution actually sampled from (vLLM's
 logprobs_mode="processed_logprobs": after temperature, top-k and top-p). Per-sample seeds are
@@ -13,7 +18,8 @@ seed gives different samples on each.
 
 Environment the engine needs (set before the server starts; cisjax.rollout.engine_env's defaults applied here when
 unset): VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process), VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU;
-unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1, and VLLM_TARGET_DEVICE=cpu with vLLM's CPU build.
+unset, vLLM takes ~11 GiB), TORCH_COMPILE_DISABLE=1, VLLM_USE_V2_MODEL_RUNNER=0 (the routing capture reads the V1 model
+runner's token layout), and VLLM_TARGET_DEVICE=cpu with vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -73,29 +79,168 @@ def _prepack_moe(worker) -> int:
     return n
 
 
-_CAPTURED: list = []  # (moe layer index, routed ids [tokens, k]) of the forwards run while capture is on
+class _RoutingStore:
+    """Worker side of the routing capture: the routers' ids of each forward, split per request and position.
+
+    The V1 model runner lays a step's tokens out request by request in `input_batch.req_ids` order,
+    `num_scheduled_tokens` each, request i's first one at position `num_computed_tokens_cpu[i]`
+    (`_prepare_inputs`); that layout is recorded as the step is prepared, and the rows the routers saw
+    in its forward are split along it once the forward has run."""
+
+    def __init__(self):
+        self.step = None  # (req ids, tokens each, first position each) of the forward being run
+        self.ids: list = []  # (MoE layer, routed ids [tokens, k]) of that forward
+        self.requests: dict = {}  # internal request id -> [prompt ids, [(first position, ids [n, layers, k])]]
+
+    def clear(self) -> None:
+        self.step, self.ids, self.requests = None, [], {}
+
+    def begin(self, runner, num_scheduled) -> None:
+        n = runner.input_batch.num_reqs
+        self.step = (
+            list(runner.input_batch.req_ids[:n]),
+            np.asarray(num_scheduled[:n], np.int64).copy(),
+            np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], np.int64).copy(),
+        )
+        self.ids = []
+
+    def end(self, runner, layers: int) -> None:
+        step, captured = self.step, self.ids
+        self.step, self.ids = None, []
+        if step is None:
+            if captured:
+                raise RuntimeError("routing capture: the routers ran in a forward that no scheduled step laid out")
+            return
+        req_ids, counts, starts = step
+        total = int(counts.sum())
+        per_layer = [[] for _ in range(layers)]
+        for layer, ids in captured:
+            per_layer[layer].append(ids)
+        stacked = []
+        for layer, parts in enumerate(per_layer):
+            rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.int32)
+            if rows.shape[0] > total:  # rows past the scheduled tokens must be the runner's padding
+                padding = getattr(runner, "is_padding", None)
+                pad = None if padding is None else padding[: rows.shape[0]].cpu().numpy()
+                if pad is None or pad[:total].any() or not pad[total:].all():
+                    raise RuntimeError(
+                        f"routing capture: MoE layer {layer} routed {rows.shape[0]} tokens in a step that scheduled "
+                        f"{total}, and the extra rows are not the model runner's padding"
+                    )
+                rows = rows[:total]
+            if rows.shape[0] != total:
+                raise RuntimeError(
+                    f"routing capture: MoE layer {layer} routed {rows.shape[0]} tokens in a step that scheduled {total}"
+                )
+            stacked.append(rows)
+        rows = np.stack(stacked, axis=1)  # [tokens, layers, k]
+        offset = 0
+        for rid, count, start in zip(req_ids, counts.tolist(), starts.tolist()):
+            if count:
+                rec = self.requests.get(rid)
+                if rec is None:
+                    rec = self.requests[rid] = [tuple(runner.requests[rid].prompt_token_ids), []]
+                rec[1].append((start, rows[offset : offset + count]))
+            offset += count
+
+    def positions(self, rid: str, n: int, seen: frozenset = frozenset()):
+        """Rows [n, layers, k] of positions 0 .. n-1 of a request; a prefix it read from the prefix cache taken from
+        the request of this phase that computed it (the same prompt tokens up to there)."""
+        rec = self.requests.get(rid)
+        if rec is None:
+            raise RuntimeError(f"routing capture: no forward of request {rid} was captured")
+        prompt, chunks = rec
+        out, filled = None, np.zeros(n, bool)
+        for start, rows in chunks:  # in step order: a recomputation (after a preemption) overwrites
+            m = min(len(rows), n - start)
+            if m > 0:
+                if out is None:
+                    out = np.empty((n, *rows.shape[1:]), rows.dtype)
+                out[start : start + m] = rows[:m]
+                filled[start : start + m] = True
+        missing = np.flatnonzero(~filled)
+        if missing.size == 0:
+            return out
+        cached = int(missing[-1]) + 1
+        if missing.size != cached or cached >= len(prompt) or out is None:
+            raise RuntimeError(
+                f"routing capture: request {rid} has no routing for {missing.size} of its {n} positions "
+                f"(first {int(missing[0])}), not a prefix of its prompt"
+            )
+        head = prompt[:cached]
+        sources = [  # requests that computed some of the prefix themselves (the rest, if any, from their own source)
+            (chunks_[0][0], other)
+            for other, (p, chunks_) in self.requests.items()
+            if chunks_
+            and chunks_[0][0] < cached
+            and other != rid
+            and other not in seen
+            and len(p) > cached
+            and p[:cached] == head
+        ]
+        if sources:
+            out[:cached] = self.positions(min(sources)[1], cached, seen | {rid})
+            return out
+        raise RuntimeError(
+            f"routing capture: prompt positions 0..{cached - 1} of request {rid} came from the prefix cache, "
+            "but no request of this routing phase computed them"
+        )
+
+
+_STORE = _RoutingStore()  # in the worker's process (the engine's own, in-process)
 
 
 def _set_routing_capture(worker, on: bool) -> int:
-    """Install (or remove) a capture callback on every fused-MoE router of the model; runs inside
-    the worker (in this process: the engine runs in-process), returns the number of MoE layers.
+    """Install (or remove) the routing capture: a callback on every fused-MoE router of the model and, around
+    the model runner's `_prepare_inputs` and `execute_model`, the bookkeeping that splits each forward's rows per
+    request (`_RoutingStore`); runs inside the worker, returns the number of MoE layers. Either way the store starts
+    empty.
 
     vLLM's own routed-experts capture needs its V2 model runner (not on CPU); the routers' capture
     hook is the same one it uses, called with the logical expert ids each layer routes to."""
     from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
 
+    runner = worker.model_runner
+    if on and not all(hasattr(runner, a) for a in ("_prepare_inputs", "input_batch", "requests")):
+        raise RuntimeError(f"routing capture needs vLLM's V1 model runner, not {type(runner).__name__}")
     n = 0
-    for module in worker.model_runner.get_model().modules():
+    for module in runner.get_model().modules():
         router = getattr(module, "router", None)
         if isinstance(router, FusedMoERouter):
             fn = (
-                (lambda ids, layer=n: _CAPTURED.append((layer, ids.detach().cpu().numpy().astype(np.int32))))
+                (lambda ids, layer=n: _STORE.ids.append((layer, ids.detach().cpu().numpy().astype(np.int32))))
                 if on
                 else None
             )
             router.set_capture_fn(fn)
             n += 1
+    _STORE.clear()
+    for name in ("_prepare_inputs", "execute_model"):
+        runner.__dict__.pop(name, None)  # the class's own method again
+    if on:
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            _STORE.begin(runner, num_scheduled_tokens)
+            return prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+        def execute_model(*args, **kwargs):
+            _STORE.step, _STORE.ids = None, []
+            try:
+                out = execute(*args, **kwargs)
+            except BaseException:
+                _STORE.step, _STORE.ids = None, []
+                raise
+            _STORE.end(runner, n)
+            return out
+
+        runner._prepare_inputs, runner.execute_model = _prepare_inputs, execute_model
     return n
+
+
+def _routing_positions(worker, wanted: list) -> list:
+    """[(internal request id, positions n)] -> their captured rows [n, layers, k]; runs inside the worker."""
+    return [_STORE.positions(rid, n) for rid, n in wanted]
 
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -123,11 +268,12 @@ class _Call:
         self.requests = requests  # [(request id, TokensPrompt, SamplingParams)]
         self.finish = finish  # (call, [RequestOutput in request order]) -> the future's result
         self.future = future
-        self.routing = routing  # run exclusively, with the routers' ids captured per request
+        self.routing = routing  # run in a routing phase, with the routers' ids captured per request
         self.outputs: dict = {}
+        self.internal: dict = {}  # request id -> the engine's internal id (the model runner's)
         self.version = 0
         self.started = 0.0
-        self.captured: list = []  # per request: [layers] of routed ids over its forward passes
+        self.captured: list = []  # per request: routed ids [positions, layers, k] of every position it ran
 
 
 class Backend(server_lib.Backend):
@@ -158,7 +304,6 @@ class Backend(server_lib.Backend):
         self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
         self.weights_dir = Path(model_dir)  # what a restart loads
         self.llm = self._start(self.weights_dir)
-        self.moe_layers = self.llm.collective_rpc(_set_routing_capture, args=(False,))[0]
         self.supports_routing = self.moe_layers > 0
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = (
@@ -191,6 +336,7 @@ class Backend(server_lib.Backend):
             )
         if Path(weights_dir) != Path(self.model):
             self._reload(llm, weights_dir)
+        self.moe_layers = llm.collective_rpc(_set_routing_capture, args=(False,))[0]  # and an empty capture store
         return llm
 
     @staticmethod
@@ -203,13 +349,12 @@ class Backend(server_lib.Backend):
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
         engine_calls: dict = {}  # request id -> _Call, admitted
-        held: collections.deque = collections.deque()  # calls waiting behind exclusive work
-        exclusive: collections.deque = (
-            collections.deque()
-        )  # (fn, future, fn resolves the future itself), run once the engine is idle
+        held: collections.deque = collections.deque()  # non-routing calls waiting behind exclusive work
+        # ("fn", fn, future): run once the engine is idle; ("routing", call): starts (or joins) a routing phase
+        exclusive: collections.deque = collections.deque()
+        phase = False  # a routing phase runs: capture on, only routing calls admitted
         while True:
-            busy = bool(engine_calls)
-            block = not busy and not exclusive and not held
+            block = not engine_calls and not exclusive and not held and not phase
             while True:  # take everything that arrived; wait only when there is nothing to do
                 try:
                     msg = self._inbox.get(block=block, timeout=None)
@@ -222,30 +367,40 @@ class Backend(server_lib.Backend):
                 if msg[0] == "call":
                     call = msg[1]
                     if call.routing:
-                        exclusive.append((lambda c=call: self._run_alone(c), call.future, True))
-                    elif exclusive:
+                        if phase and not exclusive and not held:  # joins the phase running (its cache, its capture)
+                            self._admit(call, engine_calls)
+                        else:
+                            exclusive.append(("routing", call))
+                    elif exclusive or phase:
                         held.append(call)
                     else:
                         self._admit(call, engine_calls)
                 elif msg[0] == "exclusive":
-                    exclusive.append((msg[1], msg[2], False))
+                    exclusive.append(("fn", msg[1], msg[2]))
                 elif msg[0] == "cancel":
                     self._cancel(msg[1], engine_calls, held)
             try:
+                if phase and not engine_calls:
+                    phase = False
+                    self.llm.collective_rpc(_set_routing_capture, args=(False,))
                 if exclusive and not engine_calls:
-                    fn, future, resolves_itself = exclusive.popleft()
-                    if resolves_itself:
-                        fn()
-                    elif future.set_running_or_notify_cancel():
-                        try:
-                            result = fn()
-                        except BaseException as err:  # noqa: BLE001  (handed to the caller)
-                            future.set_exception(err)
-                        else:
-                            future.set_result(result)
-                    while held and not exclusive:
+                    if exclusive[0][0] == "routing":
+                        phase = self._begin_routing_phase(exclusive)
+                        while exclusive and exclusive[0][0] == "routing":
+                            self._admit(exclusive.popleft()[1], engine_calls)
+                    else:
+                        _, fn, future = exclusive.popleft()
+                        if future.set_running_or_notify_cancel():
+                            try:
+                                result = fn()
+                            except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                                future.set_exception(err)
+                            else:
+                                future.set_result(result)
+                elif held and not exclusive and not phase:
+                    while held:
                         self._admit(held.popleft(), engine_calls)
-                elif engine_calls:
+                if engine_calls:
                     for out in self.llm.llm_engine.step():
                         if out.finished and out.request_id in engine_calls:
                             call = engine_calls.pop(out.request_id)
@@ -256,10 +411,29 @@ class Backend(server_lib.Backend):
                 log.exception("vLLM engine step failed; restarting the engine")
                 self._fail_all(engine_calls, (), (), err)
                 engine_calls.clear()
+                phase = False  # the fresh engine has no capture installed
                 try:
                     self._restart()
                 except Exception:
                     log.exception("vLLM engine restart failed")
+
+    def _begin_routing_phase(self, exclusive) -> bool:
+        """The engine is idle: empty the prefix cache, so that every cached prefix a routing call reads was computed,
+        and captured, in this phase; then capture on. On failure, the routing calls waiting fail (the phase does not
+        start), other exclusive work stays queued."""
+        try:
+            if self.llm.llm_engine.has_unfinished_requests():  # the capture would mix in other requests' tokens
+                raise RuntimeError("routing capture needs an idle engine, but requests are still running")
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("routing capture: vLLM did not reset its prefix cache")
+            self.llm.collective_rpc(_set_routing_capture, args=(True,))
+        except Exception as err:  # noqa: BLE001
+            while exclusive and exclusive[0][0] == "routing":
+                call = exclusive.popleft()[1]
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(err)
+            return False
+        return True
 
     def _admit(self, call: _Call, engine_calls: dict) -> None:
         if not call.future.set_running_or_notify_cancel():
@@ -268,7 +442,7 @@ class Backend(server_lib.Backend):
         added = []
         try:
             for rid, prompt, sp in call.requests:
-                self.llm.llm_engine.add_request(rid, prompt, sp)
+                call.internal[rid] = self.llm.llm_engine.add_request(rid, prompt, sp)  # the id the worker sees
                 added.append(rid)
                 engine_calls[rid] = call
         except Exception as err:
@@ -280,8 +454,17 @@ class Backend(server_lib.Backend):
 
     def _resolve(self, call: _Call) -> None:
         try:
-            call.future.set_result(call.finish(call, [call.outputs[rid] for rid, _, _ in call.requests]))
-        except Exception as err:  # noqa: BLE001  (a conversion error belongs to this call only)
+            outs = [call.outputs[rid] for rid, _, _ in call.requests]
+            if (
+                call.routing
+            ):  # every position the request ran through the model: its prompt, then all but its last token
+                wanted = [
+                    (call.internal[rid], len(prompt["prompt_token_ids"]) + len(out.outputs[0].token_ids) - 1)
+                    for (rid, prompt, _), out in zip(call.requests, outs)
+                ]
+                call.captured = self.llm.collective_rpc(_routing_positions, args=(wanted,))[0]
+            call.future.set_result(call.finish(call, outs))
+        except Exception as err:  # noqa: BLE001  (a conversion or capture error belongs to this call only)
             call.future.set_exception(err)
 
     def _cancel(self, future, engine_calls: dict, held) -> None:
@@ -300,45 +483,10 @@ class Backend(server_lib.Backend):
         for call in {id(c): c for c in list(engine_calls.values()) + list(held)}.values():
             if not call.future.done():
                 call.future.set_exception(err)
-        for _, future, _ in exclusive:
+        for item in exclusive:
+            future = item[1].future if item[0] == "routing" else item[2]
             if not future.done():
                 future.set_exception(err)
-
-    def _run_alone(self, call: _Call) -> None:
-        """A call whose routing is captured: each request alone in the engine, prefix cache reset
-        so every position runs through the routers (each of a prompt's n samples prefills it anew)."""
-        if not call.future.set_running_or_notify_cancel():
-            return
-        call.version, call.started = self.version, time.monotonic()
-        engine = self.llm.llm_engine
-        try:
-            if engine.has_unfinished_requests():  # the capture would mix in other requests' tokens
-                raise RuntimeError("routing capture needs an idle engine, but requests are still running")
-            self.llm.collective_rpc(_set_routing_capture, args=(True,))
-            for rid, prompt, sp in call.requests:
-                if not self.llm.reset_prefix_cache():
-                    raise RuntimeError("routing capture: vLLM did not reset its prefix cache")
-                _CAPTURED.clear()
-                engine.add_request(rid, prompt, sp)
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            call.outputs[out.request_id] = out
-                if call.outputs[rid].num_cached_tokens:  # those prompt positions skipped the routers
-                    raise RuntimeError(
-                        f"routing capture: {call.outputs[rid].num_cached_tokens} prompt tokens came from the prefix cache"
-                    )
-                per_layer = [[] for _ in range(self.moe_layers)]
-                for layer, ids in _CAPTURED:
-                    per_layer[layer].append(ids)
-                call.captured.append(np.stack([np.concatenate(a) for a in per_layer], axis=1))  # [positions, layers, k]
-        except Exception as err:  # noqa: BLE001
-            call.future.set_exception(err)
-            return
-        finally:
-            _CAPTURED.clear()
-            self.llm.collective_rpc(_set_routing_capture, args=(False,))
-        self._resolve(call)
 
     def _submit(self, requests: list, finish, routing: bool) -> futures.Future:
         future: futures.Future = futures.Future()

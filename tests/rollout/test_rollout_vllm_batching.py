@@ -22,9 +22,13 @@ pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real
 CALLS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [93, 2], [38, 4, 6, 2, 6], [43, 3, 8, 3]]
 
 
+# vLLM's CPU KV blocks hold 128 tokens and only whole blocks are prefix-cached: room for prompts that share one
+MAX_POSITIONS = 512
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, tiny_hf_dir):
-    model_dir = tiny_hf_dir("qwen2_moe", seed=3, **VLLM_QWEN2_MOE)
+    model_dir = tiny_hf_dir("qwen2_moe", seed=3, max_position_embeddings=MAX_POSITIONS, **VLLM_QWEN2_MOE)
     return model_dir, tmp_path_factory.mktemp("exports")
 
 
@@ -121,6 +125,86 @@ def test_routing_matches_cisjax(client, dirs):
     for r, q in zip(plain, scored):  # capture changes nothing (batched vs alone: last-bit differences only)
         np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
         assert r["topk_ids"] == q["topk_ids"]
+
+
+def _generate_alone(c, prompt, prompt_id, params):
+    """One prompt's samples in a Generate call of its own, sent with its `prompt_id` (so with the seeds it gets in a
+    larger call: the per-sample seed mixes in the prompt id)."""
+    from cisjax.rollout import client as client_lib
+
+    rp = c.pb.rollout_pb2
+    p = rp.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_new_tokens=params.max_new_tokens,
+        seed=params.seed,
+        logprobs=params.logprobs,
+        return_routing=True,
+    )
+    req = rp.GenerateRequest(prompts=[rp.Prompt(token_ids=prompt, id=prompt_id)], params=p)
+    got = [client_lib._sample(r.sample, prompt_id, prompt) for r in c.stub.Generate(req, timeout=120)]
+    return sorted(got, key=lambda s: s.sample_index)
+
+
+def test_routing_calls_are_batched_and_equal_to_alone(client, dirs):
+    """Several prompts x n samples with routing in one Generate call run batched in one routing phase, prompts that
+    share a prefix of more than a KV block (and the n samples of each prompt) reading it from the prefix cache; yet
+    every sample gets the routing of all its positions, equal to what it gets in a call of its own, to Score's of
+    each sequence alone (a fresh prefix cache each) and to cisjax's XLA routing."""
+    model_dir, _ = dirs
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, TINY["vocab_size"], 150).tolist()  # > 128: its first block is cached
+    prompts = [shared + rng.integers(0, TINY["vocab_size"], k).tolist() for k in (3, 20, 41)]
+    prompts += [rng.integers(0, TINY["vocab_size"], 133).tolist(), CALLS[1], [7]]
+    params = SamplingParams(n=3, max_new_tokens=9, seed=21, logprobs=1, return_routing=True)
+    together = client.generate(prompts, params)
+    flat = [s for per in together for s in per]
+    starts = [s.timing["queue_s"] for s in flat]
+    ends = [s.timing["queue_s"] + s.timing["generate_s"] for s in flat]
+    assert max(starts) < min(ends), "the routing calls of one request ran one after another"
+
+    layers_k = (TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
+    refs = xla.routing_of_positions(model_dir, [(s.prompt_ids, s.response_ids) for s in flat])
+    for i, prompt in enumerate(prompts):
+        alone = _generate_alone(client, prompt, i, params)
+        for s, a in zip(together[i], alone):
+            where = f"prompt {i} sample {s.sample_index}"
+            assert s.response_ids == a.response_ids, where  # the same seeds: the same sample
+            np.testing.assert_allclose(s.logprobs, a.logprobs, atol=1e-5, err_msg=where)
+            assert s.prompt_routing.shape == (len(prompt) - 1, *layers_k), where
+            assert s.routing.shape == (len(s.response_ids), *layers_k), where
+            np.testing.assert_array_equal(s.prompt_routing, a.prompt_routing, err_msg=where)
+            np.testing.assert_array_equal(s.routing, a.routing, err_msg=where)
+    for n, (s, (ref_prompt, ref)) in enumerate(zip(flat, refs)):
+        where = f"prompt {s.prompt_index} sample {s.sample_index}"
+        xla.assert_routing_matches(s.prompt_routing, ref_prompt, where + " prompt")
+        xla.assert_routing_matches(s.routing, ref, where)
+        if (
+            n % 3 == 1
+        ):  # a sample of each prompt scored alone: a call, a routing phase and an empty prefix cache of its own
+            (sc,) = client.score([(s.prompt_ids, s.response_ids)], routing=True)
+            np.testing.assert_array_equal(s.prompt_routing, sc["prompt_routing"], err_msg=where)
+            np.testing.assert_array_equal(s.routing, sc["routing"], err_msg=where)
+
+
+def test_routing_and_plain_calls_together(client, server):
+    """Routing calls and plain calls sent at once: the plain ones wait out the routing phase (or the other way round)
+    and get the samples they get alone; the routing ones their routing."""
+    plain = SamplingParams(n=2, max_new_tokens=12, seed=4)
+    routed = SamplingParams(n=2, max_new_tokens=12, seed=4, return_routing=True)
+    serial = [client.generate([p], plain)[0] for p in CALLS]
+    fns = [lambda c, p=p, sp=routed if i % 2 else plain: c.generate([p], sp)[0] for i, p in enumerate(CALLS)]
+    concurrent, _ = _concurrently(server, fns)
+    layers_k = (TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
+    for i, (a, b) in enumerate(zip(serial, concurrent)):
+        for sa, sb in zip(a, b):
+            assert sa.response_ids == sb.response_ids, f"call {i}"
+            if i % 2:
+                assert sb.routing.shape == (len(sb.response_ids), *layers_k)
+                assert sb.prompt_routing.shape == (len(CALLS[i]) - 1, *layers_k)
+            else:
+                assert sb.routing is None
 
 
 def test_update_waits_for_calls_in_flight(client, server, dirs):
