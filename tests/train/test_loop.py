@@ -197,13 +197,11 @@ def test_perturbed_and_lagged_engine(prepared, tmp_path):
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
 
 
-@pytest.mark.slow
-def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
-    """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
-    the current weights, and the run completes every step."""
+def _train_killing_a_server(cfg, run_dir, which: int) -> list:
+    """loop.train(cfg) while embedded server number `which` is killed (-9) once the first step is logged; the
+    embedded servers the run started, in order."""
     from cisjax.train import server_proc
 
-    run_dir = tmp_path / "run"
     servers = []
     real = server_proc.EmbeddedServer
 
@@ -215,15 +213,23 @@ def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     def killer():
         while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
             time.sleep(0.2)
-        servers[0].kill()
+        servers[which].kill()
 
     server_proc.EmbeddedServer = Spy
     try:
-        t = threading.Thread(target=killer, daemon=True)
-        t.start()
-        loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300}))
+        threading.Thread(target=killer, daemon=True).start()
+        loop.train(cfg)
     finally:
         server_proc.EmbeddedServer = real
+    return servers
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
+    """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
+    the current weights, and the run completes every step."""
+    run_dir = tmp_path / "run"
+    servers = _train_killing_a_server(_cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300}), run_dir, 0)
     assert servers and servers[0].restarts >= 1
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
 
@@ -233,29 +239,9 @@ def test_fleet_of_two_replicas_one_killed_mid_run(prepared, tmp_path):
     """rollout.replicas=2: both embedded engines generate; one is killed (-9) after the first step. The run completes
     every step with continuous versions, its work goes to the other, and no replica in rotation ever holds an older
     version than the one just published (the per-replica metrics of every step say so)."""
-    from cisjax.train import server_proc
-
     run_dir = tmp_path / "run"
-    servers = []
-    real = server_proc.EmbeddedServer
-
-    class Spy(real):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            servers.append(self)
-
-    def killer():
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
-            time.sleep(0.2)
-        servers[1].kill()
-
-    server_proc.EmbeddedServer = Spy
-    try:
-        t = threading.Thread(target=killer, daemon=True)
-        t.start()
-        loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, "rollout.replicas": 2, "rollout.retry_s": 300}))
-    finally:
-        server_proc.EmbeddedServer = real
+    cfg = _cfg(prepared, run_dir, **{"run.steps": 4, "rollout.replicas": 2, "rollout.retry_s": 300})
+    servers = _train_killing_a_server(cfg, run_dir, 1)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["publish/version"] for r in rows] == [1, 2, 3, 4]
