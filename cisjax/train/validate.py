@@ -14,6 +14,7 @@ from cisjax.models.moe import IMPLS as MOE_IMPLS
 from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
+from cisjax.rollout import placement
 from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
@@ -305,6 +306,12 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.server={c.get('rollout.server')!r} and rollout.replicas={replicas}: embedded replicas are for "
             "rollout.server=''; list running servers in rollout.server instead"
         )
+    for what in ("cpus", "gpus"):  # the syntax here; cores and GPUs are counted where the replicas start
+        spec = str(c.get(f"rollout.replica_{what}")).strip()
+        if spec not in ("", "none"):
+            c.raises(
+                f"rollout.replica_{what}", lambda s, g=what == "gpus": placement.parse_sets(s, "sets", gpus=g), spec
+            )
     # controlled mismatch (cisjax.train.perturb, the loop's lag)
     c.number("rollout.perturb_scale", low=0)
     c.number("rollout.perturb_seed", low=0, integer=True)
