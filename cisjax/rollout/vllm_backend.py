@@ -312,6 +312,11 @@ class Backend(server_lib.Backend):
         self.routing_unsupported = (
             "" if self.platform != "tpu" else "routing capture is not available on vLLM's TPU backend"
         )
+        if self.platform == "tpu":
+            log.warning(
+                "vLLM on TPU (untested): each weight update starts a fresh engine on the export (no in-place reload), "
+                "and routing capture is off"
+            )
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = (
             queue.SimpleQueue()
@@ -320,9 +325,10 @@ class Backend(server_lib.Backend):
         self._thread.start()
 
     def _start(self, weights_dir: Path):
-        """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights)."""
+        """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights; on TPU the
+        engine loads `weights_dir` itself, an HF directory with its config.json, as it has no in-place reload)."""
         llm = vllm.LLM(
-            model=self.model,
+            model=str(weights_dir) if self.platform == "tpu" else self.model,
             skip_tokenizer_init=True,
             dtype=self.dtype,
             seed=self.engine_seed,
@@ -341,7 +347,7 @@ class Backend(server_lib.Backend):
             log.info(
                 "MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope)
             )
-        if Path(weights_dir) != Path(self.model):
+        if Path(weights_dir) != Path(self.model) and self.platform != "tpu":
             self._reload(llm, weights_dir)
         if self.platform == "tpu":
             self.moe_layers = 0  # no routing capture (see __init__)
@@ -581,7 +587,12 @@ class Backend(server_lib.Backend):
     def _swap(self, path: Path, version: int, owned: bool) -> None:
         """On the engine thread, with nothing in flight."""
         try:
-            self._reload(self.llm, path)
+            if self.platform == "tpu":
+                # tpu-inference's TPUWorker has no reload_weights (vLLM's in-place reload): a fresh engine on the export
+                self._shutdown_engine()
+                self.llm = self._start(path)
+            else:
+                self._reload(self.llm, path)
         except Exception:
             # a reload that failed part-way leaves the engine unusable: restart it on the old weights
             log.exception("vLLM reload failed; restarting the engine on the previous weights")
