@@ -28,3 +28,14 @@ def test_vllm_platform_is_checked():
 def test_bad_cpus_are_refused(capsys, tmp_path):
     assert server.main(["--backend", "transformers", "--model", str(tmp_path), "--port", "0", "--cpus", "1-0"]) == 2
     assert "empty range" in capsys.readouterr().err
+
+
+def test_routing_refusal_says_why():
+    class TPU(server.Backend):
+        engine = "vllm"
+        routing_unsupported = "routing capture is not available on vLLM's TPU backend"
+
+    assert server._no_routing(TPU()) == (
+        "the vllm backend does not return routing: routing capture is not available on vLLM's TPU backend"
+    )
+    assert server._no_routing(server.Backend()) == "the ? backend does not return routing"

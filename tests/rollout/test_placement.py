@@ -93,6 +93,8 @@ def test_validate_reads_the_sets():
     cfg = config_lib.load("configs/demo_cpu.py", ["--config.rollout.replica_cpus=0-1|1"])
     assert any("rollout.replica_cpus" in p and "two sets" in p for p in validate.problems(cfg, inputs=False))
     cfg = config_lib.load("configs/demo_cpu.py", ["--config.rollout.replica_gpus=0,1|2"])
+    assert any("2 sets for rollout.replicas=1" in p for p in validate.problems(cfg, inputs=False))
+    cfg = config_lib.load("configs/demo_cpu.py", ["--config.rollout.replica_gpus=0,1|2", "--config.rollout.replicas=2"])
     assert not any("replica" in p for p in validate.problems(cfg, inputs=False))
 
 
