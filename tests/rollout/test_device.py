@@ -13,6 +13,7 @@ def test_device_is_a_vllm_option(capsys):
     assert "--device are vllm options" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # imports vLLM in-process
 def test_vllm_platform_is_checked():
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
