@@ -58,7 +58,10 @@ BENCHES = {
         "cisjax.bench.export",
         "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s",
     ),
-    "rollout": ("cisjax.bench.rollout", "rollout tokens/s through gRPC vs the same vLLM engine called in-process"),
+    "rollout": (
+        "cisjax.bench.rollout",
+        "rollout tokens/s through gRPC vs the same vLLM engine called in-process; --replicas N: a pinned fleet vs one",
+    ),
     "loop": (
         "cisjax.bench.loop",
         "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",

@@ -152,6 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
     # one's prompts re-sent to the others, and it rejoins on the current weights
     c.rollout.server = ""  # HOST:PORT of a running rollout server, or HOST:PORT,HOST:PORT,...; "" = embedded children
     c.rollout.replicas = 1  # embedded children (rollout.server=""), one engine each, restarted if they die; > 1: a fleet
+    # each embedded replica's cores ("0-3|4-7") or GPUs ("0,1|2,3": its CUDA_VISIBLE_DEVICES, tensor-parallel over them);
+    # "" = automatic with several replicas (GPUs split evenly on a GPU engine, else the cores); "none" = unrestricted
+    c.rollout.replica_cpus = ""  # e.g. "0-3|4-7"; "" = automatic; "none" = unpinned
+    c.rollout.replica_gpus = ""  # e.g. "0,1|2,3"; "" = automatic; "none" = as the trainer sees them
     c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN)
     c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32

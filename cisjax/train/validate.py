@@ -14,6 +14,7 @@ from cisjax.models.moe import IMPLS as MOE_IMPLS
 from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
+from cisjax.rollout import placement
 from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
@@ -305,6 +306,10 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.server={c.get('rollout.server')!r} and rollout.replicas={replicas}: embedded replicas are for "
             "rollout.server=''; list running servers in rollout.server instead"
         )
+    for what in ("cpus", "gpus"):  # the syntax here; cores and GPUs are counted where the replicas start
+        spec = str(c.get(f"rollout.replica_{what}")).strip()
+        if spec not in ("", "none"):
+            c.raises(f"rollout.replica_{what}", _replica_sets, spec, what == "gpus", replicas)
     # controlled mismatch (cisjax.train.perturb, the loop's lag)
     c.number("rollout.perturb_scale", low=0)
     c.number("rollout.perturb_seed", low=0, integer=True)
@@ -323,6 +328,12 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.lag={lag} with eval.every={c.get('eval.every')}: the engine holds older weights than the step's; "
             "evaluate at the end only (eval.every=0), where the final weights are published"
         )
+
+
+def _replica_sets(spec: str, gpus: bool, replicas) -> None:
+    sets = placement.parse_sets(spec, "sets", gpus=gpus)
+    if isinstance(replicas, int) and len(sets) != replicas:
+        raise errors.UserError(f"{len(sets)} sets for rollout.replicas={replicas}")
 
 
 def _eval_and_reward(c: _Checker) -> None:

@@ -116,3 +116,46 @@ def test_bench_rollout_tiny(tmp_path):
     assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 0.9
     assert res["compared_samples"] == 8 and 0 <= res["identical_samples"] <= 8
     assert res["server_exit_code"] == 0
+
+
+@pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
+def test_bench_rollout_replicas_tiny(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--replicas 2 pins a core to each replica: needs two")
+    res = _bench(
+        [
+            "rollout",
+            "--replicas",
+            "2",
+            *TINY_MODEL,
+            "--prompts",
+            "4",
+            "--prompt-len",
+            "8",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "2",
+        ],
+        tmp_path,
+    )
+    rows = {r["key"]: r for r in res["rows"]}
+    assert set(rows) == {"one", "fleet", "wide"}
+    for r in rows.values():
+        assert r["tokens"] == 4 * 2 * 8, r  # EOS ignored: every sample has max_new_tokens
+        assert r["median_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio"] > 0 and r["ratio_paired"] > 0, r
+    assert rows["one"]["ratio"] == 1.0
+    assert res["ratio"] == rows["fleet"]["ratio"] and res["ratio_wide"] == rows["wide"]["ratio"]
+    assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 1.6
+    cores = res["replica_cores"]
+    assert len(cores) == 2 and cores[0] != cores[1]  # a core each
+    assert all(t > 0 for t in res["fleet_tokens_per_replica"]), res  # both replicas served
+    # versions 1..4: round 1 publishes to replica 0 (1), then to both (2); round 2 in turn to both (3), then replica 0 (4)
+    assert res["fleet_versions"] == [3, 3]
+    p = res["publish"]
+    assert p["export_s"] > 0 and p["reload_1_s"] > 0 and p["reload_n_s"] > 0 and p["ratio"] > 0, p
+    assert len(res["publish_s"]["reload_n"]) == 2 and isinstance(res["meets_publish_target"], bool)
+    assert res["compared_samples"] == 8
+    assert set(res["server_exit_codes"].values()) == {0}

@@ -1,5 +1,6 @@
 """RolloutFleet: dispatch (least-loaded, groups whole) and faults with fake replicas; then on the real vLLM engine."""
 
+import os
 import threading
 
 import grpc
@@ -252,7 +253,6 @@ STOPS = [5, 9, 11]  # samples end at different lengths: a stream is mid-way when
 def embedded(tmp_path_factory, tiny_hf_dir):
     """Two embedded vLLM replicas (server_proc.connect with replicas=2, as `cisjax train` starts them, fp32) and the
     RolloutFleet over them; the model dir and the export root."""
-    import os
 
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
@@ -272,10 +272,46 @@ def embedded(tmp_path_factory, tiny_hf_dir):
         timeout_s=300,
         retry_s=300,
         startup_s=300,
+        replica_cpus="" if len(os.sched_getaffinity(0)) >= 2 else "none",  # a core each (automatic) where there are two
     )
     yield servers, fleet, model_dir, root / "exports"
     fleet.close()
     assert servers.stop() == 0
+
+
+def _cores(pid: int) -> set:
+    """The cores every thread of process `pid` may run on (the union over /proc/PID/task/*/status)."""
+    from pathlib import Path
+
+    from cisjax.rollout import placement
+
+    out = set()
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # a thread that exited meanwhile
+            continue
+        line = next(ln for ln in text.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        out |= set(placement.parse_ids(line.split(":", 1)[1].strip()))
+    return out
+
+
+@pytest.mark.slow
+def test_embedded_replicas_are_pinned_to_disjoint_cores(embedded):
+    """Automatic placement: each replica's process (the engine's threads and all) on its own core, and serving."""
+
+    from cisjax.rollout import placement
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the replicas are not pinned")
+    servers, fleet, _, _ = embedded
+    want = [set(p.cpus) for p in placement.plan(2, backend="vllm")]
+    got = [_cores(s.proc.pid) for s in servers.servers]
+    assert got == want and not got[0] & got[1], (got, want)
+    for s, cores in zip(servers.servers, want):
+        assert f"pinned to cores {placement.format_ids(cores)}" in s.log_path.read_text()
+    out = fleet.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4, seed=1))
+    assert len(out) == len(PROMPTS) and all(len(per) == 2 for per in out)
 
 
 def _recorded(monkeypatch, fleet) -> list[list]:
