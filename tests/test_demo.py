@@ -123,7 +123,7 @@ def test_a1_policy_gradient_is_cross_entropy_gradient(tok_dir):
         np.allclose(batch.prox_logprobs_MxBxT, batch.infer_logprobs_MxBxT)
         and batch.advantages_MxBxT.sum() == batch.loss_mask_MxBxT.sum()
     )
-    mb = type(batch)(*(x[0] for x in batch))  # the [B, T] micro-batch the step's loss sees
+    mb = type(batch)(*(None if x is None else x[0] for x in batch))  # the [B, T] micro-batch the step's loss sees
     loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
     denominator = float(mb.loss_mask_MxBxT.sum())
     g_pg, aux = jax.jit(jax.grad(loss_fn, has_aux=True))(params, mb, denominator)

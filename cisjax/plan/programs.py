@@ -199,7 +199,10 @@ class StepPrograms:
     def batch(self, micro_batches: int, rows: int, seq_len: int) -> TrainBatch:
         sh = sharding.batch_sharding(self.mesh, self.rules)
         return TrainBatch(
-            *(jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh) for dt in BATCH_DTYPES)
+            *(
+                None if dt is None else jax.ShapeDtypeStruct((micro_batches, rows, seq_len), dt, sharding=sh)
+                for dt in BATCH_DTYPES  # routing (replay) left out: the plan compiles the plain step
+            )
         )
 
     # ------------------------------------------------------------------ the loop's programs

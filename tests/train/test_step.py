@@ -97,7 +97,7 @@ def test_micro_batches_equal_one_big_batch():
     two = ref["batch"]  # the rows the reference's step 1 saw, with its prox/infer logprobs
     mask = np.asarray(two.loss_mask_MxBxT)
     assert mask[0].sum() != mask[1].sum()  # micro-batches of different token counts: a mean of means would differ
-    one = TrainBatch(*(np.asarray(x).reshape(1, 2 * U.B, U.T) for x in two))
+    one = TrainBatch(*(None if x is None else np.asarray(x).reshape(1, 2 * U.B, U.T) for x in two))
     cfg, mesh = U.make_cfg(), U.mesh_for("single")
     graphdef, tx, rules, state = U.build(cfg, mesh)
     step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
