@@ -132,6 +132,16 @@ def _fmt(s: dict, digits: int = 3) -> str:
     return f"{s['mean']:.{digits}g} ± {s['sd']:.2g} ({s['min']:.{digits}g}–{s['max']:.{digits}g})"
 
 
+def _trailing(x: np.ndarray, width: int) -> np.ndarray:
+    """Mean of the last `width` finite values at each step (fewer at the start)."""
+    out = np.full(x.shape, np.nan)
+    for i in range(x.size):
+        window = x[max(0, i - width + 1) : i + 1]
+        if np.isfinite(window).any():
+            out[i] = np.nanmean(window)
+    return out
+
+
 def _plot(table: dict, path: Path) -> None:
     import matplotlib
 
@@ -139,15 +149,18 @@ def _plot(table: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    width = 1
     for arm, t in table.items():
         mean = np.asarray(t["curve"]["mean"], float)
         if not mean.size:
             continue
+        width = max(1, mean.size // 12)  # one batch's reward is noisy: a trailing mean over ~1/12 of the run
         x = np.arange(mean.size)
-        line = ax.plot(x, mean, label=f"{arm} ({len(t['seeds'])} seeds)", lw=1.2)[0]
-        ax.fill_between(x, t["curve"]["min"], t["curve"]["max"], color=line.get_color(), alpha=0.15, lw=0)
+        line = ax.plot(x, _trailing(mean, width), label=f"{arm} ({len(t['seeds'])} seeds)", lw=1.2)[0]
+        lo, hi = (_trailing(np.asarray(t["curve"][k], float), width) for k in ("min", "max"))
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
     ax.set_xlabel("step")
-    ax.set_ylabel("training reward (mean over seeds; band: min-max)")
+    ax.set_ylabel(f"training reward, trailing mean of {width}\n(mean over seeds; band: min-max)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -57,3 +57,10 @@ def test_crashed_last_line_keeps_the_rows_before(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0, "reward/mean": 0.1}\n{"step": 1, "rew')
     assert summary.read_rows(p) == [{"step": 0, "reward/mean": 0.1}]
+
+
+def test_trailing_mean_by_hand():
+    import numpy as np
+
+    x = np.array([1.0, 3.0, np.nan, 5.0])
+    np.testing.assert_allclose(summary._trailing(x, 2), [1.0, 2.0, 3.0, 5.0])
