@@ -472,3 +472,96 @@ def test_killed_replica_work_resent_and_it_rejoins_on_current_weights(embedded, 
     assert victim.restarts == restarts + 1
     assert m["rollout/replica1/restarts"] == restarts + 1 and m["rollout/replica1/rejoins"] == 1
     assert m["rollout/replica1/in_rotation"] == 1 and m["rollout/replica1/version"] == v
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_hf_dir):
+    """The publisher's trainer side (tests.train.publishutil.load_trainer) on the embedded replicas' model."""
+    from tests.helpers import VLLM_QWEN2_MOE
+    from tests.train import publishutil
+
+    return publishutil.load_trainer(tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE))
+
+
+def _wait_restarted(server, restarts: int, timeout_s: float = 60.0) -> None:
+    """Until the watchdog has started `server` again (its restarts past `restarts`) and it serves."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while server.restarts <= restarts:
+        assert time.monotonic() < deadline, f"{server.target} was not restarted"
+        time.sleep(0.2)
+    server.wait_ready()
+
+
+@pytest.mark.slow
+def test_replica_failing_its_canary_is_excluded_reported_restarted_and_rejoins(embedded, trainer, monkeypatch):
+    """Issue 16's acceptance on the real engine: the publisher streams changed params to the fleet while replica 1's
+    reload misses the change (the old tensors under the new version). Its canary fails: the publish stands on replica
+    0 and reports replica 1; replica 1 is quarantined (out of rotation, a check failure) and, being embedded, restarted
+    (RolloutFleet._run_check): it comes back on its initial weights and, the last update having been streamed (nothing
+    to re-send), stays out: no generate call reaches it. The next, honest publish reaches it, its canary passes and it
+    rejoins."""
+    from tests.train.publishutil import changed, old_tensors, publisher, stale_of
+
+    servers, fleet, _, exports = embedded
+    victim, stale_replica = servers.servers[1], fleet.replicas[1].client
+    before = fleet.metrics()
+    restarts = victim.restarts
+    pub = publisher(trainer, fleet, exports, mode="stream")
+    v = fleet.expected_version + 1
+    honest = stale_replica.update_weights_from_tensors
+    monkeypatch.setattr(stale_replica, "update_weights_from_tensors", stale_of(stale_replica, old_tensors(trainer)))
+    rep = pub.publish(changed(trainer["params"], 11), v)
+
+    # the publish stands on replica 0; replica 1's failure is reported
+    assert rep.version == v and rep.canary is not None and rep.canary.ok
+    assert rep.failed_replicas == (1,) and rep.metrics()["publish/canary_failed_replicas"] == 1
+    assert fleet.last_checks[0][0] and not fleet.last_checks[1][0] and "mean_abs" in fleet.last_checks[1][2]
+    m = fleet.metrics()
+    assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/check_failures"]) == (
+        0,
+        before["rollout/replica1/check_failures"] + 1,
+    )
+    assert (m["rollout/replica0/in_rotation"], m["rollout/replica0/version"]) == (1, v)
+    assert fleet.info()["version"] == v  # from replica 0, the one in rotation
+    assert m["rollout/replica0/check_failures"] == before["rollout/replica0/check_failures"]
+    assert fleet.replicas[1].quarantined and not fleet.replicas[0].quarantined
+
+    # embedded: the failed replica was restarted (killed; the watchdog starts it on the model's own weights)
+    _wait_restarted(victim, restarts)
+    assert fleet.metrics()["rollout/replica1/restarts"] == restarts + 1
+    with _one(victim.target) as c:
+        assert c.info()["version"] == 0
+    # serving again, but quarantined on version 0 after a streamed update: it gets no work (replica 0 serves all)
+    calls = _recorded(monkeypatch, fleet)
+    params = SamplingParams(n=2, max_new_tokens=8, seed=6, stop_token_ids=STOPS)
+    out = fleet.generate(PROMPTS, params)
+    assert not calls[1] and sorted(i for ids, _ in calls[0] for i in ids) == list(range(len(PROMPTS)))
+    assert all(s.versions == [v] * len(s.response_ids) for per in out for s in per)
+    m = fleet.metrics()
+    assert (
+        m["rollout/replica1/in_rotation"] == 0 and m["rollout/replica1/rejoins"] == before["rollout/replica1/rejoins"]
+    )
+
+    # an honest publish reaches it (out of rotation but serving), its canary passes and it rejoins
+    monkeypatch.setattr(stale_replica, "update_weights_from_tensors", honest)
+    rep = pub.publish(changed(trainer["params"], 12), v + 1)
+    assert rep.canary.ok and rep.failed_replicas == () and rep.metrics()["publish/canary_failed_replicas"] == 0
+    assert fleet.last_checks[0][0] and fleet.last_checks[1][0]
+    m = fleet.metrics()
+    assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/rejoins"]) == (
+        1,
+        before["rollout/replica1/rejoins"] + 1,
+    )
+    assert m["rollout/replica0/in_rotation"] == 1
+    assert m["rollout/replica0/version"] == m["rollout/replica1/version"] == v + 1
+    assert victim.restarts == restarts + 1  # a passing check restarts nothing
+    assert not fleet.replicas[1].quarantined
+    for s in servers.servers:
+        with _one(s.target) as c:
+            assert c.info()["version"] == v + 1
+    calls[0].clear()
+    out = fleet.generate(PROMPTS, params)  # both serve again, on v + 1
+    assert calls[0] and calls[1]
+    assert all(s.versions == [v + 1] * len(s.response_ids) for per in out for s in per)

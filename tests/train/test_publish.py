@@ -4,19 +4,17 @@ publishes pass the canary; a corrupted export, an engine left on stale weights a
 import os
 import re
 
-import flax.nnx as nnx
-import jax
 import numpy as np
 import pytest
 
-from cisjax import config as config_lib
 from cisjax import export as export_lib
-from cisjax import runtime, sharding
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
 from tests.helpers import VLLM_QWEN2_MOE, tiny_hf_config
 from tests.rollout import serverutil
+from tests.train import publishutil
+from tests.train.publishutil import changed, old_tensors, publish_cfg, publisher, stale_of
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout servers on both engines
 
@@ -62,45 +60,8 @@ def vllm_server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
-    """The default config (bf16 compute over fp32 master weights, bf16 publishes, the default canary bounds) with a
-    small canary; the tiny model on a 2-device fsdp mesh (3 sequences: the batch is padded to the mesh)."""
-    cfg = config_lib.load(
-        None,
-        [
-            "--config.publish.canary.num_sequences=3",
-            "--config.publish.canary.prompt_len=8",
-            "--config.publish.canary.response_len=12",
-        ],
-    )
-    mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
-    rules = sharding.rules_from_config(None)
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
-    graphdef, params = nnx.split(model, nnx.Param)
-    return dict(cfg=cfg, mesh=mesh, rules=rules, hf=hf, graphdef=graphdef, params=params)
-
-
-def _cfg(trainer, **publish):
-    cfg = trainer["cfg"].copy_and_resolve_references()
-    for k, v in publish.items():
-        cfg.publish[k] = v
-    return cfg
-
-
-def _publisher(trainer, client, root, **publish):
-    t = trainer
-    return Publisher(t["graphdef"], t["hf"], _cfg(t, **publish), client, t["mesh"], t["rules"], root=root)
-
-
-def _changed(params, seed, scale=0.1):
-    """Every parameter moved by `scale` of its own std: a change the canary must see when the engine misses it."""
-    rng = np.random.default_rng(seed)
-
-    def one(x):
-        host = np.asarray(x)
-        moved = (host + scale * host.std() * rng.standard_normal(host.shape)).astype(host.dtype)
-        return jax.device_put(moved, x.sharding)
-
-    return jax.tree.map(one, params)
+    """publishutil.load_trainer: the default config with a small canary, the tiny model on a 2-device fsdp mesh."""
+    return publishutil.load_trainer(model_dir)
 
 
 def _next_version(client):
@@ -110,8 +71,8 @@ def _next_version(client):
 def test_publish_disk_then_stream_transformers(tf_server, trainer):
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
-        pub = _publisher(trainer, client, root, mode="disk")
-        params = _changed(trainer["params"], 1)
+        pub = publisher(trainer, client, root, mode="disk")
+        params = changed(trainer["params"], 1)
         v = _next_version(client)
         rep = pub.publish(params, v)
         assert rep.version == v == client.info()["version"]
@@ -125,8 +86,8 @@ def test_publish_disk_then_stream_transformers(tf_server, trainer):
         scored = [s["logprobs"] for s in client.score(pub.sequences)]
         assert np.mean(np.abs(np.subtract(before, scored))) > 2 * pub.bounds["mean_abs"]
 
-        stream = _publisher(trainer, client, root, mode="stream")
-        params = _changed(params, 2)
+        stream = publisher(trainer, client, root, mode="stream")
+        params = changed(params, 2)
         rep = stream.publish(params, v + 1)
         assert rep.version == v + 1 == client.info()["version"] and rep.path is None
         assert (
@@ -147,7 +108,7 @@ def test_corrupted_export_fails_and_names_the_family(tf_server, trainer, monkeyp
     report names that family first, with the files read back."""
     n = TINY["num_experts"]
     original = hf_io._write_shard
-    params = _changed(trainer["params"], 3)
+    params = changed(trainer["params"], 3)
     right = dict(hf_io.iter_tensors((trainer["graphdef"], params), trainer["hf"], "bfloat16"))
 
     def write(path, items, produce, *rest):
@@ -161,7 +122,7 @@ def test_corrupted_export_fails_and_names_the_family(tf_server, trainer, monkeyp
 
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
-        pub = _publisher(trainer, client, root, mode="disk")
+        pub = publisher(trainer, client, root, mode="disk")
         monkeypatch.setattr(hf_io, "_write_shard", write)
         v = _next_version(client)
         with pytest.raises(CanaryError) as err:
@@ -194,27 +155,24 @@ class _StaleClient:
 def test_engine_on_stale_weights_fails_the_canary(tf_server, trainer):
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
-        old = {
-            name: np.asarray(a)
-            for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")
-        }
-        pub = _publisher(trainer, _StaleClient(client, old), root, mode="stream")
+        old = old_tensors(trainer)
+        pub = publisher(trainer, _StaleClient(client, old), root, mode="stream")
         v = _next_version(client)
         with pytest.raises(CanaryError, match=r"(?s)weight canary FAILED.*stream mode: no files"):
-            pub.publish(_changed(trainer["params"], 4), v)
+            pub.publish(changed(trainer["params"], 4), v)
         assert client.info()["version"] == v
 
 
 def test_canary_every_and_off(tf_server, trainer):
     target, root = tf_server
     with RolloutClient(target, retry_s=10) as client:
-        every2 = _publisher(trainer, client, root, mode="stream")
+        every2 = publisher(trainer, client, root, mode="stream")
         every2.every = 2
         v = _next_version(client)
-        params = _changed(trainer["params"], 5)
+        params = changed(trainer["params"], 5)
         assert every2.publish(params, v).canary is not None  # the first publish is always checked
         assert every2.publish(params, v + 1).canary is None
-        cfg = _cfg(trainer, mode="stream")
+        cfg = publish_cfg(trainer, mode="stream")
         cfg.publish.canary.every = 0
         off = Publisher(trainer["graphdef"], trainer["hf"], cfg, client, trainer["mesh"], trainer["rules"], root=root)
         rep = off.publish(params, v + 2)
@@ -238,16 +196,13 @@ def test_fleet_replica_failing_its_canary_is_quarantined(tf_server, tf_server2, 
     target, root = tf_server
     fleet = RolloutFleet([RolloutClient(target), RolloutClient(tf_server2)])
     try:
-        old = {
-            name: np.asarray(a)
-            for name, a in hf_io.iter_tensors((trainer["graphdef"], trainer["params"]), trainer["hf"], "bfloat16")
-        }
+        old = old_tensors(trainer)
         stale_replica = fleet.replicas[1].client
         honest = stale_replica.update_weights_from_tensors
-        pub = _publisher(trainer, fleet, root, mode="stream")
+        pub = publisher(trainer, fleet, root, mode="stream")
         v = max(r.client.info()["version"] for r in fleet.replicas) + 1
-        monkeypatch.setattr(stale_replica, "update_weights_from_tensors", _stale_of(stale_replica, old))
-        rep = pub.publish(_changed(trainer["params"], 8), v)
+        monkeypatch.setattr(stale_replica, "update_weights_from_tensors", stale_of(stale_replica, old))
+        rep = pub.publish(changed(trainer["params"], 8), v)
         assert rep.canary.ok and rep.failed_replicas == (1,) and rep.metrics()["publish/canary_failed_replicas"] == 1
         assert not fleet.last_checks[1][0] and "mean_abs" in fleet.last_checks[1][2]
         m = fleet.metrics()
@@ -255,29 +210,17 @@ def test_fleet_replica_failing_its_canary_is_quarantined(tf_server, tf_server2, 
         assert m["rollout/replica0/in_rotation"] == 1 and fleet.info()["version"] == v
 
         monkeypatch.setattr(stale_replica, "update_weights_from_tensors", honest)
-        rep = pub.publish(_changed(trainer["params"], 9), v + 1)
+        rep = pub.publish(changed(trainer["params"], 9), v + 1)
         assert rep.canary.ok and rep.failed_replicas == ()
         m = fleet.metrics()
         assert (m["rollout/replica1/in_rotation"], m["rollout/replica1/rejoins"]) == (1, 1)
 
         for c in (stale_replica, fleet.replicas[0].client):  # both miss the change
-            monkeypatch.setattr(c, "update_weights_from_tensors", _stale_of(c, old))
+            monkeypatch.setattr(c, "update_weights_from_tensors", stale_of(c, old))
         with pytest.raises(CanaryError, match=r"(?s)every rollout replica failed.*replica 0: .*replica 1: "):
-            pub.publish(_changed(trainer["params"], 10), v + 2)
+            pub.publish(changed(trainer["params"], 10), v + 2)
     finally:
         fleet.close()
-
-
-def _stale_of(client, old):
-    """`client`'s update_weights_from_tensors that consumes the publisher's stream and sends the `old` tensors."""
-    honest = client.update_weights_from_tensors
-
-    def stale(tensors, *, version, chunk_bytes=1 << 20):
-        for _ in tensors.items():
-            pass
-        return honest(old, version=version)
-
-    return stale
 
 
 def test_publish_vllm_fp32(vllm_server, trainer):
@@ -286,13 +229,13 @@ def test_publish_vllm_fp32(vllm_server, trainer):
     with RolloutClient(target, retry_s=10) as client:
         assert client.info()["engine"] == "vllm"
         v = _next_version(client)
-        params = _changed(trainer["params"], 6)
-        disk = _publisher(trainer, client, root, mode="disk")
+        params = changed(trainer["params"], 6)
+        disk = publisher(trainer, client, root, mode="disk")
         rep = disk.publish(params, v)
         assert rep.canary.ok and client.info()["version"] == v
         before = [s["logprobs"] for s in client.score(disk.sequences)]
-        params = _changed(params, 7)
-        rep = _publisher(trainer, client, root, mode="stream").publish(params, v + 1)
+        params = changed(params, 7)
+        rep = publisher(trainer, client, root, mode="stream").publish(params, v + 1)
         assert rep.canary.ok and client.info()["version"] == v + 1
         after = [s["logprobs"] for s in client.score(disk.sequences)]
         assert np.mean(np.abs(np.subtract(before, after))) > 2 * rep.canary.mean_abs_bound  # the reload took effect
