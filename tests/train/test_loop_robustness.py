@@ -154,7 +154,10 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
 @pytest.mark.slow
 def test_second_ctrl_c_aborts(prepared, env, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
+    # synchronous steps of 64-token samples: the trainer waits for each batch, so the second press lands in the run
+    # (with 0.5 s steps it landed once after the run had finished its step, checkpoint and shutdown: exit 0)
+    slow = {"rollout.max_new_tokens": 64, "rollout.max_staleness": 0}
+    proc, tree = looputil.start_until_first_step(_train(prepared, run_dir, **slow), run_dir, log_path, env)
     try:
         assert tree.matching("cisjax.rollout.server"), tree.cmdlines
         os.killpg(proc.pid, signal.SIGINT)
