@@ -72,21 +72,50 @@ def _groups() -> list[list[tuple[int, str, int]]]:
     return groups
 
 
-def make_task(seed: int = 0, heldout: int = 512) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows), disjoint, deterministic from `seed`: whole groups (see _groups) are drawn
-    for the held-out set until it has `heldout` problems; every other problem is a training problem."""
+def _held_groups(seed: int, heldout: int) -> tuple[list, list]:
+    """(held-out groups in the order drawn, training groups): whole groups (see _groups) are drawn in a seeded order
+    for the held-out set until it has `heldout` problems; every other group is training."""
     groups = _groups()
     total = sum(len(g) for g in groups)
     if not 0 < heldout < total:
         raise errors.UserError(f"heldout={heldout}: must lie in 1..{total - 1}")
-    order = np.random.default_rng(seed).permutation(len(groups))
-    held, train = [], []
-    for k in order:
-        (held if len(held) < heldout else train).extend(groups[k])
+    held, train, count = [], [], 0
+    for k in np.random.default_rng(seed).permutation(len(groups)):
+        if count < heldout:
+            held.append(groups[k])
+            count += len(groups[k])
+        else:
+            train.append(groups[k])
+    return held, train
+
+
+def make_task(seed: int = 0, heldout: int = 512) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows), disjoint, deterministic from `seed`: whole groups (see _held_groups), each
+    split's problems in a seeded order."""
+    held_groups, train_groups = _held_groups(seed, heldout)
+    held = [p for g in held_groups for p in g]
+    train = [p for g in train_groups for p in g]
     rng = np.random.default_rng([seed, 1])
     held = [held[i] for i in rng.permutation(len(held))]
     train = [train[i] for i in rng.permutation(len(train))]
     return [problem_row(*p) for p in train], [problem_row(*p) for p in held]
+
+
+def split_heldout(seed: int = 0, heldout: int = 512, test: int = 128) -> tuple[list[dict], list[dict]]:
+    """make_task's held-out rows in two disjoint parts, (rl, test), each in the held-out file's order: the last
+    groups drawn for the held-out set, until they hold `test` problems, are the test part. A sweep trains on `rl`
+    and evaluates on `test`, problems neither the warm-up nor the RL phase saw (a + b and b + a stay together)."""
+    held_groups, _ = _held_groups(seed, heldout)
+    if not 0 < test < sum(len(g) for g in held_groups):
+        raise errors.UserError(f"test={test}: must lie in 1..{heldout - 1} (the held-out problems)")
+    tested = set()
+    for g in reversed(held_groups):
+        if len(tested) >= test:
+            break
+        tested.update(g)
+    _, held = make_task(seed, heldout)
+    key = {problem_row(*p)["question"]: p for p in tested}
+    return [r for r in held if r["question"] not in key], [r for r in held if r["question"] in key]
 
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
@@ -464,7 +493,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     q = sub.add_parser(
         "prepare",
         help="write the synthetic task, the tokenizer and a tiny Qwen2-MoE, warmed up",
-        description="Write DIR/data/{train,heldout}.jsonl (synthetic two-digit arithmetic, GSM8K format), "
+        description="Write DIR/data/{train,heldout,rl,test}.jsonl (synthetic two-digit arithmetic, GSM8K format), "
         "DIR/model (a character tokenizer with a chat template and a tiny Qwen2-MoE) and warm the model "
         "up with a short supervised phase on the train problems (cisjax's own train step), so that the "
         "RL phase on the held-out problems starts with a non-zero but imperfect reward. "
@@ -475,6 +504,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--warmup-steps", type=int, default=800, help="supervised steps (0 = keep the random init)")
     q.add_argument("--batch-size", type=int, default=64, help="problems per warm-up step")
     q.add_argument("--heldout", type=int, default=512, help="held-out problems (the RL phase's prompts)")
+    q.add_argument(
+        "--test",
+        type=int,
+        default=None,
+        help="of the held-out problems, this many (whole groups) also go to DIR/data/test.jsonl and the rest to "
+        "DIR/data/rl.jsonl: a sweep trains on rl and evaluates on test (heldout.jsonl keeps them all); default a "
+        "quarter of --heldout; 0 = no rl/test files",
+    )
     q.add_argument(
         "--eval-size", type=int, default=256, help="held-out problems sampled to measure accuracy (0 = none)"
     )
@@ -497,6 +534,7 @@ def run(args, overrides: Sequence[str] = ()) -> int:
         warmup_steps=args.warmup_steps,
         batch_size=args.batch_size,
         heldout=args.heldout,
+        test=args.test,
         eval_size=args.eval_size,
         boxed_fraction=args.boxed_fraction,
         config_file=args.config,
@@ -511,6 +549,7 @@ def prepare(
     warmup_steps: int = 800,
     batch_size: int = 64,
     heldout: int = 512,
+    test: int | None = None,
     eval_size: int = 256,
     boxed_fraction: float = BOXED_FRACTION,
     config_file: str | None = None,
@@ -520,6 +559,8 @@ def prepare(
     """`cisjax demo prepare`: see add_args."""
     from cisjax.data import PromptFormatter, load_problems
 
+    if test is not None and test < 0:
+        raise errors.UserError(f"--test={test}: must be >= 0 (0 = no rl/test files)")
     if warmup_steps < 0 or batch_size < 1 or eval_size < 0:
         raise errors.UserError("--warmup-steps and --eval-size must be >= 0, --batch-size >= 1")
     if not 0.0 < boxed_fraction <= 1.0:
@@ -533,9 +574,19 @@ def prepare(
     train_rows, held_rows = make_task(seed, heldout)
     write_jsonl(data_dir / "train.jsonl", train_rows)
     write_jsonl(data_dir / "heldout.jsonl", held_rows)
-    for split in ("train", "heldout"):  # the RL loop's reader accepts them
+    test = heldout // 4 if test is None else test
+    rl_rows, test_rows = split_heldout(seed, heldout, test) if test else ([], [])
+    splits = ["train", "heldout"]
+    if test:
+        write_jsonl(data_dir / "rl.jsonl", rl_rows)
+        write_jsonl(data_dir / "test.jsonl", test_rows)
+        splits += ["rl", "test"]
+    for split in splits:  # the RL loop's reader accepts them
         load_problems(data_dir, split)
-    log(f"[demo] task: {len(train_rows)} train and {len(held_rows)} held-out problems (disjoint) in {data_dir}")
+    log(
+        f"[demo] task: {len(train_rows)} train and {len(held_rows)} held-out problems (disjoint) in {data_dir}"
+        + (f"; the held-out ones also as rl.jsonl ({len(rl_rows)}) + test.jsonl ({len(test_rows)})" if test else "")
+    )
 
     tokenizer = build_tokenizer()
     hf_kwargs = write_random_model(model_dir, tokenizer, seed)
@@ -562,6 +613,8 @@ def prepare(
         seed=seed,
         train_problems=len(train_rows),
         heldout_problems=len(held_rows),
+        rl_problems=len(rl_rows),
+        test_problems=len(test_rows),
         vocab=len(tokenizer),
         prompt_tokens=prompt_len,
         response_tokens_max=response_max,

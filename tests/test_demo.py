@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from cisjax import demo, runtime, sharding
+from cisjax import demo, errors, runtime, sharding
 from cisjax.data import TRAIN_INSTRUCTION, PromptFormatter, load_problems
 from cisjax.models import hf_io
 from cisjax.train import step as step_lib
@@ -74,6 +74,23 @@ def test_task_deterministic_and_disjoint(tmp_path):
     problems = load_problems(tmp_path, "heldout")
     assert [p.question for p in problems] == [r["question"] for r in held]
     assert problems[0].answer == held[0]["answer"].rsplit("#### ", 1)[1]
+
+
+def test_heldout_split_into_rl_and_test_by_groups():
+    _, held = demo.make_task(seed=3, heldout=300)
+    rl, test = demo.split_heldout(seed=3, heldout=300, test=80)
+    assert (rl, test) == demo.split_heldout(seed=3, heldout=300, test=80)
+    assert 80 <= len(test) <= 81 and len(rl) + len(test) == len(held)
+    # both parts keep the held-out file's order, and together they are it
+    order = {r["question"]: i for i, r in enumerate(held)}
+    assert [order[r["question"]] for r in rl] == sorted(order[r["question"]] for r in rl)
+    assert sorted(rl + test, key=lambda r: order[r["question"]]) == held
+    rl_q = {r["question"] for r in rl}
+    for r in test:  # a test problem's commuted twin is not trained on
+        a, op, b = r["question"][len("What is ") : -1].split()
+        assert r["question"] not in rl_q and f"What is {b} {op} {a}?" not in rl_q
+    with pytest.raises(errors.UserError, match="test=300"):
+        demo.split_heldout(seed=3, heldout=300, test=300)
 
 
 def test_closing_styles_and_their_reward(tok_dir):
@@ -173,6 +190,8 @@ def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     longest = max((demo.response_text(r, boxed) for r in demo.make_task(1, 16)[1] for boxed in (True, False)), key=len)
     assert summary["response_tokens_max"] == len(longest) + 1 and summary["boxed_fraction"] == demo.BOXED_FRACTION
     assert len(load_problems(out / "data", "heldout")) in (16, 17)
+    rl, test = (load_problems(out / "data", split) for split in ("rl", "test"))  # --test: a quarter by default
+    assert len(test) in (4, 5) and len(rl) + len(test) == len(load_problems(out / "data", "heldout"))
     model_dir = out / "model"
     fmt = PromptFormatter(model_dir)
     ids = np.array(

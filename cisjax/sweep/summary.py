@@ -98,7 +98,7 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
         tail = reward[-window:]
         a["finals"].append(float(np.nanmean(tail)) if np.isfinite(tail).any() else float("nan"))
         for name, v in _held_out(rows).items():
-            a["held"].setdefault(name, []).append(v)
+            a["held"].setdefault(name, []).append((r.seed, v))
         for col, key, how in PER_RUN:
             a["cols"].setdefault(col, []).append(_reduce(_series(rows, key, steps), how, key.startswith("time/")))
     out = {}
@@ -116,7 +116,8 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
             "complete": a["complete"],
             "final_reward": _spread(a["finals"]),
             "final_reward_per_seed": a["finals"],
-            "held_out": {k: _spread(v) for k, v in a["held"].items()},
+            "held_out": {k: _spread([x for _, x in v]) for k, v in a["held"].items()},
+            "held_out_per_seed": {k: dict(v) for k, v in a["held"].items()},
             **{col: _spread(v) for col, v in a["cols"].items()},
             "curve": curve,
             "window": window,
@@ -148,7 +149,9 @@ def _plot(table: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    sets = sorted({s for t in table.values() for s in t["held_out"]})
+    fig, axes = plt.subplots(1, 1 + len(sets), figsize=(7 + 3.5 * len(sets), 4), squeeze=False)
+    ax = axes[0, 0]
     width = 1
     for arm, t in table.items():
         mean = np.asarray(t["curve"]["mean"], float)
@@ -162,6 +165,15 @@ def _plot(table: dict, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(f"training reward, trailing mean of {width}\n(mean over seeds; band: min-max)")
     ax.legend(fontsize=8)
+    for ax, name in zip(axes[0, 1:], sets):  # held-out accuracy of the final weights: each seed, and the mean
+        arms = list(table)
+        for i, arm in enumerate(arms):
+            per = list(table[arm].get("held_out_per_seed", {}).get(name, {}).values())
+            ax.scatter([i] * len(per), per, s=14, alpha=0.6)
+            if per:
+                ax.hlines(np.mean(per), i - 0.3, i + 0.3, color="k", lw=1.5)
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set_ylabel(f"held-out accuracy, {name}\n(dots: seeds; bar: mean)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -200,7 +212,12 @@ def write(out: Path, runs, steps: int, window: int = 0) -> Path:
     for arm, t in table.items():
         per = ", ".join(f"seed {s}: {v:.3f}" for s, v in zip(t["seeds"], t["final_reward_per_seed"]))
         md.append(f"- {arm}: {per or 'no runs yet'}\n")
-    md.append("\n![training reward per arm](sweep.png)\n")
+    for name in sets:
+        md.append(f"\nHeld-out accuracy ({name}, the last evaluation of each run) per seed:\n\n")
+        for arm, t in table.items():
+            per = ", ".join(f"seed {k}: {v:.3f}" for k, v in t["held_out_per_seed"].get(name, {}).items())
+            md.append(f"- {arm}: {per or 'not evaluated'}\n")
+    md.append("\n![training reward and held-out accuracy per arm](sweep.png)\n")
     path = out / "sweep.md"
     path.write_text("".join(md))
     return path

@@ -29,7 +29,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       3. proximal rescoring: p of every token under the current params (the step's own forward);
       4. the jitted step: correction weights from p and q, the clipped loss, AdamW;
       5. publish version s + 1 (export or stream, reload, canary; rollout.lag: version s + 1 - lag; rollout.perturb:
-         a perturbed copy, cisjax.train.perturb);
+         a perturbed copy, cisjax.train.perturb; the last step's weights are sent as they are);
       6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
          server; then metrics, dump, checkpoint.
     """
@@ -220,8 +220,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                     v, params = held.popleft()
                     report = publisher.publish(params, version=v)
                     del params
-            else:
-                report = publisher.publish(state.params, version=s + 1)
+            else:  # the last step's weights unperturbed: the run's final export and evaluation are the trained model
+                report = publisher.publish(state.params, version=s + 1, perturbed=s + 1 < total)
             publish_s = time.monotonic() - t0
             state = state_lib.with_counters(
                 state, policy_version=s + 1, data_position=int(roll_metrics["data/position"])

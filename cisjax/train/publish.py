@@ -268,10 +268,13 @@ class Publisher:
 
     # ------------------------------------------------------------------ publish
 
-    def publish(self, params, version: int) -> PublishReport:
+    def publish(self, params, version: int, *, perturbed: bool = True) -> PublishReport:
+        """Send `params` as `version` (rollout.perturb: a perturbed copy, unless perturbed=False: the loop sends the
+        trainer's own weights at the last step, so what the run leaves behind, its last export and final evaluation,
+        is the trained model)."""
         version = int(version)
         rel_rms = None
-        if self.perturb["kind"] != "none":
+        if self.perturb["kind"] != "none" and perturbed:
             params, rel = perturb_lib.perturb(params, **self.perturb)
             rel_rms = float(rel)
         model = (self.graphdef, params)

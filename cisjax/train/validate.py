@@ -319,6 +319,12 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.perturb={c.get('rollout.perturb')!r} with rollout.server={c.get('rollout.server')!r}: version 0 "
             "is the weights the engine starts on, so a perturbed run starts its own (embedded) server"
         )
+    if c.get("rollout.perturb") != "none" and c.get("eval.sets") and c.get("eval.every"):
+        c.add(
+            f"rollout.perturb={c.get('rollout.perturb')!r} with eval.every={c.get('eval.every')}: the engine holds the "
+            "perturbed copy until the last step, which publishes the trainer's own weights; evaluate at the end only "
+            "(eval.every=0)"
+        )
     lag = c.number("rollout.lag", low=0, integer=True, why=" (0 = the engine gets each step's weights)")
     stale = c.get("rollout.max_staleness")
     if lag and isinstance(stale, int) and lag > stale:

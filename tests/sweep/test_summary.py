@@ -41,14 +41,17 @@ def test_arm_table_by_hand(tmp_path):
 
 def test_markdown_and_plot(tmp_path):
     runs = [
-        _run(tmp_path, "cis", 0, [0.0, 0.5], [5.0, 1.1]),
+        _run(tmp_path, "cis", 0, [0.0, 0.5], [5.0, 1.1], extra={1: {"eval/gsm8k/accuracy": 0.75}}),
+        _run(tmp_path, "cis", 1, [0.0, 0.5], [5.0, 1.1], extra={1: {"eval/gsm8k/accuracy": 0.25}}),
         _run(tmp_path, "none", 0, [0.0, 0.2], [5.0, 1.0]),
         command.Run("tis", 0, tmp_path / "tis" / "seed0", []),  # not run yet
     ]
     (tmp_path / "sweep.json").write_text(json.dumps({"config": "c.py", "arms": ["cis", "none", "tis"], "seeds": 1}))
     md = summary.write(tmp_path, runs, steps=2, window=1).read_text()
-    assert "| cis | 1 (1) | 0.5 |" in md and "| 1.100 |" in md  # cost: 1.1 / 1.0
+    assert "| cis | 2 (2) | 0.5 ± 0 (0.5–0.5) | 0.5 ± 0.35 (0.25–0.75) |" in md  # held-out: sd of (0.75, 0.25)
+    assert "| none | 1 (1) | 0.2 | — |" in md and "| 1.100 |" in md  # not evaluated; cost: 1.1 / 1.0
     assert "- tis: no runs yet" in md
+    assert "- cis: seed 0: 0.750, seed 1: 0.250\n- none: not evaluated" in md
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert json.loads((tmp_path / "sweep_summary.json").read_text())["none"]["final_reward"]["mean"] == 0.2
 

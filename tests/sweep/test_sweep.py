@@ -39,6 +39,10 @@ def _sweep(prepared, out, cache, *extra):
         "--config.run.dump_every=0",
         "--config.run.tensorboard=false",
         "--config.checkpoint.every=0",
+        "--config.eval.sets=gsm8k",  # the final weights on held-out problems the run never trained on
+        f"--config.eval.data=gsm8k={prepared / 'data' / 'test.jsonl'}",
+        "--config.eval.limit=4",
+        "--config.eval.max_new_tokens=12",
         *extra,
     ]
     return subprocess.run(cmd, env=looputil.subprocess_env(cache), capture_output=True, text=True, timeout=1500)
@@ -61,6 +65,9 @@ def test_two_arms_run_summarise_and_resume(tmp_path):
     assert {arm: [r["step"] for r in rows] for arm, rows in first.items()} == {"cis": [0, 1], "none": [0, 1]}
     md = (out / "sweep.md").read_text()
     assert "| cis | 1 (1) |" in md and "| none | 1 (1) |" in md and (out / "sweep.png").is_file()
+    assert "held-out gsm8k" in md and "not evaluated" not in md  # every run's final evaluation is in the table
+    for rows in first.values():
+        assert 0.0 <= rows[-1]["eval/gsm8k/accuracy"] <= 1.0
 
     # a longer sweep over the same directory: the runs resume from their checkpoints, steps 0-1 are not redone
     more = _sweep(prepared, out, cache, "--config.run.steps=3")

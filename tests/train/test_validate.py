@@ -52,6 +52,10 @@ RULES = [
         ["--config.rollout.lag=1", "--config.eval.sets=gsm8k", "--config.eval.every=2"],
         "rollout.lag=1 with eval.every=2",
     ),
+    (
+        ["--config.rollout.perturb=int4", "--config.eval.sets=gsm8k", "--config.eval.every=2"],
+        "rollout.perturb='int4' with eval.every=2",
+    ),
     (["--config.model.dtype=fp8"], "model.dtype='fp8'"),
     (["--config.publish.dtype=int8"], "publish.dtype='int8'"),
     (["--config.eval.sets=gsm8k,aime"], "eval.sets='gsm8k,aime'"),
