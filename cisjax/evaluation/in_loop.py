@@ -48,7 +48,9 @@ class LoopEval:
         """Whether the weights published after `step` (version step + 1) are evaluated."""
         return bool(self.every and (step + 1) % self.every == 0) or (self.final and step + 1 == total)
 
-    def run(self, client, version: int) -> dict:
+    def run(self, client, version: int, model: str | None = None) -> dict:
+        """`model`: what the server holds, for the report (the publish's export directory; default the model the
+        server started on, which under rollout.perturb is the perturbed copy, not what was published since)."""
         from cisjax.evaluation import report, runner
 
         t0 = time.monotonic()
@@ -68,7 +70,7 @@ class LoopEval:
         )
         doc = report.results(
             per_set,
-            model=info["model"],
+            model=model or info["model"],
             export_version=version,
             engine=info,
             settings=self.settings,

@@ -585,22 +585,18 @@ def measure(args, overrides) -> list[Path]:
 def _perturbed_copy(model_dir: Path, args, root: Path) -> tuple[Path, dict]:
     """--perturb: --model loaded by cisjax, perturbed (cisjax.train.perturb) and saved in its own dtype as root/v000000,
     the model directory the engines start on; with the settings and the relative rms change."""
-    import shutil
-
     import flax.nnx as nnx
 
-    from cisjax import export as export_lib
     from cisjax.models import hf_io
     from cisjax.train import perturb as perturb_lib
 
     model, _, hf = hf_io.load(model_dir)
     graphdef, params = nnx.split(model)
-    sent, rel = perturb_lib.perturb(params, kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed)
-    shutil.rmtree(root, ignore_errors=True)
+    kw = dict(kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed)
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    path = export_lib.export((graphdef, sent), hf, root, 0, dtype=dtype, keep=1, metadata={"source": "measure"})
-    info = dict(kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed, rel_rms=float(rel))
-    log.info("--perturb: the engines serve %s (relative rms change %.3g)", path, info["rel_rms"])
+    path, rel = perturb_lib.export_copy(graphdef, params, hf, root, **kw, dtype=dtype, source="measure")
+    info = dict(**kw, rel_rms=rel)
+    log.info("--perturb: the engines serve %s (relative rms change %.3g)", path, rel)
     return path, info
 
 

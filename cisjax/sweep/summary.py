@@ -67,6 +67,19 @@ def _held_out(rows: list[dict]) -> dict:
     return out
 
 
+def _held_out_reward(run_dir: Path) -> dict:
+    """Per set, the share of the last evaluation's responses whose answer is a correct \\boxed{} (the training
+    reward's rule, where the eval's accuracy also takes "the answer is N" and a last number): from
+    RUN/eval/vNNNNNN/samples.jsonl of the latest version."""
+    evals = sorted(Path(run_dir).glob("eval/v*/samples.jsonl"))
+    if not evals:
+        return {}
+    hits: dict[str, list[bool]] = {}
+    for row in read_rows(evals[-1]):
+        hits.setdefault(row["set"], []).append(bool(row.get("correct")) and row.get("rule") == "boxed")
+    return {name: float(np.mean(v)) for name, v in hits.items()}
+
+
 def _spread(values: list[float]) -> dict:
     v = [x for x in values if np.isfinite(x)]
     if not v:
@@ -88,7 +101,9 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
     arms: dict[str, dict] = {}
     for r in runs:
         rows = _rows(r.run_dir)
-        a = arms.setdefault(r.arm, {"seeds": [], "curves": [], "finals": [], "held": {}, "cols": {}, "complete": 0})
+        a = arms.setdefault(
+            r.arm, {"seeds": [], "curves": [], "finals": [], "held": {}, "held_reward": {}, "cols": {}, "complete": 0}
+        )
         if not rows:
             continue
         reward = _series(rows, "reward/mean", steps)
@@ -99,6 +114,8 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
         a["finals"].append(float(np.nanmean(tail)) if np.isfinite(tail).any() else float("nan"))
         for name, v in _held_out(rows).items():
             a["held"].setdefault(name, []).append((r.seed, v))
+        for name, v in _held_out_reward(r.run_dir).items():
+            a["held_reward"].setdefault(name, []).append(v)
         for col, key, how in PER_RUN:
             a["cols"].setdefault(col, []).append(_reduce(_series(rows, key, steps), how, key.startswith("time/")))
     out = {}
@@ -118,6 +135,7 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
             "final_reward_per_seed": a["finals"],
             "held_out": {k: _spread([x for _, x in v]) for k, v in a["held"].items()},
             "held_out_per_seed": {k: dict(v) for k, v in a["held"].items()},
+            "held_out_reward": {k: _spread(v) for k, v in a["held_reward"].items()},
             **{col: _spread(v) for col, v in a["cols"].items()},
             "curve": curve,
             "window": window,
@@ -194,15 +212,24 @@ def write(out: Path, runs, steps: int, window: int = 0) -> Path:
     md.append(
         f"\nValues are mean ± sd over seeds (min–max). Final reward: a run's mean training reward over its last "
         f"{next(iter(table.values()))['window'] if table else '-'} steps. Step and train seconds: medians over a run's "
-        "steps after the first (compilation). Cost: the arm's train seconds / the `none` arm's.\n\n"
+        "steps after the first (compilation). Cost: the arm's train seconds / the `none` arm's."
+        + (
+            ' Held-out: the run\'s last evaluation (greedy); accuracy grades the last \\boxed{}, else "the answer is N", '
+            "else the last number; reward counts only a correct \\boxed{} answer, the training reward's rule."
+            if sets
+            else ""
+        )
+        + "\n\n"
     )
-    head = ["arm", "runs (finished)", "final reward", *[f"held-out {s}" for s in sets], *[c for c, _, _ in PER_RUN]]
+    head = ["arm", "runs (finished)", "final reward"]
+    head += [h for s in sets for h in (f"held-out {s} accuracy", f"held-out {s} reward")]
+    head += [c for c, _, _ in PER_RUN]
     head.append("cost vs none")
     md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
     base = table.get("none", {}).get("train s", {}).get("mean")
     for arm, t in table.items():
         cells = [arm, f"{len(t['seeds'])} ({t['complete']})", _fmt(t["final_reward"])]
-        cells += [_fmt(t["held_out"].get(s, {})) for s in sets]
+        cells += [_fmt(t[k].get(s, {})) for s in sets for k in ("held_out", "held_out_reward")]
         cells += [_fmt(t.get(c, {})) for c, _, _ in PER_RUN]
         own = t.get("train s", {})
         cost = own["mean"] / base if base and np.isfinite(base) and own.get("n") else float("nan")

@@ -230,7 +230,9 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 producer.published(report.version)
             step_s = time.monotonic() - t_step
             # 6. evaluation of the weights just published (version s + 1), greedy, on the same server
-            evaluated = evaluator.run(client, s + 1) if evaluator is not None and evaluator.due(s, total) else {}
+            evaluated = {}
+            if evaluator is not None and evaluator.due(s, total):
+                evaluated = evaluator.run(client, s + 1, model=report.path if report is not None else None)
             out = {f"train/{k}": v for k, v in m.items()}
             out.update(roll_metrics)
             if report is not None:
@@ -406,27 +408,22 @@ def _dump(run_dir, step, cfg, host, prox_MxBxT, versions_rows, corrections, corr
 
 def _perturbed_start(run, params, cfg, run_dir: Path, lead: bool) -> str:
     """The engine's version 0 under rollout.perturb: the initial params perturbed (cisjax.train.perturb), exported as
-    an HF directory <run dir>/engine_start/v000000 (outside the export root, whose pruning would remove it)."""
-    import shutil
-
-    from cisjax import export as export_lib
+    an HF directory <run dir>/engine_start/v000000 (outside the export root, whose pruning would remove it; a fresh
+    run, start 0, replaces an earlier run's)."""
     from cisjax.train import perturb as perturb_lib
 
-    r = cfg.rollout
-    sent, rel = perturb_lib.perturb(params, kind=r.perturb, scale=float(r.perturb_scale), seed=int(r.perturb_seed))
-    root = Path(run_dir) / "engine_start"
-    if lead:
-        shutil.rmtree(root, ignore_errors=True)  # a fresh run (start 0) replaces an earlier run's start
-    path = export_lib.export(
-        (run.graphdef, sent),
+    settings = perturb_lib.settings(cfg.rollout)
+    path, rel = perturb_lib.export_copy(
+        run.graphdef,
+        params,
         run.hf_config,
-        root,
-        0,
+        Path(run_dir) / "engine_start",
+        **settings,
         dtype=cfg.publish.dtype or None,
-        keep=1,
-        metadata={"source": "rollout.perturb", "perturb": r.perturb, "rel_rms": float(rel)},
+        source="rollout.perturb",
+        clear=lead,
     )
-    log.info("rollout.perturb=%s: the engine starts on %s (relative rms change %.3g)", r.perturb, path, float(rel))
+    log.info("rollout.perturb=%s: the engine starts on %s (relative rms change %.3g)", settings["kind"], path, rel)
     return str(path)
 
 

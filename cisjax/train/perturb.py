@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from cisjax import errors
 
-__all__ = ["KINDS", "perturb", "check"]
+__all__ = ["KINDS", "perturb", "check", "export_copy", "settings"]
 
 # none: the weights as they are | int8 / int4: symmetric integer grid, one scale per matrix (max |w| on the largest
 # level) | fp8: float8_e4m3fn, one scale per matrix (max |w| on 448, e4m3's largest) | noise: w + scale x rms(w) x
@@ -27,6 +27,13 @@ def check(kind: str, scale: float) -> None:
         raise errors.UserError(f"rollout.perturb=noise needs rollout.perturb_scale > 0 (relative rms), got {scale}")
     if kind != "noise" and float(scale) != 0:
         raise errors.UserError(f"rollout.perturb_scale={scale} is only for rollout.perturb=noise (here {kind!r})")
+
+
+def settings(rollout) -> dict:
+    """{kind, scale, seed} of a config's rollout section (rollout.perturb, perturb_scale, perturb_seed), checked."""
+    out = dict(kind=str(rollout.perturb), scale=float(rollout.perturb_scale), seed=int(rollout.perturb_seed))
+    check(out["kind"], out["scale"])
+    return out
 
 
 def _matrix(w, kind: str, scale: float, key):
@@ -61,3 +68,32 @@ def perturb(params, *, kind: str, scale: float = 0.0, seed: int = 0):
     num = sum(jnp.sum(jnp.square(o.astype(jnp.float32) - w.astype(jnp.float32))) for o, w in zip(out, leaves))
     den = sum(jnp.sum(jnp.square(w.astype(jnp.float32))) for w in leaves if w.ndim >= 2)
     return jax.tree.unflatten(treedef, out), jnp.sqrt(num / jnp.maximum(den, 1e-30))
+
+
+def export_copy(
+    graphdef,
+    params,
+    hf_config: dict,
+    root,
+    *,
+    kind: str,
+    scale: float,
+    seed: int,
+    dtype,
+    source: str,
+    clear: bool = True,
+):
+    """(path, relative rms change): `params` perturbed and exported as the HF directory root/v000000, the model an
+    engine starts on (the loop's version 0 under rollout.perturb, `cisjax mismatch measure --perturb`). `clear`
+    removes an earlier copy first (only one process of a multi-process run does; the export is collective)."""
+    import shutil
+    from pathlib import Path
+
+    from cisjax import export as export_lib
+
+    sent, rel = perturb(params, kind=kind, scale=float(scale), seed=int(seed))
+    if clear:
+        shutil.rmtree(Path(root), ignore_errors=True)
+    metadata = {"source": source, "perturb": kind, "scale": float(scale), "seed": int(seed), "rel_rms": float(rel)}
+    path = export_lib.export((graphdef, sent), hf_config, Path(root), 0, dtype=dtype, keep=1, metadata=metadata)
+    return path, float(rel)

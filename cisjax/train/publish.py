@@ -216,9 +216,7 @@ class Publisher:
         self.server_dir = pc.server_dir or None
         self.publishes = 0
         # controlled mismatch (cisjax.train.perturb): the engine gets a perturbed copy; the canary checks that copy
-        rc = cfg.rollout
-        self.perturb = dict(kind=str(rc.perturb), scale=float(rc.perturb_scale), seed=int(rc.perturb_seed))
-        perturb_lib.check(self.perturb["kind"], self.perturb["scale"])
+        self.perturb = perturb_lib.settings(cfg.rollout)
 
         c = pc.canary
         self.every = int(c.every)

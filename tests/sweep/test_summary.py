@@ -46,10 +46,22 @@ def test_markdown_and_plot(tmp_path):
         _run(tmp_path, "none", 0, [0.0, 0.2], [5.0, 1.0]),
         command.Run("tis", 0, tmp_path / "tis" / "seed0", []),  # not run yet
     ]
+    # the held-out reward: a correct \\boxed{} answer only (seed 0: 1 of 4; seed 1: 2 of 2); the latest version counts
+    samples = {
+        0: [("boxed", True), ("answer_is", True), ("boxed", False), ("last_number", True)],
+        1: [("boxed", True), ("boxed", True)],
+    }
+    for seed, rows in samples.items():
+        for v, these in ((1, rows), (0, [("boxed", False)])):
+            d = tmp_path / "cis" / f"seed{seed}" / "eval" / f"v{v:06d}"
+            d.mkdir(parents=True)
+            text = "".join(json.dumps({"set": "gsm8k", "rule": r, "correct": c}) + "\n" for r, c in these)
+            (d / "samples.jsonl").write_text(text)
     (tmp_path / "sweep.json").write_text(json.dumps({"config": "c.py", "arms": ["cis", "none", "tis"], "seeds": 1}))
     md = summary.write(tmp_path, runs, steps=2, window=1).read_text()
-    assert "| cis | 2 (2) | 0.5 ± 0 (0.5–0.5) | 0.5 ± 0.35 (0.25–0.75) |" in md  # held-out: sd of (0.75, 0.25)
-    assert "| none | 1 (1) | 0.2 | — |" in md and "| 1.100 |" in md  # not evaluated; cost: 1.1 / 1.0
+    # held-out accuracy: sd of (0.75, 0.25); held-out reward: 0.25 and 1.0, sd 0.53
+    assert "| cis | 2 (2) | 0.5 ± 0 (0.5–0.5) | 0.5 ± 0.35 (0.25–0.75) | 0.625 ± 0.53 (0.25–1) |" in md
+    assert "| none | 1 (1) | 0.2 | — | — |" in md and "| 1.100 |" in md  # not evaluated; cost: 1.1 / 1.0
     assert "- tis: no runs yet" in md
     assert "- cis: seed 0: 0.750, seed 1: 0.250\n- none: not evaluated" in md
     assert (tmp_path / "sweep.png").stat().st_size > 0

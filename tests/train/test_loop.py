@@ -95,7 +95,9 @@ def _check_evals(run_dir, rows, steps):
         assert len(samples) == 4 and {x["version"] for x in samples} == {s + 1}
         assert r["eval/gsm8k/accuracy"] == sum(x["correct"] for x in samples) / 4
         assert r["eval/gsm8k/answered"] == sum(x["rule"] != "none" for x in samples) / 4
-        assert json.loads((out / "results.json").read_text())["sampling"]["greedy"] and (out / "report.md").is_file()
+        results = json.loads((out / "results.json").read_text())
+        assert results["sampling"]["greedy"] and (out / "report.md").is_file()
+        assert results["model"] == str(run_dir / "exports" / f"v{s + 1:06d}")  # the publish's export, not the start
     # TensorBoard has the eval scalars too
     events = b"".join(f.read_bytes() for f in (run_dir / "tb").rglob("*tfevents*"))
     assert b"eval/gsm8k/accuracy" in events

@@ -79,3 +79,29 @@ def test_the_dial_grows():
 def test_bad_settings_are_named(kind, scale, msg):
     with pytest.raises(errors.UserError, match=msg):
         perturb.check(kind, scale)
+
+
+def test_export_copy_writes_the_perturbed_model_an_engine_starts_on(tiny_hf_dir, tmp_path):
+    """export_copy: root/v000000 holds the int8 copy (each matrix on its own grid), its manifest the setting; a second
+    call replaces the first copy (clear)."""
+    import json
+
+    import flax.nnx as nnx
+    from safetensors.numpy import load_file
+
+    from cisjax.models import hf_io
+
+    model, _, hf = hf_io.load(tiny_hf_dir("qwen2_moe"), dtype="float32")
+    graphdef, params = nnx.split(model)
+    root = tmp_path / "engine_start"
+    (root / "v000007").mkdir(parents=True)  # an earlier copy's leftover: cleared
+    path, rel = perturb.export_copy(
+        graphdef, params, hf, root, kind="int8", scale=0.0, seed=0, dtype="float32", source="test"
+    )
+    assert path == root / "v000000" and not (root / "v000007").exists()
+    assert 0 < rel < 0.02  # int8: well under 1% of a Gaussian matrix's norm moves
+    w = load_file(str(path / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"].astype(np.float64)
+    steps = w / (np.abs(w).max() / 127)
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    meta = json.loads((path / "manifest.json").read_text())["metadata"]
+    assert meta == {"source": "test", "perturb": "int8", "scale": 0.0, "seed": 0, "rel_rms": rel}
