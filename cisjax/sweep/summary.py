@@ -170,7 +170,7 @@ def _plot(table: dict, path: Path) -> None:
     sets = sorted({s for t in table.values() for s in t["held_out"]})
     fig, axes = plt.subplots(1, 1 + len(sets), figsize=(7 + 3.5 * len(sets), 4), squeeze=False)
     ax = axes[0, 0]
-    width = 1
+    width, colors = 1, {}
     for arm, t in table.items():
         mean = np.asarray(t["curve"]["mean"], float)
         if not mean.size:
@@ -178,6 +178,7 @@ def _plot(table: dict, path: Path) -> None:
         width = max(1, mean.size // 12)  # one batch's reward is noisy: a trailing mean over ~1/12 of the run
         x = np.arange(mean.size)
         line = ax.plot(x, _trailing(mean, width), label=f"{arm} ({len(t['seeds'])} seeds)", lw=1.2)[0]
+        colors[arm] = line.get_color()
         lo, hi = (_trailing(np.asarray(t["curve"][k], float), width) for k in ("min", "max"))
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
     ax.set_xlabel("step")
@@ -187,7 +188,7 @@ def _plot(table: dict, path: Path) -> None:
         arms = list(table)
         for i, arm in enumerate(arms):
             per = list(table[arm].get("held_out_per_seed", {}).get(name, {}).values())
-            ax.scatter([i] * len(per), per, s=14, alpha=0.6)
+            ax.scatter([i] * len(per), per, s=14, alpha=0.7, color=colors.get(arm))
             if per:
                 ax.hlines(np.mean(per), i - 0.3, i + 0.3, color="k", lw=1.5)
         ax.set_xticks(range(len(arms)), arms)
