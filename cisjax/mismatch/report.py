@@ -594,9 +594,15 @@ def _jsonable(x):
 
 
 def _labels(paths, metas):
-    """Column names: the pair, disambiguated by the directory name when two measurements share it."""
+    """Column names: the pair, disambiguated by the directory name when two measurements share it (the parent's name
+    where the directory is named after the pair: a `measure --out M` directory holds M/<pair>)."""
     pairs = [m["pair"] for m in metas]
-    labels = [pr if pairs.count(pr) == 1 else f"{pr} ({Path(p).name})" for pr, p in zip(pairs, paths)]
+
+    def where(path, pair):
+        path = Path(path)
+        return path.parent.name if path.name == pair and path.parent.name else path.name
+
+    labels = [pr if pairs.count(pr) == 1 else f"{pr} ({where(p, pr)})" for pr, p in zip(pairs, paths)]
     return [lab if labels.count(lab) == 1 else f"{lab} #{i + 1}" for i, lab in enumerate(labels)]
 
 

@@ -162,3 +162,14 @@ def test_missing_input_is_a_clear_error(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cisjax mismatch: error:" in err and "nowhere" in err and "no mismatch measurement" in err
+
+
+def test_column_labels_tell_same_pair_measurements_apart():
+    """Two dumps measured into lag0/train-dump and lag1/train-dump: the columns name lag0 and lag1; distinct pairs keep
+    their pair's name; a collision left after that is numbered."""
+    from cisjax.mismatch.report import _labels
+
+    metas = [{"pair": "train-dump"}, {"pair": "train-dump"}, {"pair": "xla-vllm"}]
+    paths = ["m/lag0/train-dump", "m/lag1/train-dump", "m/a/xla-vllm"]
+    assert _labels(paths, metas) == ["train-dump (lag0)", "train-dump (lag1)", "xla-vllm"]
+    assert _labels(["a/x", "b/x"], [{"pair": "p"}, {"pair": "p"}]) == ["p (x) #1", "p (x) #2"]
