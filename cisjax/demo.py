@@ -106,16 +106,16 @@ def split_heldout(seed: int = 0, heldout: int = 512, test: int = 128) -> tuple[l
     groups drawn for the held-out set, until they hold `test` problems, are the test part. A sweep trains on `rl`
     and evaluates on `test`, problems neither the warm-up nor the RL phase saw (a + b and b + a stay together)."""
     held_groups, _ = _held_groups(seed, heldout)
-    if not 0 < test < sum(len(g) for g in held_groups):
-        raise errors.UserError(f"test={test}: must lie in 1..{heldout - 1} (the held-out problems)")
+    count = sum(len(g) for g in held_groups)
+    if not 0 < test < count:
+        raise errors.UserError(f"test={test}: must lie in 1..{count - 1} (the held-out problems)")
     tested = set()
     for g in reversed(held_groups):
         if len(tested) >= test:
             break
-        tested.update(g)
+        tested.update(problem_row(*p)["question"] for p in g)
     _, held = make_task(seed, heldout)
-    key = {problem_row(*p)["question"]: p for p in tested}
-    return [r for r in held if r["question"] not in key], [r for r in held if r["question"] in key]
+    return [r for r in held if r["question"] not in tested], [r for r in held if r["question"] in tested]
 
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> None:

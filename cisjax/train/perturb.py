@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -86,9 +88,6 @@ def export_copy(
     """(path, relative rms change): `params` perturbed and exported as the HF directory root/v000000, the model an
     engine starts on (the loop's version 0 under rollout.perturb, `cisjax mismatch measure --perturb`). `clear`
     removes an earlier copy first (only one process of a multi-process run does; the export is collective)."""
-    import shutil
-    from pathlib import Path
-
     from cisjax import export as export_lib
 
     sent, rel = perturb(params, kind=kind, scale=float(scale), seed=int(seed))
