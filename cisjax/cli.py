@@ -1,83 +1,50 @@
-"""`cisjax <command>`: the command-line entry point; each command lives in its own module."""
+"""`cisjax <command>`: the command-line entry point; each command lives in its own module of cisjax.commands."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import os
 import sys
 
 from cisjax import console, errors
+from cisjax.config import split_overrides
 
-# command -> (module, one-line help). Modules define add_args(parser) and run(args, overrides)
-# (or add_<command>_args / run_<command> when one module serves two commands); benches run(args) or run(args, overrides).
+# command -> one-line help. Each is the module cisjax.commands.<command>: add_args(parser) and run(args, overrides).
 COMMANDS = {
-    "train": (
-        "cisjax.train.loop",
-        "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each step",
-    ),
-    "demo": (
-        "cisjax.demo",
-        "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up",
-    ),
-    "score": ("cisjax.score", "training-side (XLA) logprobs of response tokens: jsonl in, jsonl out"),
-    "serve": ("cisjax.rollout.server", "rollout gRPC server (token ids in/out) over an inference engine backend"),
-    "generate": (
-        "cisjax.rollout.client",
-        "sample rollouts from a rollout server: prompts jsonl in, one line per sample out",
-    ),
-    "mismatch": (
-        "cisjax.mismatch.command",
-        "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)",
-    ),
-    "eval": (
-        "cisjax.evaluation.command",
-        "greedy pass@1 (and avg@K/pass@K) on GSM8K, MATH-500, SVAMP, Minerva Math, OlympiadBench through the rollout service",
-    ),
-    "export": (
-        "cisjax.export",
-        "export a train checkpoint's weights as a versioned HF directory for the rollout server",
-    ),
-    "plan": (
-        "cisjax.plan.command",
-        "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline",
-    ),
-    "sweep": (
-        "cisjax.sweep.command",
-        "correction arms x seeds as train runs (here, one after another, or as commands), then sweep.md + plots",
-    ),
-    "info": ("cisjax.info", "describe a Hugging Face model directory as cisjax loads it"),
-    "config": ("cisjax.info", "print a config file with --config.x=y overrides applied"),
+    "train": "the RL loop: rollouts from the rollout server, rewards, CIS-weighted GRPO update, weights published each "
+    "step",
+    "demo": "prepare the offline demo: synthetic arithmetic task, character tokenizer, tiny MoE warmed up",
+    "score": "training-side (XLA) logprobs of response tokens: jsonl in, jsonl out",
+    "serve": "rollout gRPC server (token ids in/out) over an inference engine backend",
+    "generate": "sample rollouts from a rollout server: prompts jsonl in, one line per sample out",
+    "mismatch": "the mismatch observatory: measure XLA vs vLLM token by token, then report (Appendix A)",
+    "eval": "greedy pass@1 (and avg@K/pass@K) on GSM8K, MATH-500, SVAMP, Minerva Math, OlympiadBench through the "
+    "rollout service",
+    "export": "export a train checkpoint's weights as a versioned HF directory for the rollout server",
+    "plan": "compile the train step for a TPU slice or GPU set on this host: HBM per chip, fit, FLOPs, roofline",
+    "sweep": "correction arms x seeds as train runs (here, one after another, or as commands), then sweep.md + plots",
+    "info": "describe a Hugging Face model directory as cisjax loads it",
+    "config": "print a config file with --config.x=y overrides applied",
 }
+# bench -> one-line help. Each is the module cisjax.bench.<bench>: add_args(parser) and run(args, overrides).
 BENCHES = {
-    "moe": ("cisjax.bench.moe", "MoE layer forward+backward vs a dense MLP of equal active FLOPs"),
-    "logprobs": ("cisjax.bench.logprobs", "chunked vs naive logprobs: peak memory, time, equality"),
-    "step": ("cisjax.bench.step", "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss"),
-    "export": (
-        "cisjax.bench.export",
-        "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s",
-    ),
-    "rollout": (
-        "cisjax.bench.rollout",
-        "rollout tokens/s through gRPC vs the same vLLM engine called in-process; --replicas N: a pinned fleet vs one",
-    ),
-    "loop": (
-        "cisjax.bench.loop",
-        "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",
-    ),
+    "moe": "MoE layer forward+backward vs a dense MLP of equal active FLOPs",
+    "logprobs": "chunked vs naive logprobs: peak memory, time, equality",
+    "step": "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss",
+    "export": "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s",
+    "rollout": "rollout tokens/s through gRPC vs the same vLLM engine called in-process; --replicas N: a pinned fleet "
+    "vs one",
+    "loop": "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",
 }
-
-
-def _module(name: str):
-    return importlib.import_module(name)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser. Only the module of the command named in `argv` is imported (all of them for
-    `--help` or when argv is None): `cisjax serve` must not pull the trainer's imports into the
+    """The parser. Only the module of the command named in `argv` is imported (none for `cisjax --help`; every one
+    when argv is None, for tests that walk all commands): `cisjax serve` must not pull the trainer's imports into the
     server process, nor the trainer the server's."""
     words = [a for a in (argv or []) if not a.startswith("-")]
+    every = argv is None
     chosen = words[0] if words else None
     chosen_bench = words[1] if len(words) > 1 and chosen == "bench" else None
     parser = argparse.ArgumentParser(
@@ -87,29 +54,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "INFO logging (orbax, absl, vLLM, jax) and cisjax's DEBUG lines, which are off by default.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if chosen in (None, name) or chosen not in COMMANDS and chosen != "bench":
-            mod = _module(module)
-            (getattr(mod, f"add_{name}_args", None) or mod.add_args)(p)
-            p.set_defaults(_run=getattr(mod, f"run_{name}", None) or mod.run)
+        if every or chosen == name:
+            _attach(p, f"cisjax.commands.{name}")
     bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, (module, help_text) in BENCHES.items():
+    for name, help_text in BENCHES.items():
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
-        if chosen in (None, "bench") and chosen_bench in (None, name):
-            mod = _module(module)
-            mod.add_args(p)
-            takes_overrides = len(inspect.signature(mod.run).parameters) > 1  # `bench loop` takes --config.x=y
-            p.set_defaults(
-                _run=lambda args, overrides, run=mod.run, t=takes_overrides: run(args, overrides) if t else run(args)
-            )
+        if every or chosen == "bench" and chosen_bench == name:
+            _attach(p, f"cisjax.bench.{name}")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from cisjax.config import split_overrides
+def _attach(p: argparse.ArgumentParser, module: str) -> None:
+    mod = importlib.import_module(module)
+    mod.add_args(p)
+    p.set_defaults(_run=mod.run)
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:  # any position: libraries' INFO logging back on, in this process and its children
         argv = [a for a in argv if a != "--verbose"]

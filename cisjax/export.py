@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -10,11 +9,9 @@ import re
 import secrets
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import cisjax
 from cisjax import errors
@@ -23,7 +20,7 @@ from cisjax.rollout import manifest as manifest_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "export", "read_manifest", "verify", "latest", "versions", "version_name", "restore_params"]
+__all__ = ["ExportError", "export", "read_manifest", "verify", "latest", "versions", "version_name"]
 
 # Layout of an export root:
 #   root/v000012/            one complete export: config.json, model*.safetensors[, index], manifest.json
@@ -370,139 +367,3 @@ def _prune(root: Path, keep: int, protect: set[str]) -> None:
             shutil.rmtree(trash)
         except OSError as e:
             log.warning("%s: could not prune: %s", path, e)
-
-
-# ----------------------------------------------------------------------------- from a train checkpoint
-
-
-def restore_params(checkpoint_dir: str | os.PathLike, abstract_params, *, step: int | None = None) -> tuple[Any, dict]:
-    """(params, {"step", "policy_version", "data_position", "checkpoint"}) of a cisjax.train.checkpoint step (default: the latest
-    committed one), on one device, each leaf in its saved dtype.
-
-    Only `params` and the counters are read (orbax partial restore of the step's `state`
-    item): the optimizer state, twice the params' size for Adam, is neither needed nor
-    allocated, and its structure (which depends on the run's train config) does not matter.
-    `abstract_params` (the nnx.State of hf_io.abstract_model) gives the tree and the shapes;
-    a checkpoint of another model is a CheckpointError naming the differing parameters.
-    """
-    import flax.nnx as nnx
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
-    from cisjax.train.checkpoint import STATE, Checkpointer
-
-    ckpt = Checkpointer(checkpoint_dir, read_only=True, async_save=False)
-    try:
-        steps = ckpt.all_steps()
-        if step is None:
-            if not steps:
-                raise CheckpointError(f"{ckpt.directory}: no complete checkpoint")
-            step = steps[-1]
-        elif int(step) not in steps:
-            raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; available steps: {steps}")
-        path = Path(ckpt.step_dir(int(step))) / STATE
-    finally:
-        ckpt.close()
-
-    handler = ocp.PyTreeCheckpointer()
-    try:
-        stored = handler.metadata(path).item_metadata
-        stored = stored.tree if hasattr(stored, "tree") else stored
-        stored_params = {
-            _keystr(k).removesuffix(".value"): v for k, v in jax.tree_util.tree_flatten_with_path(stored["params"])[0]
-        }
-    except Exception as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata (not a cisjax train state?): {e}") from e
-    flat = [(".".join(map(str, k)), k, v) for k, v in nnx.to_flat_state(abstract_params)]
-    missing = sorted({p for p, _, _ in flat} - stored_params.keys())
-    unexpected = sorted(stored_params.keys() - {p for p, _, _ in flat})
-    bad = [
-        f"{p}: saved {tuple(stored_params[p].shape)}, model {tuple(v.shape)}"
-        for p, _, v in flat
-        if p in stored_params and tuple(stored_params[p].shape) != tuple(v.shape)
-    ]
-    if missing or unexpected or bad:
-        raise CheckpointError(
-            f"{path}: the checkpoint's params do not fit the model: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}, shapes {bad[:8]}"
-        )
-
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params_target = nnx.from_flat_state(
-        [
-            (k, v.replace(value=jax.ShapeDtypeStruct(v.shape, stored_params[p].dtype, sharding=device)))
-            for p, k, v in flat
-        ]
-    )
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=device)
-    target = {"params": params_target, "step": scalar, "policy_version": scalar, "data_position": scalar}
-    try:
-        out = handler.restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            ),
-        )
-    except Exception as e:
-        raise CheckpointError(f"{path}: corrupt checkpoint (cannot read the params): {e}") from e
-    counters = {k: int(out[k]) for k in ("step", "policy_version", "data_position")}
-    return out["params"], {**counters, "checkpoint": str(path.parent)}
-
-
-def _keystr(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-# ----------------------------------------------------------------------------- cisjax export
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="train checkpoint directory (cisjax.train.checkpoint)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest committed)")
-    p.add_argument(
-        "--model", required=True, help="the run's Hugging Face model directory (config.json: the architecture)"
-    )
-    p.add_argument("--out", required=True, help="export root: versions go to OUT/vNNNNNN, OUT/LATEST names the newest")
-    p.add_argument(
-        "--version",
-        type=int,
-        default=None,
-        help="export version (default: the checkpoint's step, the number of optimizer steps its weights have taken)",
-    )
-    p.add_argument(
-        "--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="dtype of the exported tensors"
-    )
-    p.add_argument("--keep", type=int, default=2, help="version directories to keep under OUT (0 = all)")
-    p.add_argument(
-        "--max-shard-bytes", type=int, default=4 << 30, help="split the safetensors into files of at most this size"
-    )
-
-
-def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    """Restore a checkpoint's params onto one device (hf_io for the model's structure) and export them."""
-    if overrides:
-        raise errors.UserError(f"cisjax export takes no --config overrides (got {overrides})")
-    from cisjax.models import hf_io
-
-    hf = hf_io.read_hf_config(args.model)
-    graphdef, abstract = hf_io.abstract_model(hf, hf_io.model_config(hf))
-    params, info = restore_params(args.checkpoint, abstract, step=args.step)
-    version = info["step"] if args.version is None else args.version
-    path = export(
-        (graphdef, params),
-        hf,
-        args.out,
-        version,
-        dtype=args.dtype,
-        keep=args.keep,
-        max_shard_bytes=args.max_shard_bytes,
-        metadata={"source": "checkpoint", **info},
-    )
-    print(
-        f"{path}  (checkpoint step {info['step']}, policy version {info['policy_version']}, "
-        f"{info['data_position']} prompts seen)",
-        file=sys.stderr,
-    )
-    print(path)
-    return 0

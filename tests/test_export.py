@@ -22,6 +22,7 @@ import pytest
 
 from cisjax import config as config_lib
 from cisjax import export as ex
+from cisjax.commands import export as export_command
 from cisjax.models import hf_io
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import Checkpointer, CheckpointError
@@ -258,6 +259,7 @@ WORKER = textwrap.dedent(
     """
     import os, signal, sys
     from cisjax import export as ex
+from cisjax.commands import export as export_command
     from cisjax.models import hf_io
 
     src, root, where = sys.argv[1:]
@@ -337,8 +339,8 @@ def test_failed_export_leaves_root_as_it_was(loaded, tmp_path, monkeypatch):
 
 def _cli(*argv):
     parser = argparse.ArgumentParser()
-    ex.add_args(parser)
-    return ex.run(parser.parse_args(list(argv)), [])
+    export_command.add_args(parser)
+    return export_command.run(parser.parse_args(list(argv)), [])
 
 
 def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):

@@ -452,7 +452,7 @@ def _print(res: dict) -> None:
     console.print(line)
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     if (
         min(
             args.hidden,

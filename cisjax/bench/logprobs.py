@@ -243,7 +243,7 @@ def _print(res: dict) -> None:
     )
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     import jax
 
     if args.chunk_size < 1 or args.tokens < 1 or args.vocab < 1 or args.hidden < 1 or args.repeats < 0:

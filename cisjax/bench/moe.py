@@ -222,7 +222,7 @@ def _print(res: dict) -> None:
     Console().print(table)
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     import jax
 
     from cisjax.models import moe

@@ -400,7 +400,7 @@ def _print(res: dict) -> None:
     )
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     if (
         min(args.hidden, args.layers, args.experts, args.top_k, args.vocab, args.batch, args.seq, args.micro_batches)
         < 1

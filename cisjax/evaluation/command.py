@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     from cisjax.evaluation import sets as sets_lib
     from cisjax.evaluation.grading import POOL_FN
     from cisjax.rl.rewards import RewardPool
-    from cisjax.train import server_proc
+    from cisjax.rollout import service
 
     console.setup()
     if overrides:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         pool = RewardPool(workers=args.grade_workers, timeout_s=args.grade_timeout, fn=POOL_FN)
         if not args.server:
             export_root = tempfile.mkdtemp(prefix="cisjax-eval-")  # the embedded server never loads other weights
-        server, client = server_proc.connect(
+        server, client = service.connect(
             args.server,
             model_dir=model_dir,
             export_root=export_root or "",

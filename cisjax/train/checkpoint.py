@@ -7,10 +7,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -334,3 +336,78 @@ def _jsonable(obj: dict, what: str) -> dict:
         return json.loads(json.dumps(obj, default=str))
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {what} is not JSON-serialisable: {e}") from e
+
+
+# ----------------------------------------------------------------------------- params alone (cisjax export)
+
+
+def restore_params(checkpoint_dir: str | os.PathLike, abstract_params, *, step: int | None = None) -> tuple[Any, dict]:
+    """(params, {"step", "policy_version", "data_position", "checkpoint"}) of a cisjax.train.checkpoint step (default: the latest
+    committed one), on one device, each leaf in its saved dtype.
+
+    Only `params` and the counters are read (orbax partial restore of the step's `state`
+    item): the optimizer state, twice the params' size for Adam, is neither needed nor
+    allocated, and its structure (which depends on the run's train config) does not matter.
+    `abstract_params` (the nnx.State of hf_io.abstract_model) gives the tree and the shapes;
+    a checkpoint of another model is a CheckpointError naming the differing parameters.
+    """
+    ckpt = Checkpointer(checkpoint_dir, read_only=True, async_save=False)
+    try:
+        steps = ckpt.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"{ckpt.directory}: no complete checkpoint")
+            step = steps[-1]
+        elif int(step) not in steps:
+            raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; available steps: {steps}")
+        path = Path(ckpt.step_dir(int(step))) / STATE
+    finally:
+        ckpt.close()
+
+    handler = ocp.PyTreeCheckpointer()
+    try:
+        stored = handler.metadata(path).item_metadata
+        stored = stored.tree if hasattr(stored, "tree") else stored
+        stored_params = {
+            _keystr(k).removesuffix(".value"): v for k, v in jax.tree_util.tree_flatten_with_path(stored["params"])[0]
+        }
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata (not a cisjax train state?): {e}") from e
+    flat = [(".".join(map(str, k)), k, v) for k, v in nnx.to_flat_state(abstract_params)]
+    missing = sorted({p for p, _, _ in flat} - stored_params.keys())
+    unexpected = sorted(stored_params.keys() - {p for p, _, _ in flat})
+    bad = [
+        f"{p}: saved {tuple(stored_params[p].shape)}, model {tuple(v.shape)}"
+        for p, _, v in flat
+        if p in stored_params and tuple(stored_params[p].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or bad:
+        raise CheckpointError(
+            f"{path}: the checkpoint's params do not fit the model: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}, shapes {bad[:8]}"
+        )
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params_target = nnx.from_flat_state(
+        [
+            (k, v.replace(value=jax.ShapeDtypeStruct(v.shape, stored_params[p].dtype, sharding=device)))
+            for p, k, v in flat
+        ]
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=device)
+    target = {"params": params_target, "step": scalar, "policy_version": scalar, "data_position": scalar}
+    try:
+        out = handler.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            ),
+        )
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt checkpoint (cannot read the params): {e}") from e
+    counters = {k: int(out[k]) for k in ("step", "policy_version", "data_position")}
+    return out["params"], {**counters, "checkpoint": str(path.parent)}
+
+
+def _keystr(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

@@ -430,10 +430,10 @@ def _perturbed_start(run, params, cfg, run_dir: Path, lead: bool) -> str:
 def _rollout_service(cfg, run_dir: Path, model_dir):
     """(embedded server(s) or None, connected client): the configured address(es), or child servers on `model_dir`
     (rollout.replicas of them; several: a RolloutFleet)."""
-    from cisjax.train import server_proc
+    from cisjax.rollout import service
 
     r = cfg.rollout
-    return server_proc.connect(
+    return service.connect(
         r.server,
         model_dir=model_dir,
         export_root=Path(cfg.publish.dir or run_dir / "exports"),

@@ -14,11 +14,11 @@ from cisjax.models.moe import IMPLS as MOE_IMPLS
 from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
-from cisjax.rollout import placement
+from cisjax.rollout import placement, service
 from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
-from cisjax.train import perturb, server_proc
+from cisjax.train import perturb
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 
@@ -299,7 +299,7 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.number("rollout.seed", low=-1, integer=True, why=" (-1 = fresh randomness)")
     for what in ("timeout_s", "retry_s", "startup_s"):
         c.number(f"rollout.{what}", low=0, low_open=True)
-    c.raises("rollout.server", server_proc.parse_servers, c.get("rollout.server"))
+    c.raises("rollout.server", service.parse_servers, c.get("rollout.server"))
     replicas = c.number("rollout.replicas", low=1, integer=True, why=" (1 = one embedded server)")
     if replicas and replicas > 1 and str(c.get("rollout.server")).strip():
         c.add(

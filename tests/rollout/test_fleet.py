@@ -251,17 +251,17 @@ STOPS = [5, 9, 11]  # samples end at different lengths: a stream is mid-way when
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory, tiny_hf_dir):
-    """Two embedded vLLM replicas (server_proc.connect with replicas=2, as `cisjax train` starts them, fp32) and the
+    """Two embedded vLLM replicas (service.connect with replicas=2, as `cisjax train` starts them, fp32) and the
     RolloutFleet over them; the model dir and the export root."""
 
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
-    from cisjax.train import server_proc
+    from cisjax.rollout import service
     from tests.helpers import VLLM_QWEN2_MOE
 
     model_dir = tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE)
     root = tmp_path_factory.mktemp("fleet")
-    servers, fleet = server_proc.connect(
+    servers, fleet = service.connect(
         "",
         replicas=2,
         model_dir=model_dir,
@@ -374,12 +374,12 @@ def test_fleet_equals_one_server(embedded, monkeypatch):
 @pytest.mark.slow
 def test_running_servers_as_a_list(embedded):
     """rollout.server=HOST:PORT,HOST:PORT (running servers, here the embedded ones): a fleet, no child started."""
+    from cisjax.rollout import service
     from cisjax.rollout.fleet import RolloutFleet
-    from cisjax.train import server_proc
 
     servers, fleet, _, _ = embedded
     listed = ",".join(s.target for s in servers.servers)
-    child, other = server_proc.connect(listed, model_dir="", export_root="", log_path="", startup_s=60, retry_s=10)
+    child, other = service.connect(listed, model_dir="", export_root="", log_path="", startup_s=60, retry_s=10)
     try:
         assert child is None and isinstance(other, RolloutFleet) and other.target == listed
         params = SamplingParams(n=2, max_new_tokens=8, seed=2, stop_token_ids=STOPS)
@@ -389,7 +389,7 @@ def test_running_servers_as_a_list(embedded):
     finally:
         other.close()
     with pytest.raises(errors.UserError, match="is not HOST:PORT"):
-        server_proc.connect(listed + ",nohost", model_dir="", export_root="", log_path="")
+        service.connect(listed + ",nohost", model_dir="", export_root="", log_path="")
 
 
 @pytest.mark.slow

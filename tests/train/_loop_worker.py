@@ -99,7 +99,8 @@ def main(
     )
 
     from cisjax.rollout import client as client_lib
-    from cisjax.train import loop, server_proc
+    from cisjax.rollout import service
+    from cisjax.train import loop
 
     # count what this process starts and connects to (only process 0 may talk to the rollout server)
     made = {"clients": 0, "servers": 0}
@@ -109,7 +110,7 @@ def main(
             made["clients"] += 1
             super().__init__(*a, **kw)
 
-    class CountedServer(server_proc.EmbeddedServer):
+    class CountedServer(service.EmbeddedServer):
         def __init__(self, *a, **kw):
             made["servers"] += 1
             super().__init__(*a, **kw)
@@ -120,7 +121,7 @@ def main(
                 f.write(f"{proc.pid}\n")
             return proc
 
-    client_lib.RolloutClient, server_proc.EmbeddedServer = CountedClient, CountedServer
+    client_lib.RolloutClient, service.EmbeddedServer = CountedClient, CountedServer
 
     stop = StopOnLastProcess(int(mode.split("@")[1])) if mode.startswith("stop@") else None
     last = loop.train(config(prepared, run_dir, int(steps)), resume=mode == "resume", stop_event=stop)

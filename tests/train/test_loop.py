@@ -63,12 +63,12 @@ _metrics = looputil.metrics
 
 
 def _checkpoint_counters(prepared, run_dir) -> dict:
-    from cisjax import export as export_lib
     from cisjax.models import hf_io
+    from cisjax.train import checkpoint as checkpoint_lib
 
     hf = hf_io.read_hf_config(prepared / "model")
     _, abstract = hf_io.abstract_model(hf, hf_io.model_config(hf))
-    _, info = export_lib.restore_params(run_dir / "checkpoints", abstract)
+    _, info = checkpoint_lib.restore_params(run_dir / "checkpoints", abstract)
     return {k: info[k] for k in ("step", "policy_version", "data_position")}
 
 
@@ -207,10 +207,10 @@ def test_perturbed_and_lagged_engine(prepared, tmp_path):
 def _train_killing_a_server(cfg, run_dir, which: int) -> list:
     """loop.train(cfg) while embedded server number `which` is killed (-9) once the first step is logged; the
     embedded servers the run started, in order."""
-    from cisjax.train import server_proc
+    from cisjax.rollout import service
 
     servers = []
-    real = server_proc.EmbeddedServer
+    real = service.EmbeddedServer
 
     class Spy(real):
         def __init__(self, *a, **kw):
@@ -222,12 +222,12 @@ def _train_killing_a_server(cfg, run_dir, which: int) -> list:
             time.sleep(0.2)
         servers[which].kill()
 
-    server_proc.EmbeddedServer = Spy
+    service.EmbeddedServer = Spy
     try:
         threading.Thread(target=killer, daemon=True).start()
         loop.train(cfg)
     finally:
-        server_proc.EmbeddedServer = real
+        service.EmbeddedServer = real
     return servers
 
 

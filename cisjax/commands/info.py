@@ -1,4 +1,4 @@
-"""`cisjax info` (a model directory as cisjax sees it) and `cisjax config` (a resolved config)."""
+"""`cisjax info`: a Hugging Face model directory as cisjax loads it (family, config, parameter counts, MoE layers)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ import argparse
 import dataclasses
 import math
 
-from cisjax import config as config_lib
+import flax.nnx as nnx
+
+from cisjax import errors
+from cisjax.models import hf_io
 
 
-def add_info_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
 
 
-def run_info(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     """Family, parsed config, parameter counts and routing layout, without loading weights."""
-    import flax.nnx as nnx
-
-    from cisjax.models import hf_io
-
+    if overrides:
+        raise errors.UserError(f"cisjax info takes no --config overrides (got {overrides})")
     hf = hf_io.read_hf_config(args.model)
     cfg = hf_io.model_config(hf)
     _, abstract = hf_io.abstract_model(hf, cfg)
@@ -31,15 +32,4 @@ def run_info(args: argparse.Namespace, overrides: list[str] | None = None) -> in
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     print(f"parameters: {sum(sizes):,} in {len(sizes)} arrays; checkpoint tensors: {len(files.names())}")
     print(f"MoE layers ({len(moe)}): {moe}")
-    return 0
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
-    )
-
-
-def run_config(args: argparse.Namespace, overrides: list[str]) -> int:
-    print(config_lib.load(args.config, overrides))
     return 0

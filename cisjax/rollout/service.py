@@ -1,4 +1,4 @@
-"""The rollout service a run talks to: running server(s), or `cisjax.rollout.server` children restarted if they die."""
+"""The rollout service of a run or an evaluation: running server(s), or `cisjax.rollout.server` children restarted."""
 
 from __future__ import annotations
 

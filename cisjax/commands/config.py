@@ -1,0 +1,18 @@
+"""`cisjax config`: a config file printed with its --config.x=y overrides applied."""
+
+from __future__ import annotations
+
+import argparse
+
+from cisjax import config as config_lib
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
+    )
+
+
+def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+    print(config_lib.load(args.config, overrides or []))
+    return 0
