@@ -127,10 +127,13 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def load(path: str | Path | None, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """A config file (default: configs/base.py of this checkout) with overrides applied."""
+    """A config file (default: configs/base.py of this checkout) with overrides applied, then locked: a field that
+    does not exist can no longer be set (a typo fails instead of going unread)."""
     if path is None:
         path = default_config_path()
-    return apply_overrides(load_file(path), overrides)
+    cfg = apply_overrides(load_file(path), overrides)
+    cfg.lock()
+    return cfg
 
 
 def default_config_path() -> Path:

@@ -37,7 +37,7 @@ def setup(verbose: bool | None = None) -> None:
         logging.getLogger(name).setLevel(libraries)
     logging.getLogger("cisjax").setLevel(logging.DEBUG if verbose else logging.INFO)
     try:  # absl keeps its own verbosity next to the Python logger's level
-        from absl import logging as absl_logging
+        from absl import logging as absl_logging  # lazy: optional
 
         absl_logging.set_verbosity(absl_logging.INFO if verbose else absl_logging.WARNING)
     except ImportError:

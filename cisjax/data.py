@@ -144,7 +144,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def _read_parquet(path: str) -> list[dict]:
     try:
-        import pyarrow.parquet as pq  # optional: only parquet sources need it
+        import pyarrow.parquet as pq  # lazy: optional (only parquet sources need it)
     except ImportError as e:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to .jsonl") from e
     return pq.read_table(path).to_pylist()
@@ -155,7 +155,7 @@ def _read_hub(spec: str, split: str) -> list[dict]:
     if not name:
         raise errors.UserError(f"hub source 'hf:{spec}' names no dataset; expected hf:<dataset>[:<config>]")
     try:
-        import datasets  # optional: only hub sources need it
+        import datasets  # lazy: optional (only hub sources need it)
     except ImportError as e:
         raise ImportError(
             f"source 'hf:{spec}' needs the Hugging Face `datasets` package (pip install datasets), or use a local .jsonl"
@@ -217,7 +217,7 @@ class PromptFormatter:
         enable_thinking: bool = False,
         system: str = "",
     ):
-        from transformers import AutoTokenizer  # heavy import: only where prompts are built
+        from transformers import AutoTokenizer  # lazy: transformers (heavy: only where prompts are built)
 
         self.tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir))
         if chat_template and not getattr(self.tokenizer, "chat_template", None):

@@ -2,37 +2,30 @@
 
 from __future__ import annotations
 
-import numpy as np
+import pickle
 
-# jax is imported inside each function: train/loop.py imports this module at the top, and the CLI imports loop.py
-# without loading jax. Every function is a collective when there are several processes: all processes call it at
-# the same point, or they hang.
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+# Every function is a collective when there are several processes: all processes call it at the same point, or they
+# hang.
 
 __all__ = ["agree", "broadcast", "any_process", "to_host"]
 
 
 def agree(code: int) -> int:
     """Process 0's status code (an int: 0 = ok, by convention) on every process."""
-    import jax
-
     if jax.process_count() == 1:
         return int(code)
-    from jax.experimental import multihost_utils
-
     return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
 
 
 def broadcast(tree):
     """Process 0's `tree` (any picklable host value: a pytree of numpy arrays, numbers, strings, ...) on every
     process, bit for bit; the other processes' `tree` is ignored (pass None)."""
-    import jax
-
     if jax.process_count() == 1:
         return tree
-    import pickle
-
-    from jax.experimental import multihost_utils
-
     # as bytes: nothing about the value need be known elsewhere, and every dtype travels exactly (a psum of uint8
     # with zeros from the other processes; numbers as jax arrays would lose 64-bit precision without jax_enable_x64)
     lead = jax.process_index() == 0
@@ -44,21 +37,13 @@ def broadcast(tree):
 
 def any_process(flag: bool) -> bool:
     """Whether `flag` is set on any process, answered alike on all."""
-    import jax
-
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
 
 
 def to_host(x) -> np.ndarray:
     """The whole of a global jax.Array on this process, as numpy (gathered when x spans processes)."""
-    import jax
-
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

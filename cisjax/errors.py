@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UserError", "MissingInput"]
+__all__ = ["UserError", "MissingInput", "CheckpointError"]
 
 
 class UserError(ValueError):
@@ -12,3 +12,8 @@ class UserError(ValueError):
 
 class MissingInput(UserError, FileNotFoundError):
     """A path the user named does not exist."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that does not fit the model: names the tensor or config field. A user error (the model or
+    checkpoint directory the user named): the CLI reports it in one line."""

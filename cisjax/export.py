@@ -13,9 +13,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import flax.nnx as nnx
+import jax
+
 import cisjax
-from cisjax import errors
-from cisjax.models.hf_config import CheckpointError
+from cisjax import distributed, errors
+from cisjax.errors import CheckpointError
+from cisjax.models import hf_io
 from cisjax.rollout import manifest as manifest_lib
 
 log = logging.getLogger(__name__)
@@ -152,9 +156,6 @@ def export(
     Multi-process: every process must call this (hf_io.save's gathers are collective); only
     process 0 touches the filesystem; all return once process 0 has committed (or all raise).
     """
-    import flax.nnx as nnx
-    import jax
-
     version = _check_int(version, "version", 0)
     keep = _check_int(keep, "keep", 0)
     if isinstance(model, tuple):
@@ -182,8 +183,6 @@ def export(
         except Exception as e:
             error = e
     _agree(error, "prepare")
-
-    from cisjax.models import hf_io
 
     try:
         digests: dict = {}  # sha256 of the weight files, computed while they were written
@@ -225,8 +224,6 @@ def _check_int(value, what: str, minimum: int) -> int:
 def _agree(error: BaseException | None, stage: str) -> None:
     """Raise `error` on process 0 and a matching error on the others (collective: every process calls it at the
     same point)."""
-    from cisjax import distributed
-
     if distributed.agree(int(error is not None)) and error is None:
         raise ExportError(f"export failed on process 0 ({stage}); see its log")
     if error is not None:

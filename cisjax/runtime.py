@@ -2,40 +2,64 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
 
-from cisjax import errors
+import jax.numpy as jnp
 
 PRECISIONS = ("bf16", "fp32", "fp16")
 
 
-def resolve_precision(cfg) -> str:
-    """The precision the step runs in: train.precision, except that correction.method=fp16 (the FP16 baseline: weight
-    1, both engines in float16) forces "fp16" whatever train.precision says."""
-    precision = cfg.train.precision
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """How the trainer's model computes (built by cisjax.train.spec from model.* and train.precision).
+
+    precision: bf16 computes in model.dtype (bfloat16 by default), fp32 in float32, fp16 in float16; correction.method
+    fp16 (the FP16 baseline: weight 1, both engines in float16) forces fp16 whatever train.precision says. Parameters
+    (master weights) and optimizer state stay in param_dtype in every mode; the router computes in router_dtype."""
+
+    precision: str
+    dtype: str  # the compute dtype the precision implies
+    param_dtype: str = "float32"
+    router_dtype: str = "float32"
+    moe_impl: str = "auto"
+    moe_tile: int | None = None  # None: chosen from the shapes
+    remat: str = "none"
+    scan_layers: bool = True
+
+    def model_kwargs(self) -> dict:
+        """hf_io.load(..., **runtime.model_kwargs()) / hf_io.model_config(hf, **...): dtypes and the MoE dispatch (moe_impl,
+        moe_tile), the rematerialisation policy and scanned layers."""
+        out = dataclasses.asdict(self)
+        del out["precision"]
+        return out
+
+
+def make_runtime(
+    precision: str,
+    *,
+    method: str = "",
+    dtype: str = "bfloat16",
+    param_dtype: str = "float32",
+    router_dtype: str = "float32",
+    moe_impl: str = "auto",
+    moe_tile: int = 0,
+    remat: str = "none",
+    scan_layers: bool = True,
+) -> Runtime:
+    """The Runtime of train.precision = `precision` with model.dtype = `dtype` (the bf16 compute dtype) and the other
+    model.* options; correction.method = "fp16" forces fp16. moe_tile 0 = chosen from the shapes."""
     if precision not in PRECISIONS:
-        raise errors.UserError(f"train.precision={precision!r}; one of {PRECISIONS}")
-    return "fp16" if cfg.correction.method == "fp16" else precision
-
-
-def model_runtime(cfg) -> dict:
-    """Runtime options to build or load the model with (hf_io.load(..., **model_runtime(cfg))): dtypes and the MoE
-    dispatch (model.moe_impl, model.moe_tile) the rematerialisation policy (model.remat) and
-    scanned layers (model.scan_layers).
-
-    bf16: compute in model.dtype (bfloat16 by default); fp32: float32; fp16: float16. Parameters (master weights)
-    and optimizer state stay in model.param_dtype (float32 by default) in every mode; the router in model.router_dtype.
-    """
-    precision = resolve_precision(cfg)
-    dtype = {"bf16": cfg.model.dtype, "fp32": "float32", "fp16": "float16"}[precision]
-    return dict(
-        dtype=dtype,
-        param_dtype=cfg.model.param_dtype,
-        router_dtype=cfg.model.router_dtype,
-        moe_impl=cfg.model.moe_impl,
-        moe_tile=int(cfg.model.moe_tile) or None,
-        remat=cfg.model.remat,
-        scan_layers=bool(cfg.model.scan_layers),
+        raise ValueError(f"precision {precision!r}; one of {PRECISIONS}")
+    precision = "fp16" if method == "fp16" else precision
+    return Runtime(
+        precision=precision,
+        dtype={"bf16": dtype, "fp32": "float32", "fp16": "float16"}[precision],
+        param_dtype=param_dtype,
+        router_dtype=router_dtype,
+        moe_impl=moe_impl,
+        moe_tile=int(moe_tile) or None,
+        remat=remat,
+        scan_layers=bool(scan_layers),
     )
 
 
@@ -45,8 +69,8 @@ def check_compute_dtype(model, precision: str) -> None:
     have = jnp.dtype(model.cfg.dtype)
     if want is not None and have != jnp.dtype(want):
         raise ValueError(
-            f"train.precision={precision} but the model computes in {have.name}: build it with "
-            f"cisjax.runtime.model_runtime(cfg)"
+            f"train.precision={precision} but the model computes in {have.name}: build it with the run's "
+            f"cisjax.runtime.Runtime (spec.runtime.model_kwargs())"
         )
 
 

@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections.abc import Mapping, Sequence
 
+import flax.nnx as nnx
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -193,7 +194,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 def param_shardings(abstract_state, mesh: Mesh, rules: Rules):
     """NamedSharding for every variable of an nnx state, from its `axes` metadata."""
-    import flax.nnx as nnx
 
     def one(v):
         axes = v.get_metadata().get("axes")

@@ -52,7 +52,7 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 # Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one
-# xdist group each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
+# unit of work each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
 ONE_WORKER_MODULES = (
     "tests/evaluation/test_command.py",
     "tests/mismatch/test_measure.py",
@@ -66,20 +66,26 @@ ONE_WORKER_MODULES = (
     "tests/train/test_loop_robustness.py",
     "tests/train/test_publish.py",
 )
-# KNOWN BROKEN: with the pinned pytest 9.2 and pytest-xdist 3.8, xdist ignores these groups. Its worker renames
-# `item._nodeid` to add "@group", and pytest 9 no longer reads that attribute (Node.nodeid comes from `_id`), so
-# LoadGroupScheduling sees no groups and spreads these modules' tests over both workers (checked with -v: gw0 and gw1
-# in one module). To fix: `--dist loadscope` (a module per worker) or a pytest/xdist pair that agree.
+# With the pinned pytest 9.2 and pytest-xdist 3.8, xdist's own `loadgroup` ignores these groups (its worker renames
+# `item._nodeid` to add "@group", which pytest 9 no longer reads), so the scheduler below does the grouping itself.
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: tests go one at a time to the free worker, except that each module of ONE_WORKER_MODULES is
+    one unit of work, on one worker (its module-scoped servers start once, not once per worker)."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        if module in ONE_WORKER_MODULES:
-            item.add_marker(
-                pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py").replace("/", "."))
-            )
     # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
     # taken last would keep one worker busy while the other has nothing left to do
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

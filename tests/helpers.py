@@ -209,3 +209,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def spec_of(cfg):
+    """The typed sections (cisjax.train.spec.TrainSpec) of a train config, validated without its inputs."""
+    from cisjax.train import validate
+
+    return validate.check(cfg, inputs=False)

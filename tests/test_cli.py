@@ -28,6 +28,17 @@ def test_each_command_has_help(command):
     assert "usage: cisjax " + " ".join(command) in res.stdout
 
 
+def test_the_cli_and_the_rollout_server_import_no_jax():
+    """`cisjax --help` and `cisjax serve` (the rollout server process) load neither jax nor the trainer: the CLI
+    imports only the chosen command's module."""
+    code = (
+        "import sys; from cisjax import cli; cli.build_parser(['serve']); "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'cisjax.train'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_console_script_installed():
     import shutil
 

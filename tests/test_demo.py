@@ -9,10 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from cisjax import demo, errors, runtime, sharding
+from cisjax import demo, errors, sharding
 from cisjax.data import TRAIN_INSTRUCTION, PromptFormatter, load_problems
 from cisjax.models import hf_io
 from cisjax.train import step as step_lib
+from tests.helpers import spec_of
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def _tiny(tok_dir):
     cfg = demo.warmup_config()
     fmt = PromptFormatter(tok_dir)
     hf = demo.model_config(len(fmt.tokenizer), fmt.tokenizer.eos_token_id, fmt.tokenizer.pad_token_id)
-    model = hf_io.init_model(hf, hf_io.model_config(hf, **runtime.model_runtime(cfg)), seed=0)
+    model = hf_io.init_model(hf, hf_io.model_config(hf, **spec_of(cfg).runtime.model_kwargs()), seed=0)
     mesh = sharding.make_mesh({}, jax.devices()[:1])
     rules = sharding.rules_from_config({})
     rows = demo.make_task(0, heldout=8)[0][:6]
@@ -134,14 +135,14 @@ def test_a1_policy_gradient_is_cross_entropy_gradient(tok_dir):
     cfg, _, model, mesh, rules, arrays = _tiny(tok_dir)
     graphdef, params = nnx.split(model, nnx.Param)
     batch = demo.sft_batch(arrays, np.arange(6))
-    prox = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, batch))
+    prox = np.asarray(step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)(params, batch))
     batch = demo.sft_batch(arrays, np.arange(6), prox)
     assert (
         np.allclose(batch.prox_logprobs_MxBxT, batch.infer_logprobs_MxBxT)
         and batch.advantages_MxBxT.sum() == batch.loss_mask_MxBxT.sum()
     )
     mb = type(batch)(*(None if x is None else x[0] for x in batch))  # the [B, T] micro-batch the step's loss sees
-    loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
+    loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
     denominator = float(mb.loss_mask_MxBxT.sum())
     g_pg, aux = jax.jit(jax.grad(loss_fn, has_aux=True))(params, mb, denominator)
 

@@ -27,7 +27,7 @@ from cisjax.models import hf_io
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import Checkpointer, CheckpointError
 from cisjax.train.optim import make_optimizer
-from tests.helpers import hf_forward, tiny_hf_config
+from tests.helpers import hf_forward, spec_of, tiny_hf_config
 from tests.models.parity import LOGITS_TOL
 from tests.models.parity import run as jax_forward
 
@@ -259,7 +259,6 @@ WORKER = textwrap.dedent(
     """
     import os, signal, sys
     from cisjax import export as ex
-from cisjax.commands import export as export_command
     from cisjax.models import hf_io
 
     src, root, where = sys.argv[1:]
@@ -347,7 +346,7 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
     """A train state (fp32 params moved away from the source + Adam moments) saved by Checkpointer exports to a
     directory transformers loads with exactly those params."""
     model, _ = loaded
-    graphdef, state = state_lib.create(model, make_optimizer(config_lib.load(None).train))
+    graphdef, state = state_lib.create(model, make_optimizer(spec_of(config_lib.load(None)).step.optim))
     rng = np.random.default_rng(1)
     moved = jax.tree.map(lambda p: p + jnp.asarray(rng.normal(0, 0.05, p.shape), p.dtype), state.params)
     state = state._replace(params=moved, step=jnp.int32(7), policy_version=jnp.int32(6), data_position=jnp.int32(448))

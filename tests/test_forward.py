@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cisjax import forward, rows, runtime, score, sharding
+from cisjax import forward, rows, score, sharding
 from cisjax.train import step as step_lib
+from tests.helpers import spec_of
 from tests.train import steputil as U
 
 
@@ -38,7 +39,7 @@ def test_packed_scoring_equals_the_rescoring(tiny):
     cfg, mesh, rules, graphdef, params = tiny
     batch = U.host_batch()
     rescored = np.asarray(
-        step_lib.make_rescore(graphdef, cfg, mesh, rules)(
+        step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)(
             params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
         )
     )
@@ -70,14 +71,14 @@ def test_step_loss_uses_the_same_forward(tiny):
     cfg, mesh, rules, graphdef, params = tiny
     batch = U.host_batch()
     placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
-    prox = step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, placed)
+    prox = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)(params, placed)
     mask = np.asarray(batch.loss_mask_MxBxT)
     placed = placed._replace(
         prox_logprobs_MxBxT=prox,
         infer_logprobs_MxBxT=prox,
         advantages_MxBxT=jnp.asarray(-np.ones(mask.shape, np.float32)),
     )
-    loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
+    loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
     mb = jax.tree.map(lambda x: x[0], placed)
     loss, aux = loss_fn(params, mb, jnp.sum(mask[0]).astype(jnp.float32))
     # ratio exp(logp - prox) = 1, weight 1: the surrogate is -A * ratio summed / tokens = 1 exactly
@@ -92,7 +93,7 @@ def test_round_params_and_the_canary_side(tiny):
     np.testing.assert_array_equal(np.asarray(r["w"]), [1.0, 3.0])  # 1 + 2^-10 is below bf16's 8 mantissa bits
     assert r["w"].dtype == jnp.float32 and r["ids"] is x["ids"]
     batch = sharding.place(U.host_batch(m=1), mesh, rules, sharding.BATCH_AXES)
-    kw = dict(precision=runtime.resolve_precision(cfg), temperature=1.0, chunk_size=cfg.logprobs.chunk_size)
+    kw = dict(precision=spec_of(cfg).runtime.precision, temperature=1.0, chunk_size=cfg.logprobs.chunk_size)
     canary = forward.make_batch_logprobs(graphdef, mesh, rules, round_to=jnp.bfloat16, **kw)(params, batch)
     plain = forward.make_batch_logprobs(graphdef, mesh, rules, **kw)(forward.round_params(params, jnp.bfloat16), batch)
     np.testing.assert_array_equal(np.asarray(canary), np.asarray(plain))
@@ -129,8 +130,8 @@ def test_rescoring_replays_the_batch_routing(tiny):
     batch = U.host_batch()
     own = _own_routing(tiny, batch)
     place = lambda b: sharding.place(b, mesh, rules, sharding.BATCH_AXES)  # noqa: E731
-    plain = np.asarray(step_lib.make_rescore(graphdef, cfg, mesh, rules)(params, place(batch)))
-    rescore = step_lib.make_rescore(graphdef, cfg, mesh, rules, flips=True)
+    plain = np.asarray(step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)(params, place(batch)))
+    rescore = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules, flips=True)
     logp, flips = rescore(params, place(batch._replace(routing_MxBxTxXxK=own)))
     np.testing.assert_array_equal(np.asarray(logp), plain)
     assert not np.asarray(flips.layers_BxT).any() and not np.asarray(flips.per_layer_X).any()

@@ -194,17 +194,17 @@ def test_distributed_is_opt_in(monkeypatch):
     """`cisjax train` calls jax.distributed.initialize() only under CISJAX_DISTRIBUTED=1 (tpu_pod.sh sets it)."""
     import jax
 
-    from cisjax.train import loop
+    from cisjax.commands import train as train_command
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.delenv("CISJAX_DISTRIBUTED", raising=False)
-    loop._init_distributed()
+    train_command._init_distributed()
     monkeypatch.setenv("CISJAX_DISTRIBUTED", "0")
-    loop._init_distributed()
+    train_command._init_distributed()
     assert calls == []
     monkeypatch.setenv("CISJAX_DISTRIBUTED", "1")
-    loop._init_distributed()
+    train_command._init_distributed()
     assert calls == [((), {})]  # arguments auto-detected (TPU VM metadata, SLURM, Open MPI)
     assert "CISJAX_DISTRIBUTED=${CISJAX_DISTRIBUTED:-1}" in (REPO / "launchers" / "tpu_pod.sh").read_text()
 

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
+from cisjax.evaluation import prompts, report, runner
+from cisjax.evaluation import sets as sets_lib
+from cisjax.evaluation.grading import POOL_FN
+from cisjax.rl.rewards import RewardPool
+
 log = logging.getLogger(__name__)
 
-__all__ = ["LoopEval"]
+__all__ = ["EvalSpec", "LoopEval"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """eval.* of a run (configs/base.py), with the training prompt's pieces the "train" prompt style reuses."""
+
+    sets: str  # comma-separated set names
+    data: str = ""  # where the sets' files are (evaluation.sets.parse_data)
+    every: int = 0  # evaluate every n steps; 0 = only the final weights
+    final: bool = True
+    limit: int = 0  # problems per set; 0 = all
+    max_new_tokens: int = 3000
+    prompt: str = "train"  # train | a style of evaluation.prompts
+    grade_workers: int = 1
+    grade_timeout_s: float = 10.0
+    tokenizer: str = ""  # the run's tokenizer directory
+    instruction: str = ""  # data.instruction (the "train" style's)
+    chat_template: bool = True  # data.chat_template
 
 
 class LoopEval:
@@ -17,25 +41,26 @@ class LoopEval:
     version)` evaluates them greedily through the loop's own client (the server holds `version`), writes
     RUN/eval/vNNNNNN/{results.json,samples.jsonl,report.md} and returns the metrics to log (eval/<set>/accuracy, ...)."""
 
-    def __init__(self, cfg, run_dir, tokenizer_dir):
-        from cisjax.evaluation import prompts, runner
-        from cisjax.evaluation import sets as sets_lib
-        from cisjax.evaluation.grading import POOL_FN
-        from cisjax.rl.rewards import RewardPool
-
-        e = cfg.eval  # validated with the whole config (cisjax.train.validate) before the loop builds this
-        default, per_set = sets_lib.parse_data(e.data)
-        self.sets = [sets_lib.load_set(name, default, per_set, limit=e.limit) for name in sets_lib.parse_sets(e.sets)]
+    def __init__(self, spec: EvalSpec, run_dir):
+        default, per_set = sets_lib.parse_data(spec.data)
+        self.sets = [
+            sets_lib.load_set(name, default, per_set, limit=spec.limit) for name in sets_lib.parse_sets(spec.sets)
+        ]
         # the run's training prompt by default: its instruction and chat template
-        instruction = cfg.data.instruction if e.prompt == "train" else None
+        instruction = spec.instruction if spec.prompt == "train" else None
         self.formatter = prompts.formatter(
-            e.prompt, tokenizer_dir, instruction=instruction, chat_template=cfg.data.chat_template
+            spec.prompt, spec.tokenizer, instruction=instruction, chat_template=spec.chat_template
         )
-        self.settings = runner.Settings(n=1, temperature=0.0, max_new_tokens=e.max_new_tokens)
+        self.settings = runner.Settings(n=1, temperature=0.0, max_new_tokens=spec.max_new_tokens)
         self.settings.check()
-        self.every, self.final, self.prompt, self.limit = int(e.every), bool(e.final), e.prompt, int(e.limit)
+        self.every, self.final, self.prompt, self.limit = (
+            int(spec.every),
+            bool(spec.final),
+            spec.prompt,
+            int(spec.limit),
+        )
         self.root = Path(run_dir) / "eval"
-        self.pool = RewardPool(workers=e.grade_workers, timeout_s=e.grade_timeout_s, fn=POOL_FN)
+        self.pool = RewardPool(workers=spec.grade_workers, timeout_s=spec.grade_timeout_s, fn=POOL_FN)
         log.info(
             "in-loop eval: %s (%s problems), every %s steps%s",
             ",".join(s.name for s in self.sets),
@@ -51,8 +76,6 @@ class LoopEval:
     def run(self, client, version: int, model: str | None = None) -> dict:
         """`model`: what the server holds, for the report (the publish's export directory; default the model the
         server started on, which under rollout.perturb is the perturbed copy, not what was published since)."""
-        from cisjax.evaluation import report, runner
-
         t0 = time.monotonic()
         info = client.info()
         if info["version"] != version:

@@ -8,13 +8,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from cisjax import errors
+from cisjax.errors import CheckpointError  # noqa: F401  (its home was here)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class CheckpointError(errors.UserError):
-    """A checkpoint that does not fit the model: names the tensor or config field. A user error (the model or
-    checkpoint directory the user named): the CLI reports it in one line."""
 
 
 def dtype_of(name) -> Any:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import flax.nnx as nnx
@@ -19,8 +21,9 @@ import ml_dtypes
 import numpy as np
 
 from cisjax import distributed, sharding
+from cisjax.errors import CheckpointError
 from cisjax.models import transformer
-from cisjax.models.hf_config import CheckpointError, dtype_of
+from cisjax.models.hf_config import dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +241,6 @@ def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce, 
     """Write one safetensors file, streaming tensors one by one (`produce(name)` -> ndarray). With
     `digests`, also its sha256 (as digests[file name]), hashed on a thread while the next tensor is
     produced and written (hashlib releases the GIL), instead of a second pass over the file."""
-    import hashlib
-    from concurrent.futures import ThreadPoolExecutor
-
     hasher = hashlib.sha256() if digests is not None else None
     pool = ThreadPoolExecutor(max_workers=1) if hasher is not None else None  # one thread: updates stay in order
     pending = []

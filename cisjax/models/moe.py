@@ -294,7 +294,7 @@ def _gmm_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
     the weights'). The rows are padded to a multiple of the row tile; the padding is zeros counted into the last
     group (its outputs are zero and add nothing to any gradient), so the kernels see group sizes summing to the rows.
     interpret: Pallas's interpreter (CPU tests); on TPU the Mosaic kernels."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # lazy: tpu
 
     r, d = xs_RxD.shape
     f = wg_ExDxF.shape[2]

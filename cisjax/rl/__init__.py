@@ -1,1 +1,1 @@
-"""RL math: correction operators, advantages, policy losses (pure functions)."""
+"""RL math: correction operators, advantages and policy losses (pure functions); math-verify rewards in a process pool."""

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSpec:
+    """A run's advantages.* (configs/base.py), as compute_advantages' keyword arguments."""
+
+    reward_scale: float
+    reward_bias: float
+    group_norm: bool
+    group_eps: float
+    batch_norm: bool
+    batch_eps: float
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def shape_rewards(rewards, *, scale: float = 10.0, bias: float = -0.5) -> jax.Array:
@@ -64,7 +81,7 @@ def compute_advantages(
     The recipe (AReaL's GRPO path, paper Appendix C): shape the scalar rewards, normalise them within
     each group, broadcast each response's value over its valid tokens (GAE with gamma = lambda = 1,
     no critic, no KL reward), then normalise over all valid tokens of the batch. The keyword names
-    are the fields of `config.advantages`.
+    are the fields of AdvantageSpec (`config.advantages`).
     """
     r_GxN = shape_rewards(rewards_GxN, scale=reward_scale, bias=reward_bias)
     if group_norm:

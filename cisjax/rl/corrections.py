@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -38,6 +39,26 @@ KPOP_PROB_MIN = 1e-8
 # Metric keys that add up over micro-batches; "acted_seq_frac" and keys starting with "seq_" combine by "seqs",
 # keys ending in "_max" by max, every other key by "tokens" (see combine_metrics).
 SUM_KEYS = frozenset({"tokens", "seqs", "nan_logprobs", "nonfinite_logk"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectionSpec:
+    """The operator of a run and its hyperparameters, as correction() takes them (configs/base.py correction.* is
+    the one source of their values). low/high None: the method's default bounds (DEFAULT_BOUNDS)."""
+
+    method: str
+    lam: float  # CIS: slope of the cap 1 + lam * max(1 - p, kappa)
+    kappa: float  # CIS: floor of 1 - p in the cap
+    cap: float  # TIS / Seq-TIS: C in min(k, C)
+    threshold: float  # KPop: phi, the bound on the larger binary KL
+    low: float | None = None  # IcePop / Seq-MIS bounds
+    high: float | None = None
+
+    def hparams(self) -> dict:
+        """The keyword arguments of correction() / correction_weights() besides the method."""
+        return dict(
+            lam=self.lam, kappa=self.kappa, cap=self.cap, low=self.low, high=self.high, threshold=self.threshold
+        )
 
 
 class Correction(NamedTuple):
@@ -118,12 +139,12 @@ def correction(
     infer_logprobs,
     mask,
     *,
-    lam: float = 2.3,
-    kappa: float = 5e-3,
-    cap: float = 2.0,
+    lam: float,
+    kappa: float,
+    cap: float,
+    threshold: float,
     low: float | None = None,
     high: float | None = None,
-    threshold: float = 2.0,
 ) -> Correction:
     """Correction weights, the per-token acted-on flag and the metrics of one [B, T] micro-batch (one response per row).
 
@@ -142,13 +163,14 @@ def correction(
       seq_mis           K * 1{low <= K <= high} on every token of the response, default [0.5, 2]
       cis               min(k, 1 + lam * max(1 - p, kappa))
       cis_two_sided     max(min(k, 1 + lam * max(1 - p, kappa)), (1 + p) / 2)
-    low/high None -> the method's default; cap is C of tis / seq_tis; threshold is KPop's phi. All static floats.
+    low/high None -> the method's default; cap is C of tis / seq_tis; threshold is KPop's phi. All static floats,
+    with no defaults here: a run takes them from its CorrectionSpec (configs/base.py).
 
     Acted on: masks (icepop, kpop, kpop_shipped): the token is masked; caps (exact, tis, cis, cis_two_sided): the
     weight differs from k; sequence operators: every valid token of a capped (seq_tis) or rejected (seq_mis) response;
     none, gspo, fp16: never (they apply no correction to k; the paper's table reports 0 for them).
 
-    NaN logprobs (the spec: assert they are not NaN): a jitted function cannot raise, so a valid token with a NaN
+    NaN logprobs (they must never occur): a jitted function cannot raise, so a valid token with a NaN
     logprob (i) weighs 0, (ii) is counted in metrics["nan_logprobs"], which the step reports, and (iii) fails a
     `checkify.debug_check`, which raises when the caller runs under `checkify.checkify(..., errors=
     checkify.user_checks)` (a no-op otherwise). Its log k counts as 0 in the other metrics.
@@ -263,12 +285,12 @@ def correction_weights(
     infer_logprobs,
     mask,
     *,
-    lam: float = 2.3,
-    kappa: float = 5e-3,
-    cap: float = 2.0,
+    lam: float,
+    kappa: float,
+    cap: float,
+    threshold: float,
     low: float | None = None,
     high: float | None = None,
-    threshold: float = 2.0,
 ) -> tuple[jax.Array, dict]:
     """(weights [B, T] fp32 stop-gradient, metrics) of the operator `method`; see correction() for the semantics."""
     out = correction(

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from cisjax import errors
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A run's loss.* (configs/base.py) as policy_loss' keyword arguments; gspo: correction.method is "gspo"."""
+
+    aggregation: str
+    clip_low: float
+    clip_high: float
+    gspo: bool
+    gspo_clip_low: float
+    gspo_clip_high: float
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def _check_aggregation(aggregation: str) -> None:

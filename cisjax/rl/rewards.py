@@ -100,8 +100,8 @@ def boxed_equal(answer: str, gold: str, *, what: str) -> float:
     "18 \\text{ dollars}", "\\frac12" and "0.5" normalise alike; MATH references are bare LaTeX), else 0.0.
     Raises ValueError naming `what` when the gold side does not parse. The training reward and cisjax eval's grader
     both compare through this. Main thread only (math-verify's timeouts are signals)."""
-    from math_verify import parse
-    from math_verify import verify as mv_verify
+    from math_verify import parse  # lazy: worker (pool processes import it; the trainer need not)
+    from math_verify import verify as mv_verify  # lazy: worker
 
     gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
     if not gold_parsed:

@@ -1,1 +1,1 @@
-"""Training: state, the pure sharded train step, checkpoints."""
+"""The RL run: its config read once (spec, validate), built once (build), its services, the loop and its stages."""

@@ -9,11 +9,13 @@ import numpy as np
 from cisjax import errors
 from cisjax import rows as rows_lib
 from cisjax.records import TrainBatch
+from cisjax.rl import advantages as adv_lib
+from cisjax.rl.advantages import AdvantageSpec
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
-    """One sampled response and what the loop learned about it."""
+    """One sampled response and its reward (built once both are known: train.rollouts.Sampler.reward)."""
 
     prompt_ids: list
     response_ids: list
@@ -36,7 +38,7 @@ def build_batch(
     micro_batches: int,
     rows_multiple: int,
     length_multiple: int = 64,
-    advantages_cfg=None,
+    advantages: AdvantageSpec | None = None,
     max_length: int = 0,
     replay: bool = False,
 ) -> tuple[TrainBatch, dict]:
@@ -46,13 +48,11 @@ def build_batch(
     sample r % N. Rows are padded with empty rows (mask false) to M * B with B a multiple of
     `rows_multiple` (the mesh's batch axes); T is the longest sequence - 1 rounded up to
     `length_multiple` (few distinct shapes, few recompiles). Advantages follow the recipe
-    (cisjax.rl.advantages.compute_advantages with `advantages_cfg`'s fields) over the real rows only.
+    (cisjax.rl.advantages.compute_advantages with `advantages`, default its defaults) over the real rows only.
     replay: also the rollouts' routing (routing_MxBxTxXxK); a rollout without it is an error naming it.
 
     Returns (batch, info) with info: rows (real), tokens (response tokens), length T, and
     `index` [(group, sample)] of each real row in order."""
-    from cisjax.rl import advantages as adv_lib
-
     if not groups or any(not g for g in groups):
         raise ValueError("build_batch needs at least one group, each with at least one rollout")
     n = len(groups[0])
@@ -89,19 +89,7 @@ def build_batch(
 
     # advantages over the real rows, laid out [G, N, T]
     g = len(groups)
-    a = advantages_cfg
-    kw = (
-        {}
-        if a is None
-        else dict(
-            reward_scale=float(a.reward_scale),
-            reward_bias=float(a.reward_bias),
-            group_norm=bool(a.group_norm),
-            group_eps=float(a.group_eps),
-            batch_norm=bool(a.batch_norm),
-            batch_eps=float(a.batch_eps),
-        )
-    )
+    kw = {} if advantages is None else advantages.kwargs()
     rewards_GxN = np.asarray([[r.reward for r in grp] for grp in groups], np.float32)
     adv_GxNxT = np.asarray(adv_lib.compute_advantages(rewards_GxN, mask[: g * n].reshape(g, n, t), **kw))
     advantages = np.zeros((total, t), np.float32)

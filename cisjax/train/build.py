@@ -6,6 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cisjax import sharding
+from cisjax.models import hf_io
+from cisjax.train import optim, validate
+from cisjax.train import state as state_lib
+from cisjax.train import step as step_lib
+from cisjax.train.spec import TrainSpec
 from cisjax.train.step import TrainStep
 
 
@@ -16,7 +22,7 @@ class Run:
     `state` is the freshly initialised TrainState (the loop replaces it with a restored one on resume: the shapes and
     shardings, hence the programs, are the same)."""
 
-    cfg: Any  # the validated ConfigDict
+    spec: TrainSpec  # the config, validated and typed
     mesh: Any  # jax.sharding.Mesh
     rules: dict  # logical axis -> mesh axes
     graphdef: Any  # the model's nnx graph definition
@@ -32,35 +38,33 @@ class Run:
 
 
 def build(cfg, *, model_dir=None, mesh=None, inputs: bool = True) -> Run:
-    """Validate `cfg` (train.validate.check: one error naming every bad field), then build the run: the mesh
-    (cfg.mesh, or `mesh`), the model from `model_dir` (default cfg.model.path) with the runtime the config asks for,
-    the optimizer, the state on the mesh, the train step and the rescoring. inputs=False: a bench or the demo's
-    warm-up, which give the model directory and make their own batches."""
-    from cisjax import runtime, sharding
-    from cisjax.models import hf_io
-    from cisjax.train import optim, validate
-    from cisjax.train import state as state_lib
-    from cisjax.train import step as step_lib
+    """Validate `cfg` once (train.validate.check: one error naming every bad field, else the TrainSpec), then
+    build_run. inputs=False: a bench or the demo's warm-up, which give the model directory and make their own
+    batches."""
+    return build_run(validate.check(cfg, inputs=inputs), model_dir=model_dir, mesh=mesh)
 
-    validate.check(cfg, inputs=inputs)
-    mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh.to_dict())
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    model, _, hf = hf_io.load(model_dir or cfg.model.path, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
-    replay = cfg.routing.replay == "rollout" and bool(model.moe_layers)
-    tx = optim.make_optimizer(cfg.train)
+
+def build_run(spec: TrainSpec, *, model_dir=None, mesh=None) -> Run:
+    """The run of a validated config: the mesh (spec.mesh, or `mesh`), the model from `model_dir` (default
+    model.path) with the spec's runtime, the optimizer, the state on the mesh, the train step and the rescoring."""
+    mesh = mesh if mesh is not None else sharding.make_mesh(dict(spec.mesh))
+    rules = dict(spec.rules)
+    model, _, hf = hf_io.load(model_dir or spec.model_path, mesh=mesh, rules=rules, **spec.runtime.model_kwargs())
+    replay = spec.replay and bool(model.moe_layers)
+    tx = optim.make_optimizer(spec.step.optim)
     graphdef, state = state_lib.create(model, tx, mesh=mesh)
     del model
     state_sh = state_lib.shardings(state)
     return Run(
-        cfg=cfg,
+        spec=spec,
         mesh=mesh,
         rules=rules,
         graphdef=graphdef,
         hf_config=hf,
         tx=tx,
         state=state,
-        train_step=step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_sh),
-        rescore=step_lib.make_rescore(graphdef, cfg, mesh, rules, state_sh.params, flips=replay),
+        train_step=step_lib.make_train_step(graphdef, tx, spec.step, mesh, rules, state_sh),
+        rescore=step_lib.make_rescore(graphdef, spec.step, mesh, rules, state_sh.params, flips=replay),
         rows_multiple=sharding.axis_multiple(mesh, rules, "batch"),
         replay=replay,
     )

@@ -18,9 +18,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import cisjax
-from cisjax import errors
 from cisjax import sharding as sharding_lib
-from cisjax.models.hf_config import CheckpointError
+from cisjax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +141,6 @@ class Checkpointer:
             item_names=(STATE, META),
             item_handlers={STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
         )
-
-    @classmethod
-    def from_config(cls, config, run_dir: str | os.PathLike | None = None, **kwargs) -> Checkpointer:
-        """From the `checkpoint` section (dir "" = <run_dir>/checkpoints); the resolved config and
-        the model directory go into every step's metadata."""
-        directory = config.checkpoint.dir or (os.path.join(os.fspath(run_dir), "checkpoints") if run_dir else "")
-        if not directory:
-            raise errors.UserError("checkpoint.dir is empty and no run directory was given")
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        meta = {"config": cfg, "model_dir": config.model.path}
-        return cls(directory, keep=config.checkpoint.keep, every=config.checkpoint.every, metadata=meta, **kwargs)
 
     # --- saving ------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Per-step metrics of a run: metrics.jsonl (always), TensorBoard event files, a rich progress line, token dumps."""
+"""Per-step metrics of a run: the step's flat dict, metrics.jsonl, TensorBoard event files, a progress line, token dumps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from tensorboardX import SummaryWriter
 
-from cisjax import errors
+from cisjax.rl import corrections
+from cisjax.rl.rewards import last_boxed
 
 SHOWN = (
     "reward_mean",
@@ -29,6 +32,107 @@ def _clean(v):
     return v if math.isfinite(v) else None  # JSON has no NaN/inf; null says "not finite"
 
 
+def step_metrics(train: dict, rollout: dict, timings: dict, *, publish=None, flips=None, lead=None) -> dict:
+    """The flat metrics of one step, as metrics.jsonl and TensorBoard hold them.
+
+    train: the step's own metrics (logged as train/<key>); rollout: rollout_metrics of its batch; timings: seconds of
+    its stages (time/<key>_s); publish: the PublishReport of the weights it published (None: nothing published);
+    flips: flip_metrics under routing replay; lead: what only process 0 knows (the rollout side's timings, the reward
+    pool's counts, an evaluation, a fleet's replicas)."""
+    out = {f"train/{k}": v for k, v in train.items()}
+    out.update(rollout)
+    if publish is not None:
+        out.update(publish.metrics())
+    out.update(flips or {})
+    out.update(
+        {
+            "reward_mean": rollout["reward/mean"],
+            "accuracy": rollout["reward/accuracy"],
+            "response_len": rollout["rollout/response_len"],
+            "grad_norm": train["grad_norm"],
+            "entropy": train["entropy"],
+            "corr/acted_frac": train.get("acted_frac", 0.0),
+            "staleness_mean": rollout["rollout/staleness_mean"],
+            "skipped_steps": float(train["skipped"]),
+            **{f"time/{k}_s": v for k, v in timings.items()},
+            "tokens_per_s": train["tokens"] / max(timings["step"], 1e-9),
+        }
+    )
+    out.update(lead or {})
+    return out
+
+
+def rollout_metrics(ro, step: int) -> dict:
+    """Rewards, lengths, staleness and format of one step's rollouts (a train.rollouts.StepRollouts)."""
+    rs = [r for g in ro.groups for r in g]
+    rewards = np.asarray([r.reward for r in rs], np.float64)
+    lengths = np.asarray([len(r.response_ids) for r in rs], np.float64)
+    versions = np.concatenate([np.asarray(r.versions, np.int64) for r in rs if r.versions] or [np.zeros(0, np.int64)])
+    stale = step - versions  # the params of step s are version s
+    solved = np.asarray([max(r.reward for r in g) for g in ro.groups])
+    boxed = [last_boxed(t) is not None for ts in ro.texts for t in ts]  # format compliance, whatever the answer
+    return {
+        "reward/mean": rewards.mean(),
+        "reward/accuracy": float((rewards >= 1.0).mean()),
+        "reward/solved_groups": float((solved >= 1.0).mean()),
+        "reward/all_same_groups": float(np.mean([len({r.reward for r in g}) == 1 for g in ro.groups])),
+        "rollout/response_len": lengths.mean(),
+        "rollout/response_len_max": lengths.max(),
+        "rollout/truncated": float(np.mean([r.finish_reason == "length" for r in rs])),
+        "rollout/staleness_mean": float(stale.mean()) if stale.size else 0.0,
+        "rollout/staleness_max": float(stale.max()) if stale.size else 0.0,
+        "rollout/samples": float(len(rs)),
+        "rollout/tokens": float(lengths.sum()),
+        "rollout/boxed_frac": float(np.mean(boxed)) if boxed else 0.0,
+        "data/position": float(prompts_handed_out(ro.data_state)),
+    }
+
+
+def prompts_handed_out(data_state: dict) -> int:
+    """Prompts a stream in `data_state` (PromptStream.state()) has handed out over all its epochs."""
+    return int(data_state["epoch"]) * int(data_state["size"]) + int(data_state["position"])
+
+
+def flip_metrics(flips, segments) -> dict:
+    """Routing replay: the fraction of valid positions (prompt and response) with any MoE layer whose own routing
+    differs from the replayed one, and of (position, layer) pairs. flips: forward.Flips on the host."""
+    valid = float(np.sum(np.asarray(segments) > 0))
+    layers = np.asarray(flips.layers_BxT)
+    per_layer = np.asarray(flips.per_layer_X)
+    return {
+        "replay/flip_token_frac": float(np.sum(layers > 0)) / max(valid, 1.0),
+        "replay/flip_pair_frac": float(per_layer.sum()) / max(valid * len(per_layer), 1.0),
+        "replay/flip_layer_frac_max": float(per_layer.max()) / max(valid, 1.0),
+    }
+
+
+def dump_step(
+    run_dir, step: int, correction, host, prox_MxBxT, versions, flips=None, *, sample_tokens: int, seed: int
+) -> Path:
+    """write_dump of one step: the batch on the host, its proximal logprobs, each token's rollout version [M*B, T],
+    the weights of `correction` (the run's CorrectionSpec) on them; `flips` under routing replay (on the host)."""
+    m, b, t = host.tokens_MxBxT.shape
+    prox = np.asarray(prox_MxBxT).reshape(m * b, t)
+    infer = np.asarray(host.infer_logprobs_MxBxT).reshape(m * b, t)
+    mask = np.asarray(host.loss_mask_MxBxT).reshape(m * b, t)
+    c = corrections.correction(correction.method, prox, infer, mask, **correction.hparams())
+    return write_dump(
+        run_dir,
+        step,
+        infer_logprobs=infer,
+        prox_logprobs=prox,
+        mask=mask,
+        weights=np.asarray(c.weights_BxT),
+        acted=np.asarray(c.acted_BxT),
+        token_versions=versions,
+        current_version=step,
+        sample_tokens=sample_tokens,
+        seed=seed,
+        routing_flips=None if flips is None else np.asarray(flips.layers_BxT).reshape(m * b, t),
+        routing_flips_per_layer=None if flips is None else np.asarray(flips.per_layer_X),
+    )
+
+
 class MetricsLog:
     """Appends one JSON line per step to `run_dir/metrics.jsonl` (flushed and fsynced, so a killed
     run loses nothing logged), mirrors every number to TensorBoard under `run_dir/tb`, and shows a
@@ -45,7 +149,7 @@ class MetricsLog:
         print_every: int = 1,
     ):
         if print_every < 1:
-            raise errors.UserError(f"run.print_every must be >= 1, got {print_every}")
+            raise ValueError(f"print_every must be >= 1, got {print_every}")
         self.print_every, self.start = print_every, start_step
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,16 +157,12 @@ class MetricsLog:
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step)
         self.total = total_steps
         self._progress = None
         if progress is None:
             progress = sys.stderr.isatty()
         if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             self._progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
@@ -126,7 +226,7 @@ def write_dump(
     routing_flips=None,
     routing_flips_per_layer=None,
 ) -> Path:
-    """A sample of the step's valid tokens (operators.md's token dump) as `run_dir/dumps/step_XXXXXXX.npz`:
+    """A sample of the step's valid tokens (the token dump the mismatch observatory reads) as `run_dir/dumps/step_XXXXXXX.npz`:
     logp_infer, logp_prox, rollout version, current version, loss mask, weight, acted-on flag (and
     row, position). Written to a temp name then renamed. Under routing replay also `routing_flips` (per sampled
     token: MoE layers whose own routing differs from the replayed one) and `routing_flips_per_layer` (per MoE layer:

@@ -2,34 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import optax
 
-from cisjax import errors
-
 SCHEDULES = ("constant", "cosine", "linear")
 
 
-def make_schedule(train_cfg):
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    """A run's optimizer fields (train.lr ... train.final_lr_ratio of configs/base.py), validated with the config."""
+
+    lr: float
+    weight_decay: float
+    b1: float
+    b2: float
+    eps: float
+    grad_clip: float  # 0 = off
+    schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    final_lr_ratio: float = 0.0
+
+
+def make_schedule(spec: OptimSpec):
     """count (updates applied so far) -> learning rate: linear warm-up, then constant / cosine / linear decay.
 
     Warm-up is lr * (count + 1) / warmup_steps for count < warmup_steps (the first update is not wasted at lr 0);
     the decay runs from lr at count = warmup_steps to lr * final_lr_ratio at count = total_steps and stays there.
     """
-    lr, warmup, total = float(train_cfg.lr), int(train_cfg.warmup_steps), int(train_cfg.total_steps)
-    kind, final = train_cfg.schedule, float(train_cfg.final_lr_ratio)
-    if kind not in SCHEDULES:
-        raise errors.UserError(f"train.schedule={kind!r}; one of {SCHEDULES}")
-    if warmup < 0 or lr < 0:
-        raise errors.UserError(f"train.warmup_steps={warmup} and train.lr={lr} must be non-negative")
+    lr, warmup, total = float(spec.lr), int(spec.warmup_steps), int(spec.total_steps)
+    kind, final = spec.schedule, float(spec.final_lr_ratio)
+    if kind not in SCHEDULES:  # argument guards; the config's own rules are train.validate's
+        raise ValueError(f"schedule {kind!r}; one of {SCHEDULES}")
     if kind != "constant" and total <= warmup:
-        raise errors.UserError(
-            f"train.schedule={kind} needs train.total_steps ({total}) > train.warmup_steps ({warmup})"
-        )
-    if not 0.0 <= final <= 1.0:
-        raise errors.UserError(f"train.final_lr_ratio={final} must lie in [0, 1]")
+        raise ValueError(f"a {kind} schedule needs total_steps ({total}) > warmup_steps ({warmup})")
 
     def schedule(count):
         c = jnp.asarray(count, jnp.float32)
@@ -43,20 +52,18 @@ def make_schedule(train_cfg):
     return schedule
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """Global-norm clipping (train.grad_clip; 0 = off), then AdamW with make_schedule's learning rate.
+def make_optimizer(spec: OptimSpec) -> optax.GradientTransformation:
+    """Global-norm clipping (grad_clip; 0 = off), then AdamW with make_schedule's learning rate.
 
     Weight decay is decoupled and applies to every parameter (norms and biases included).
     """
-    if train_cfg.grad_clip < 0:
-        raise errors.UserError(f"train.grad_clip={train_cfg.grad_clip} must be >= 0 (0 = off)")
     adamw = optax.adamw(
-        learning_rate=make_schedule(train_cfg),
-        b1=float(train_cfg.b1),
-        b2=float(train_cfg.b2),
-        eps=float(train_cfg.eps),
-        weight_decay=float(train_cfg.weight_decay),
+        learning_rate=make_schedule(spec),
+        b1=float(spec.b1),
+        b2=float(spec.b2),
+        eps=float(spec.eps),
+        weight_decay=float(spec.weight_decay),
     )
-    if train_cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(float(train_cfg.grad_clip)), adamw)
+    if spec.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(float(spec.grad_clip)), adamw)
     return adamw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 from pathlib import Path
@@ -10,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors
+from cisjax import export as export_lib
 
-__all__ = ["KINDS", "perturb", "check", "export_copy", "settings"]
+__all__ = ["KINDS", "Perturbation", "perturb", "check", "export_copy"]
 
 # none: the weights as they are | int8 / int4: symmetric integer grid, one scale per matrix (max |w| on the largest
 # level) | fp8: float8_e4m3fn, one scale per matrix (max |w| on 448, e4m3's largest) | noise: w + scale x rms(w) x
@@ -31,11 +33,18 @@ def check(kind: str, scale: float) -> None:
         raise errors.UserError(f"rollout.perturb_scale={scale} is only for rollout.perturb=noise (here {kind!r})")
 
 
-def settings(rollout) -> dict:
-    """{kind, scale, seed} of a config's rollout section (rollout.perturb, perturb_scale, perturb_seed), checked."""
-    out = dict(kind=str(rollout.perturb), scale=float(rollout.perturb_scale), seed=int(rollout.perturb_seed))
-    check(out["kind"], out["scale"])
-    return out
+@dataclasses.dataclass(frozen=True)
+class Perturbation:
+    """A run's controlled mismatch (rollout.perturb, perturb_scale, perturb_seed): what perturb() and export_copy()
+    take as keyword arguments (`**dataclasses.asdict(p)`)."""
+
+    kind: str = "none"
+    scale: float = 0.0
+    seed: int = 0
+
+    @property
+    def on(self) -> bool:
+        return self.kind != "none"
 
 
 def _matrix(w, kind: str, scale: float, key):
@@ -88,8 +97,6 @@ def export_copy(
     """(path, relative rms change): `params` perturbed and exported as the HF directory root/v000000, the model an
     engine starts on (the loop's version 0 under rollout.perturb, `cisjax mismatch measure --perturb`). `clear`
     removes an earlier copy first (only one process of a multi-process run does; the export is collective)."""
-    from cisjax import export as export_lib
-
     sent, rel = perturb(params, kind=kind, scale=float(scale), seed=int(seed))
     if clear:
         shutil.rmtree(Path(root), ignore_errors=True)

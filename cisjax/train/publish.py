@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -14,17 +15,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cisjax import distributed, errors, forward, runtime, sharding
+from cisjax import distributed, errors, forward, sharding
 from cisjax import export as export_lib
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
+from cisjax.records import TrainBatch
 from cisjax.rollout import canary as canary_lib
+from cisjax.rollout.fleet import RolloutFleet
 from cisjax.train import perturb as perturb_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Publisher", "PublishReport", "CanaryError", "PublishError", "MODES"]
+__all__ = ["Publisher", "PublishSpec", "CanarySpec", "PublishReport", "CanaryError", "PublishError", "MODES"]
 
 MODES = ("disk", "stream")
 _OK, _MISMATCH, _ERROR = 0, 1, 2  # canary outcomes agreed across processes
@@ -123,28 +126,50 @@ class _TimedTensors:
                 pass
 
 
-def canary_shape(cfg, mesh, rules) -> tuple[int, int]:
-    """(rows, length) of the canary's [1, rows, length] batch: publish.canary's sequences, padded to the mesh's
-    batch and length shards."""
-    c = cfg.publish.canary
+@dataclass(frozen=True)
+class CanarySpec:
+    """publish.canary.*: fixed random-token sequences scored by the trainer and the server after a publish."""
+
+    every: int = 1  # every n-th publish (the first one included); 0 = never
+    num_sequences: int = 8
+    prompt_len: int = 16
+    response_len: int = 32
+    mean_abs: float = 0.05  # bounds on |trainer - server| over the response tokens; 0 = unchecked
+    max_abs: float = 3.0
+    seed: int = 0  # the run's seed: the sequences
+
+
+@dataclass(frozen=True)
+class PublishSpec:
+    """publish.* of a run, with what the canary's trainer forward takes from the step (precision, chunking) and the
+    controlled mismatch of rollout.perturb."""
+
+    mode: str = "disk"  # disk | stream
+    dir: str = ""  # export root ("" = <run dir>/exports)
+    server_dir: str = ""  # the export root as the server sees it ("" = the same path)
+    dtype: str | None = "bfloat16"  # the published tensors' dtype; None = the params' own
+    keep: int = 2  # versions kept under the root; 0 = all
+    canary: CanarySpec = CanarySpec()
+    precision: str = "bf16"  # the trainer's (the canary's forward)
+    chunk_size: int = 1024
+    perturb: perturb_lib.Perturbation = perturb_lib.Perturbation()
+
+
+def canary_shape(canary: CanarySpec, mesh, rules) -> tuple[int, int]:
+    """(rows, length) of the canary's [1, rows, length] batch: the canary's sequences, padded to the mesh's batch
+    and length shards."""
     rows_multiple, length_multiple = (sharding.axis_multiple(mesh, rules, name) for name in ("batch", "length"))
-    length = int(c.prompt_len) + int(c.response_len)
-    return -(-int(c.num_sequences) // rows_multiple) * rows_multiple, -(-length // length_multiple) * length_multiple
+    length = int(canary.prompt_len) + int(canary.response_len)
+    rows = int(canary.num_sequences)
+    return -(-rows // rows_multiple) * rows_multiple, -(-length // length_multiple) * length_multiple
 
 
-def canary_logprobs_fn(graphdef, cfg, mesh, rules):
+def canary_logprobs_fn(graphdef, spec: PublishSpec, mesh, rules):
     """The trainer side of the canary, jitted: (params, TrainBatch [1, rows, length]) -> logprobs at temperature 1
-    (the server scores at temperature 1) through the step's forward, on the params rounded to publish.dtype (the
-    weights the engine got: the step's own bf16 compute rounds its matmul weights anyway; the router, norms and fp32
-    compute see the difference)."""
-    return _canary_logprobs_fn(
-        graphdef,
-        mesh,
-        sharding.freeze(rules),
-        runtime.resolve_precision(cfg),
-        int(cfg.logprobs.chunk_size),
-        cfg.publish.dtype or None,
-    )
+    (the server scores at temperature 1) through the step's forward, on the params rounded to the published dtype
+    (the weights the engine got: the step's own bf16 compute rounds its matmul weights anyway; the router, norms and
+    fp32 compute see the difference)."""
+    return _canary_logprobs_fn(graphdef, mesh, sharding.freeze(rules), spec.precision, int(spec.chunk_size), spec.dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -164,20 +189,19 @@ def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size
 class Publisher:
     """Publishes the trainer's params as policy version `version` to the rollout server, then checks it.
 
-    Built once per run from the graphdef (train.state.create), the model's HF config.json dict, the run
-    config (`cfg.publish`; the trainer's precision and `cfg.logprobs.chunk_size` for the canary's forward),
-    the RolloutClient (only process 0 uses it; other processes may pass None), and the mesh and rules
-    the params live on. The export root (disk mode) is `root`, else cfg.publish.dir, else `run_dir`/exports.
+    Built once per run from the graphdef (train.state.create), the model's HF config.json dict, the run's
+    PublishSpec, the RolloutClient (only process 0 uses it; other processes may pass None), and the mesh and rules
+    the params live on. The export root (disk mode) is `root`, else spec.dir, else `run_dir`/exports.
 
     publish(params, version):
-      * disk: `export.export` as root/vNNNNNN in cfg.publish.dtype (atomic, manifest, LATEST, keep), then
+      * disk: `export.export` as root/vNNNNNN in spec.dtype (atomic, manifest, LATEST, keep), then
         `client.update_weights(path as the server sees it, version, the manifest's sha256)`;
         stream: `client.update_weights_from_tensors` with the HF tensors produced lazily (hf_io.HFTensors).
-      * the canary (first publish and every cfg.publish.canary.every-th): the trainer's logprobs of fixed
-        random-token sequences under these params (the step's own forward, at temperature 1) against the
-        server's `Score` of the same sequences (which must come from `version`); a mean or max |Δ| beyond
-        cfg.publish.canary.{mean_abs,max_abs} raises CanaryError with the report, and in disk mode the
-        per-family differences between the params and the files read back, worst first.
+      * the canary (first publish and every spec.canary.every-th): the trainer's logprobs of fixed random-token
+        sequences under these params (the step's own forward, at temperature 1) against the server's `Score` of the
+        same sequences (which must come from `version`); a mean or max |Δ| beyond spec.canary.{mean_abs,max_abs}
+        raises CanaryError with the report, and in disk mode the per-family differences between the params and the
+        files read back, worst first.
     Multi-process: every process calls publish (the export's and the canary's gathers are collective);
     only process 0 talks to the server; failures are agreed so that every process raises together.
     """
@@ -186,7 +210,7 @@ class Publisher:
         self,
         graphdef,
         hf_config,
-        cfg,
+        spec: PublishSpec,
         client,
         mesh,
         rules,
@@ -194,38 +218,28 @@ class Publisher:
         root: str | os.PathLike | None = None,
         run_dir: str | os.PathLike | None = None,
     ):
-        from cisjax.records import TrainBatch
-
-        pc = cfg.publish
-        if pc.mode not in MODES:
-            raise errors.UserError(f"publish.mode={pc.mode!r}; one of {MODES}")
-        self.graphdef, self.hf_config, self.cfg, self.mesh = graphdef, dict(hf_config), cfg, mesh
+        self.graphdef, self.hf_config, self.spec, self.mesh = graphdef, dict(hf_config), spec, mesh
         self.rules = sharding.rules_from_config(dict(rules) if rules is not None else None)
-        self.mode, self.dtype, self.keep = pc.mode, pc.dtype or None, int(pc.keep)
+        self.mode, self.dtype, self.keep = spec.mode, spec.dtype, int(spec.keep)
         self.is_writer = jax.process_index() == 0
         if self.is_writer and client is None:
             raise ValueError("Publisher: process 0 needs a RolloutClient")
         self.client = client
         if root is None:
-            root = pc.dir or (Path(run_dir) / "exports" if run_dir else None)
+            root = spec.dir or (Path(run_dir) / "exports" if run_dir else None)
         if self.mode == "disk" and not root:
             raise errors.UserError(
                 "publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)"
             )
         self.root = Path(root) if root else None
-        self.server_dir = pc.server_dir or None
+        self.server_dir = spec.server_dir or None
         self.publishes = 0
         # controlled mismatch (cisjax.train.perturb): the engine gets a perturbed copy; the canary checks that copy
-        self.perturb = perturb_lib.settings(cfg.rollout)
+        self.perturb = spec.perturb
 
-        c = pc.canary
+        c = spec.canary
         self.every = int(c.every)
-        if self.every < 0:
-            raise errors.UserError(f"publish.canary.every={self.every} must be >= 0 (0 = off)")
-        for what in ("mean_abs", "max_abs"):
-            if not float(c[what]) >= 0:
-                raise errors.UserError(f"publish.canary.{what}={c[what]} must be >= 0 (0 = unchecked)")
-        self.bounds = {k: float(c[k]) or math.inf for k in ("mean_abs", "max_abs")}
+        self.bounds = {k: float(getattr(c, k)) or math.inf for k in ("mean_abs", "max_abs")}
         self.sequences = []
         if self.every:
             vocab = int(self.hf_config["vocab_size"])
@@ -234,10 +248,10 @@ class Publisher:
                 num=int(c.num_sequences),
                 prompt_len=int(c.prompt_len),
                 response_len=int(c.response_len),
-                seed=int(cfg.seed),
+                seed=int(c.seed),
             )
-            self._logprobs_fn = canary_logprobs_fn(graphdef, cfg, mesh, self.rules)
-            rows, length = canary_shape(cfg, mesh, self.rules)
+            self._logprobs_fn = canary_logprobs_fn(graphdef, spec, mesh, self.rules)
+            rows, length = canary_shape(c, mesh, self.rules)
             built = rows_lib.build(
                 [rows_lib.Seq(p, r) for p, r in self.sequences],
                 rows_lib.one_per_row(len(self.sequences)),
@@ -250,8 +264,10 @@ class Publisher:
 
     @classmethod
     def for_run(cls, run, client, *, root=None, run_dir=None) -> Publisher:
-        """The publisher of a train.build.Run (its graphdef, HF config, config, mesh and rules)."""
-        return cls(run.graphdef, run.hf_config, run.cfg, client, run.mesh, run.rules, root=root, run_dir=run_dir)
+        """The publisher of a train.build.Run (its graphdef, HF config, publish spec, mesh and rules)."""
+        return cls(
+            run.graphdef, run.hf_config, run.spec.publish, client, run.mesh, run.rules, root=root, run_dir=run_dir
+        )
 
     # ------------------------------------------------------------------ the canary's two sides
 
@@ -272,8 +288,8 @@ class Publisher:
         is the trained model)."""
         version = int(version)
         rel_rms = None
-        if self.perturb["kind"] != "none" and perturbed:
-            params, rel = perturb_lib.perturb(params, **self.perturb)
+        if self.perturb.on and perturbed:
+            params, rel = perturb_lib.perturb(params, **dataclasses.asdict(self.perturb))
             rel_rms = float(rel)
         model = (self.graphdef, params)
         path = None
@@ -369,8 +385,6 @@ class Publisher:
         return out
 
     def _fleet(self) -> bool:
-        from cisjax.rollout.fleet import RolloutFleet
-
         return isinstance(self.client, RolloutFleet)
 
     def _server_check(self, scored, trainer, version: int):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from cisjax import errors
+import numpy as np
+
+from cisjax.rollout.client import SamplingParams
 from cisjax.train.batching import Rollout
 
 log = logging.getLogger(__name__)
@@ -30,9 +34,9 @@ class RolloutProducer:
     versions ahead of the trainer: batch s is generated only once version s - max_staleness has
     been published (max_staleness 0 = synchronous: batch s waits for the weights of step s).
 
-    `generate(problems, index) -> (groups of Rollout without rewards, texts)` and `reward(groups, texts,
-    problems) -> None` (fills Rollout.reward) are the loop's callables; `stream` is a
-    cisjax.data.PromptStream. An error on the thread is raised by the next `get`."""
+    `generate(problems, index) -> (samples, texts)` and `reward(samples, texts, problems) -> groups of Rollout`
+    are the loop's callables (Sampler's); `stream` is a cisjax.data.PromptStream. An error on the thread is raised
+    by the next `get`."""
 
     def __init__(
         self,
@@ -46,7 +50,7 @@ class RolloutProducer:
         server_version=None,
     ):
         if max_staleness < 0:
-            raise errors.UserError(f"max_staleness must be >= 0, got {max_staleness}")
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.stream, self._generate, self._reward = stream, generate, reward
         self.max_staleness = int(max_staleness)
         self._server_version = server_version or (lambda: self._published)
@@ -114,9 +118,9 @@ class RolloutProducer:
                     return
                 version = self._server_version()
                 t0 = time.monotonic()
-                groups, texts = self._generate(problems, index)
+                samples, texts = self._generate(problems, index)
                 t1 = time.monotonic()
-                self._reward(groups, texts, problems)
+                groups = self._reward(samples, texts, problems)
                 t2 = time.monotonic()
                 out = StepRollouts(
                     index=index,
@@ -137,8 +141,35 @@ class RolloutProducer:
                 self._cv.notify_all()
 
 
-def rollouts_from_samples(samples, problems) -> list:
-    """Client Samples ([prompt][sample]) -> groups of Rollout (reward 0 until scored)."""
+@dataclass(frozen=True)
+class Sampler:
+    """The rollout side of a run on process 0, as the producer calls it: prompts -> Generate -> samples and their
+    texts; texts -> rewards -> Rollouts."""
+
+    client: Any  # RolloutClient or RolloutFleet
+    formatter: Any  # data.PromptFormatter
+    pool: Any  # rl.rewards.RewardPool
+    sampling: SamplingParams
+    seed: int  # rollout.seed; -1 = fresh randomness
+
+    def generate(self, problems, index: int):
+        """([prompt][sample] client Samples, their decoded texts) of batch `index`."""
+        prompts = [self.formatter.encode(p.question) for p in problems]
+        # a fixed rollout.seed makes the run's samples reproducible: one seed per batch
+        seed = None if self.seed < 0 else self.seed * 1_000_003 + index
+        samples = self.client.generate(prompts, dataclasses.replace(self.sampling, seed=seed))
+        texts = [[self.formatter.decode(s.response_ids) for s in per] for per in samples]
+        return samples, texts
+
+    def reward(self, samples, texts, problems) -> list:
+        """The groups of Rollout, each with its reward (math-verify of its text against the problem's answer)."""
+        refs = [p.answer for p, per in zip(problems, samples) for _ in per]
+        scores = iter(self.pool.score([t for ts in texts for t in ts], refs))
+        return rollouts_from_samples(samples, problems, [[float(next(scores)) for _ in per] for per in samples])
+
+
+def rollouts_from_samples(samples, problems, rewards) -> list:
+    """Client Samples ([prompt][sample]) and their rewards ([prompt][sample]) -> groups of Rollout."""
     return [
         [
             Rollout(
@@ -146,14 +177,14 @@ def rollouts_from_samples(samples, problems) -> list:
                 response_ids=s.response_ids,
                 logprobs=s.logprobs,
                 versions=s.versions,
-                reward=0.0,
+                reward=r,
                 finish_reason=s.finish_reason,
                 problem_id=str(getattr(p, "id", i)),
                 routing=_all_positions(s),
             )
-            for s in per
+            for s, r in zip(per, rs)
         ]
-        for i, (per, p) in enumerate(zip(samples, problems))
+        for i, (per, p, rs) in enumerate(zip(samples, problems, rewards))
     ]
 
 
@@ -162,6 +193,4 @@ def _all_positions(sample):
     prefill) then the response rows (position P-1+i produced response token i); None when the engine sent none."""
     if getattr(sample, "routing", None) is None or getattr(sample, "prompt_routing", None) is None:
         return None
-    import numpy as np
-
     return np.concatenate([np.asarray(sample.prompt_routing), np.asarray(sample.routing)])

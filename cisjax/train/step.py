@@ -12,12 +12,26 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cisjax import errors, forward, runtime, sharding
+from cisjax import forward, sharding
+from cisjax import runtime as runtime_lib
 from cisjax.records import TrainBatch
 from cisjax.rl import corrections
 from cisjax.rl import loss as loss_lib
 from cisjax.train import optim
 from cisjax.train.state import TrainState
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What the step and the proximal rescoring take from the run config (cisjax.train.spec builds it)."""
+
+    runtime: runtime_lib.Runtime  # the precision (the model was built with the same Runtime)
+    temperature: float  # logprobs.temperature: p at the sampling temperature
+    chunk_size: int  # logprobs.chunk_size: tokens per logsumexp chunk
+    correction: corrections.CorrectionSpec
+    loss: loss_lib.LossSpec
+    optim: optim.OptimSpec
+    loss_scale: float = 1.0  # fp16 precision's static loss scale (train.loss_scale); 1 in the other precisions
 
 
 @dataclass
@@ -31,7 +45,7 @@ class TrainStep:
         return self.jitted(state, batch)
 
 
-def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None, flips: bool = False):
+def make_rescore(graphdef, spec: StepSpec, mesh, rules, params_shardings=None, flips: bool = False):
     """The proximal rescoring, jitted: `(params, batch) -> logprobs_MxBxT` through the step's own forward (same
     precision, temperature and chunking, the batch's routing replayed; forward.make_batch_logprobs); with `flips`,
     `(logprobs_MxBxT, forward.Flips)`: where the routers' own choice differs from the replayed routing."""
@@ -39,59 +53,28 @@ def make_rescore(graphdef, cfg, mesh, rules, params_shardings=None, flips: bool 
         graphdef,
         mesh,
         rules,
-        precision=runtime.resolve_precision(cfg),
-        temperature=cfg.logprobs.temperature,
-        chunk_size=cfg.logprobs.chunk_size,
+        precision=spec.runtime.precision,
+        temperature=spec.temperature,
+        chunk_size=spec.chunk_size,
         params_shardings=params_shardings,
         flips=flips,
     )
 
 
-def correction_kwargs(cfg) -> dict:
-    c = cfg.correction
-    bound = lambda x: None if x is None else float(x)  # noqa: E731  (None = the method's default; 0 is a bound)
-    return dict(
-        lam=float(c.lam),
-        kappa=float(c.kappa),
-        cap=float(c.cap),
-        low=bound(c.low),
-        high=bound(c.high),
-        threshold=float(c.threshold),
-    )
-
-
-def _loss_kwargs(cfg) -> dict:
-    lc = cfg.loss
-    return dict(
-        aggregation=lc.aggregation,
-        clip_low=float(lc.clip_low),
-        clip_high=float(lc.clip_high),
-        gspo=cfg.correction.method == "gspo",
-        gspo_clip_low=float(lc.gspo_clip_low),
-        gspo_clip_high=float(lc.gspo_clip_high),
-    )
-
-
-def make_loss_fn(graphdef, cfg, mesh, rules):
-    """`loss(params, micro_batch, denominator) -> (loss * loss_scale, aux)`, differentiable in params: one micro-batch
-    ([B, T] fields of a TrainBatch) through the forward, the chunked logprobs, the correction weights and the policy
-    loss. `denominator` is loss_denominator of the whole step's mask. `.loss_scale` is train.loss_scale under fp16
-    precision, else 1. aux: loss (unscaled), entropy_sum and tokens over valid tokens, corr and loss_metrics dicts."""
-    if cfg.loss.kl_coef:
-        raise errors.UserError("loss.kl_coef > 0 needs reference-policy logprobs, which TrainBatch does not carry")
-    precision = runtime.resolve_precision(cfg)
-    scale = float(cfg.train.loss_scale) if precision == "fp16" else 1.0
-    if not scale > 0:
-        raise errors.UserError(f"train.loss_scale={scale} must be positive")
-    method = cfg.correction.method
-    corr_kw, loss_kw = correction_kwargs(cfg), _loss_kwargs(cfg)
+def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
+    """`loss(params, micro_batch, denominator) -> (loss * spec.loss_scale, aux)`, differentiable in params: one
+    micro-batch ([B, T] fields of a TrainBatch) through the forward, the chunked logprobs, the correction weights and
+    the policy loss. `denominator` is loss_denominator of the whole step's mask. aux: loss (unscaled), entropy_sum
+    and tokens over valid tokens, corr and loss_metrics dicts."""
+    method, corr_kw, loss_kw = spec.correction.method, spec.correction.hparams(), spec.loss.kwargs()
+    scale = float(spec.loss_scale)
     fwd = forward.make_forward(
         graphdef,
         mesh,
         rules,
-        precision=precision,
-        temperature=cfg.logprobs.temperature,
-        chunk_size=cfg.logprobs.chunk_size,
+        precision=spec.runtime.precision,
+        temperature=spec.temperature,
+        chunk_size=spec.chunk_size,
     )
 
     def loss_fn(params, mb: TrainBatch, denominator):
@@ -123,11 +106,10 @@ def make_loss_fn(graphdef, cfg, mesh, rules):
         )
         return loss.astype(jnp.float32) * scale, aux
 
-    loss_fn.loss_scale = scale
     return loss_fn
 
 
-def make_train_step(graphdef, tx, cfg, mesh, rules, state_shardings) -> TrainStep:
+def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) -> TrainStep:
     """The jitted optimizer step `(state, batch) -> (state, metrics)`; `state` is donated.
 
     batch: a TrainBatch of [M, B, T] arrays (sharding.place(batch, mesh, rules, sharding.BATCH_AXES) puts host arrays
@@ -144,15 +126,15 @@ def make_train_step(graphdef, tx, cfg, mesh, rules, state_shardings) -> TrainSte
     tokens), lr (the learning rate of this update), tokens, skipped, and every correction and loss metric combined
     over micro-batches (token-weighted means; keys ending "_max" by max).
 
-    Config: correction.method picks the operator (low/high None = the method's default); "gspo" switches the loss to
-    the sequence surrogate; "fp16" has weight 1 and forces precision fp16 (runtime.resolve_precision). The model's
-    compute dtype comes from the graphdef (build it with runtime.model_runtime(cfg)); the step refuses fp32/fp16
+    spec: correction.method picks the operator (low/high None = the method's default); "gspo" switches the loss to
+    the sequence surrogate; "fp16" has weight 1 and forces precision fp16 (runtime.make_runtime). The model's
+    compute dtype comes from the graphdef (build it with spec.runtime.model_kwargs()); the step refuses fp32/fp16
     precision on a model built for another compute dtype.
     """
-    micro_loss = make_loss_fn(graphdef, cfg, mesh, rules)
-    scale = micro_loss.loss_scale
-    aggregation = cfg.loss.aggregation
-    schedule = optim.make_schedule(cfg.train)
+    micro_loss = make_loss_fn(graphdef, spec, mesh, rules)
+    scale = float(spec.loss_scale)
+    aggregation = spec.loss.aggregation
+    schedule = optim.make_schedule(spec.optim)
     param_sh = state_shardings.params
     bsh = sharding.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())

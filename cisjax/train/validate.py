@@ -19,6 +19,7 @@ from cisjax.rollout.server import BACKENDS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train import perturb
+from cisjax.train import spec as spec_lib
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 
@@ -32,8 +33,9 @@ PROGRESS = ("auto", "on", "off")
 ENGINE_DTYPES = ("bfloat16", "float32")
 
 
-def check(cfg, *, inputs: bool = True) -> None:
-    """Raise one errors.UserError listing every problem of the train config `cfg`; return None when there is none.
+def check(cfg, *, inputs: bool = True) -> spec_lib.TrainSpec:
+    """The config read once: raise one errors.UserError listing every problem of the train config `cfg`, else return
+    its typed sections (train.spec.TrainSpec), which the stages take instead of the ConfigDict.
 
     Pure: reads only `cfg` (no files, no devices, no JAX calls). inputs=False skips the fields only a real run reads
     (model.path, data.source): for the benches, which build the model and the batches themselves."""
@@ -42,6 +44,7 @@ def check(cfg, *, inputs: bool = True) -> None:
         raise errors.UserError(
             f"{len(found)} problem{'s' if len(found) > 1 else ''} in the config:\n  - " + "\n  - ".join(found)
         )
+    return spec_lib.from_config(cfg)
 
 
 def problems(cfg, *, inputs: bool = True) -> list[str]:

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
+from cisjax import config as config_lib
 from cisjax.rl import corrections as C
+
+# The paper's hyperparameters (Table 7), which the hand-computed values below assume; correction() has no defaults.
+PAPER = dict(lam=2.3, kappa=5e-3, cap=2.0, threshold=2.0)
 
 TOKEN_METHODS = ("none", "exact", "tis", "icepop", "kpop", "kpop_shipped", "gspo", "fp16", "cis", "cis_two_sided")
 METRIC_KEYS = {
@@ -39,7 +43,7 @@ def logs32(x):
 @functools.cache
 def _jitted(variants):
     """One jit over several (method, hyperparameters) variants: one compile per input shape keeps the file fast."""
-    return jax.jit(lambda lp, lq, mask: [C.correction(m, lp, lq, mask, **dict(kw)) for m, kw in variants])
+    return jax.jit(lambda lp, lq, mask: [C.correction(m, lp, lq, mask, **{**PAPER, **dict(kw)}) for m, kw in variants])
 
 
 _RESULTS = {}
@@ -562,7 +566,9 @@ def test_nan_logprobs_are_reported():
         assert w[0, 1] == 0 and w[0, 2] == 0 and not acted[0, 1:].any(), method
         assert not any(math.isnan(v) for v in m.values()), method
         assert np.isfinite(w).all(), method
-    checked = checkify.checkify(jax.jit(functools.partial(C.correction_weights, "cis")), errors=checkify.user_checks)
+    checked = checkify.checkify(
+        jax.jit(functools.partial(C.correction_weights, "cis", **PAPER)), errors=checkify.user_checks
+    )
     err, _ = checked(lp, lq, mask)
     with pytest.raises(checkify.JaxRuntimeError, match="2 valid tokens have a NaN logprob"):
         err.throw()
@@ -575,7 +581,7 @@ def test_stop_gradient(method):
     lp, lq, mask = logs32(P), logs32(Q), np.array(MASK, bool)
 
     def f(lp, lq):
-        w, m = C.correction_weights(method, lp, lq, mask)
+        w, m = C.correction_weights(method, lp, lq, mask, **PAPER)
         return jnp.sum(w) + sum(m.values())
 
     g_lp, g_lq = jax.grad(f, argnums=(0, 1))(jnp.asarray(lp), jnp.asarray(lq))
@@ -585,7 +591,7 @@ def test_stop_gradient(method):
 def test_eager_equals_jit():
     lp, lq, mask = random_batch(6)
     for method in ("cis", "seq_mis", "kpop"):
-        w, m = C.correction_weights(method, lp, lq, mask)
+        w, m = C.correction_weights(method, lp, lq, mask, **PAPER)
         w_j, _, m_j = run(method, lp, lq, mask)
         np.testing.assert_allclose(np.asarray(w), w_j, rtol=1e-6)
         assert {k: float(v) for k, v in m.items()} == pytest.approx(m_j, rel=1e-6)
@@ -643,7 +649,7 @@ def test_combine_metrics_rules_by_hand():
 def test_validation():
     lp, lq, mask = logs32(P), logs32(Q), np.array(MASK, bool)
     with pytest.raises(ValueError, match="unknown correction method 'cis2'.*none, exact, tis"):
-        C.correction_weights("cis2", lp, lq, mask)
+        C.correction_weights("cis2", lp, lq, mask, **PAPER)
     bad = [
         ("icepop", dict(low=3.0, high=2.0), "low=3.0 > high=2.0"),
         ("seq_mis", dict(low=-1.0), "low"),
@@ -655,8 +661,14 @@ def test_validation():
     ]
     for method, kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            C.correction_weights(method, lp, lq, mask, **kw)
+            C.correction_weights(method, lp, lq, mask, **{**PAPER, **kw})
     with pytest.raises(ValueError, match="same"):
-        C.correction_weights("cis", lp, lq[:, :3], mask)
+        C.correction_weights("cis", lp, lq[:, :3], mask, **PAPER)
     # bounds are ignored by the methods that have none (the step passes None or the config's values)
-    C.correction_weights("cis", lp, lq, mask, low=3.0, high=2.0)
+    C.correction_weights("cis", lp, lq, mask, **PAPER, low=3.0, high=2.0)
+
+
+def test_paper_hyperparameters_are_the_base_config():
+    """configs/base.py is the one source of the operators' numbers; the tests' PAPER values are the same."""
+    c = config_lib.load(None).correction
+    assert dict(lam=c.lam, kappa=c.kappa, cap=c.cap, threshold=c.threshold) == PAPER

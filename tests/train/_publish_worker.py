@@ -5,6 +5,8 @@ Process 0 holds a fake rollout client (no server); both processes publish and mu
 import os
 import sys
 
+from tests.helpers import spec_of
+
 # 4 CPU devices per process, gloo collectives between the processes; set before jax is imported.
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -49,7 +51,7 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
     import flax.nnx as nnx
 
     from cisjax import config as config_lib
-    from cisjax import runtime, sharding
+    from cisjax import sharding
     from cisjax.models import hf_io
     from cisjax.train.publish import CanaryError, Publisher, PublishError
 
@@ -66,10 +68,10 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
     mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": 2})
     assert {d.process_index for d in mesh.devices.flat} == {0, 1}
     rules = sharding.rules_from_config(None)
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **spec_of(cfg).runtime.model_kwargs())
     graphdef, params = nnx.split(model, nnx.Param)
     fake = FakeClient() if jax.process_index() == 0 else None
-    pub = Publisher(graphdef, hf, cfg, fake, mesh, rules)
+    pub = Publisher(graphdef, hf, spec_of(cfg).publish, fake, mesh, rules)
     result = {}
 
     right = pub.trainer_logprobs(params)  # collective; the same on both processes
@@ -89,7 +91,7 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
 
     with cfg.unlocked():
         cfg.publish.mode = "stream"
-    stream = Publisher(graphdef, hf, cfg, fake, mesh, rules)
+    stream = Publisher(graphdef, hf, spec_of(cfg).publish, fake, mesh, rules)
     if fake:
         fake.fail_stream_after = 3
     try:

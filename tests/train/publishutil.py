@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.helpers import spec_of
+
 
 def load_trainer(model_dir) -> dict:
     """The default config (bf16 compute over fp32 master weights, bf16 publishes, the default canary bounds) with a
@@ -13,7 +15,7 @@ def load_trainer(model_dir) -> dict:
     import jax
 
     from cisjax import config as config_lib
-    from cisjax import runtime, sharding
+    from cisjax import sharding
     from cisjax.models import hf_io
 
     cfg = config_lib.load(
@@ -26,7 +28,7 @@ def load_trainer(model_dir) -> dict:
     )
     mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     rules = sharding.rules_from_config(None)
-    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **runtime.model_runtime(cfg))
+    model, _, hf = hf_io.load(model_dir, mesh=mesh, rules=rules, **spec_of(cfg).runtime.model_kwargs())
     graphdef, params = nnx.split(model, nnx.Param)
     return dict(cfg=cfg, mesh=mesh, rules=rules, hf=hf, graphdef=graphdef, params=params)
 
@@ -44,7 +46,9 @@ def publisher(trainer, client, root, **publish):
     from cisjax.train.publish import Publisher
 
     t = trainer
-    return Publisher(t["graphdef"], t["hf"], publish_cfg(t, **publish), client, t["mesh"], t["rules"], root=root)
+    return Publisher(
+        t["graphdef"], t["hf"], spec_of(publish_cfg(t, **publish)).publish, client, t["mesh"], t["rules"], root=root
+    )
 
 
 def changed(params, seed, scale=0.1):

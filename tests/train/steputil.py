@@ -9,13 +9,13 @@ import jax
 import numpy as np
 
 from cisjax import config as config_lib
-from cisjax import runtime, sharding
+from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.records import TrainBatch
 from cisjax.train import optim
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
-from tests.helpers import MESHES, SHARDABLE_QWEN2_MOE  # noqa: F401 (MESHES: used by the tests through this module)
+from tests.helpers import MESHES, SHARDABLE_QWEN2_MOE, spec_of  # noqa: F401 (MESHES: used by the tests through this module)
 
 TINY_HF = SHARDABLE_QWEN2_MOE
 
@@ -50,7 +50,7 @@ def build(cfg, mesh, seed: int = 0):
     """(graphdef, tx, rules, placed state) of the tiny model, its parameters placed by the sharding table on `mesh`
     (global arrays: the same values on any mesh and in any number of processes)."""
     rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    rt = runtime.model_runtime(cfg)
+    rt = spec_of(cfg).runtime.model_kwargs()
     mcfg = hf_io.model_config(TINY_HF, **rt)
     graphdef, abstract = hf_io.abstract_model(TINY_HF, mcfg)
     shardings = sharding.param_shardings(abstract, mesh, rules)
@@ -61,7 +61,7 @@ def build(cfg, mesh, seed: int = 0):
         shardings,
         is_leaf=lambda v: isinstance(v, nnx.Variable),
     )
-    tx = optim.make_optimizer(cfg.train)
+    tx = optim.make_optimizer(spec_of(cfg).step.optim)
     graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh)
     return graphdef, tx, rules, state
 
@@ -123,7 +123,7 @@ def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
     params after each step, final state)."""
     graphdef, tx, rules, state = build(cfg, mesh)
     batch = host_batch() if batch is None else batch
-    logprobs_fn = step_lib.make_rescore(graphdef, cfg, mesh, rules)
+    logprobs_fn = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)
     prox = logprobs_fn(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
     prox = np.asarray(
         jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(
@@ -132,7 +132,7 @@ def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
     )
     batch = with_logprobs(batch, prox)
     placed = sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
-    train_step = step_lib.make_train_step(graphdef, tx, cfg, mesh, rules, state_lib.shardings(state))
+    train_step = step_lib.make_train_step(graphdef, tx, spec_of(cfg).step, mesh, rules, state_lib.shardings(state))
     metrics, sums = [], []
     for _ in range(steps):
         state, met = train_step(state, placed)

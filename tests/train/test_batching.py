@@ -1,24 +1,23 @@
 """Rollout groups -> TrainBatch: row layout, masks, q placement, padding rows, advantages (hand-computed)."""
 
-import ml_collections
+import dataclasses
+
 import numpy as np
 import pytest
 
+from cisjax.rl.advantages import AdvantageSpec
 from cisjax.train.batching import Rollout, build_batch
 
 
 def _adv(group_norm=True, batch_norm=False):
-    a = ml_collections.ConfigDict(
-        dict(
-            reward_scale=10.0,
-            reward_bias=-0.5,
-            group_norm=group_norm,
-            group_eps=1e-5,
-            batch_norm=batch_norm,
-            batch_eps=1e-5,
-        )
+    return AdvantageSpec(
+        reward_scale=10.0,
+        reward_bias=-0.5,
+        group_norm=group_norm,
+        group_eps=1e-5,
+        batch_norm=batch_norm,
+        batch_eps=1e-5,
     )
-    return a
 
 
 def _groups():
@@ -35,7 +34,7 @@ def _groups():
 
 
 def test_rows_masks_and_q():
-    batch, info = build_batch(_groups(), micro_batches=1, rows_multiple=3, length_multiple=8, advantages_cfg=_adv())
+    batch, info = build_batch(_groups(), micro_batches=1, rows_multiple=3, length_multiple=8, advantages=_adv())
     m, b, t = batch.tokens_MxBxT.shape
     assert (m, b, t) == (1, 6, 8)  # 4 rows padded to a multiple of 3; longest sequence 3 + 2 - 1 = 4 positions -> 8
     tok, tgt, mask, q = (
@@ -55,7 +54,7 @@ def test_rows_masks_and_q():
 
 
 def test_group_advantages_by_hand():
-    batch, _ = build_batch(_groups(), micro_batches=2, rows_multiple=1, length_multiple=4, advantages_cfg=_adv())
+    batch, _ = build_batch(_groups(), micro_batches=2, rows_multiple=1, length_multiple=4, advantages=_adv())
     adv = np.asarray(batch.advantages_MxBxT).reshape(4, -1)
     mask = np.asarray(batch.loss_mask_MxBxT).reshape(4, -1)
     # group 0: shaped rewards 5, -5; mean 0, unbiased std sqrt(50) -> +-1/sqrt(2) on each valid token
@@ -68,7 +67,7 @@ def test_group_advantages_by_hand():
 
 def test_batch_normalisation_is_token_weighted():
     batch, _ = build_batch(
-        _groups(), micro_batches=1, rows_multiple=1, length_multiple=4, advantages_cfg=_adv(batch_norm=True)
+        _groups(), micro_batches=1, rows_multiple=1, length_multiple=4, advantages=_adv(batch_norm=True)
     )
     adv = np.asarray(batch.advantages_MxBxT)[0]
     mask = np.asarray(batch.loss_mask_MxBxT)[0]
@@ -84,7 +83,7 @@ def test_bad_groups():
     with pytest.raises(ValueError, match="same number"):
         build_batch([_groups()[0], _groups()[1][:1]], micro_batches=1, rows_multiple=1)
     bad = _groups()
-    bad[0][0].logprobs = [-1.0]
+    bad[0][0] = dataclasses.replace(bad[0][0], logprobs=[-1.0])
     with pytest.raises(ValueError, match="logprobs"):
         build_batch(bad, micro_batches=1, rows_multiple=1)
     with pytest.raises(ValueError, match="maximum"):
@@ -93,14 +92,16 @@ def test_bad_groups():
 
 def _with_routing(groups, k=2, layers=3):
     """Each rollout's routing: position p, layer x -> experts (10x + p, 100 + x) (distinct, recognisable)."""
+    out = []
     for g in groups:
+        out.append([])
         for r in g:
             n = len(r.prompt_ids) + len(r.response_ids) - 1
             ids = np.zeros((n, layers, k), np.uint8)
             ids[..., 0] = (10 * np.arange(n))[:, None] % 200
             ids[..., 1] = 100 + np.arange(layers)[None, :]
-            r.routing = ids
-    return groups
+            out[-1].append(dataclasses.replace(r, routing=ids))
+    return out
 
 
 def test_routing_rows_follow_the_tokens():
@@ -123,11 +124,10 @@ def test_replay_without_routing_names_the_rollout():
     from cisjax import errors
 
     groups = _with_routing(_groups())
-    groups[1][0].routing = None
-    groups[1][0].problem_id = "gsm8k-17"
+    groups[1][0] = dataclasses.replace(groups[1][0], routing=None, problem_id="gsm8k-17")
     with pytest.raises(errors.UserError, match="rollout 2 .problem 'gsm8k-17'. came without the engine's routing"):
         build_batch(groups, micro_batches=1, rows_multiple=1, replay=True)
     groups = _with_routing(_groups())
-    groups[0][1].routing = groups[0][1].routing[:-1]
+    groups[0][1] = dataclasses.replace(groups[0][1], routing=groups[0][1].routing[:-1])
     with pytest.raises(errors.UserError, match=r"rollout 1 .*routing \(2, 3, 2\) for 3 input positions"):
         build_batch(groups, micro_batches=1, rows_multiple=1, replay=True)

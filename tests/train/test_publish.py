@@ -11,7 +11,7 @@ from cisjax import export as export_lib
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
-from tests.helpers import VLLM_QWEN2_MOE, tiny_hf_config
+from tests.helpers import VLLM_QWEN2_MOE, spec_of, tiny_hf_config
 from tests.rollout import serverutil
 from tests.train import publishutil
 from tests.train.publishutil import changed, old_tensors, publish_cfg, publisher, stale_of
@@ -174,7 +174,15 @@ def test_canary_every_and_off(tf_server, trainer):
         assert every2.publish(params, v + 1).canary is None
         cfg = publish_cfg(trainer, mode="stream")
         cfg.publish.canary.every = 0
-        off = Publisher(trainer["graphdef"], trainer["hf"], cfg, client, trainer["mesh"], trainer["rules"], root=root)
+        off = Publisher(
+            trainer["graphdef"],
+            trainer["hf"],
+            spec_of(cfg).publish,
+            client,
+            trainer["mesh"],
+            trainer["rules"],
+            root=root,
+        )
         rep = off.publish(params, v + 2)
         assert rep.canary is None and rep.canary_s == 0 and client.info()["version"] == v + 2
 

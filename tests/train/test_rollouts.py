@@ -34,7 +34,7 @@ def _producer(max_staleness, batches=10, fail_at=None):
         return [[problems[0]]], [["text"]]
 
     def reward(groups, texts, problems):
-        pass
+        return groups
 
     p = RolloutProducer(
         _Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0
@@ -86,3 +86,49 @@ def test_end_of_data():
             p.get(2, timeout_s=5)
     finally:
         p.close()
+
+
+def test_sampler_builds_rollouts_with_their_rewards():
+    """Generate -> texts -> rewards -> Rollouts, each built once with its reward; the batch's seed from rollout.seed."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from cisjax.rollout.client import SamplingParams
+    from cisjax.train.rollouts import Sampler
+
+    class Client:
+        def generate(self, prompts, params):
+            self.seed = params.seed
+            return [
+                [SimpleNamespace(prompt_ids=p, response_ids=[7, i], logprobs=[-0.5, -1.0], versions=[3, 3],
+                                 finish_reason="stop") for i in range(params.n)]
+                for p in prompts
+            ]  # fmt: skip
+
+    class Formatter:
+        def encode(self, question):
+            return [len(question)]
+
+        def decode(self, ids):
+            return f"\\boxed{{{ids[-1]}}}"
+
+    class Pool:
+        def score(self, texts, refs):
+            return [float(t == f"\\boxed{{{r}}}") for t, r in zip(texts, refs)]
+
+    client = Client()
+    sampler = Sampler(client, Formatter(), Pool(), SamplingParams(n=2), seed=5)
+    problems = [
+        SimpleNamespace(id="a", question="one", answer="1"),
+        SimpleNamespace(id="b", question="three", answer="0"),
+    ]
+    samples, texts = sampler.generate(problems, index=2)
+    assert client.seed == 5 * 1_000_003 + 2 and texts == [["\\boxed{0}", "\\boxed{1}"]] * 2
+    groups = sampler.reward(samples, texts, problems)
+    assert [[r.reward for r in g] for g in groups] == [[0.0, 1.0], [1.0, 0.0]]
+    assert [g[0].problem_id for g in groups] == ["a", "b"] and groups[1][0].prompt_ids == [5]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        groups[0][0].reward = 1.0
+    fresh = Sampler(client, Formatter(), Pool(), SamplingParams(n=1), seed=-1)
+    fresh.generate(problems, index=2)
+    assert client.seed is None  # rollout.seed = -1: fresh randomness

@@ -211,20 +211,21 @@ def test_every_config_file_is_valid(path):
 # ----------------------------------------------------------------------------- correction.low/high: None = default
 
 
-def test_correction_bounds_none_is_the_default_and_zero_is_a_bound():
-    from cisjax.train import step as step_lib
+def _hparams(cfg) -> dict:
+    return validate.check(cfg).correction.hparams()
 
+
+def test_correction_bounds_none_is_the_default_and_zero_is_a_bound():
     cfg = _cfg("--config.correction.method=icepop")
-    kw = step_lib.correction_kwargs(cfg)
+    kw = _hparams(cfg)
     assert kw["low"] is None and kw["high"] is None  # the method's default
 
     cfg = _cfg("--config.correction.method=icepop", "--config.correction.low=0")
-    validate.check(cfg)
-    kw = step_lib.correction_kwargs(cfg)
+    kw = _hparams(cfg)
     assert kw["low"] == 0.0 and isinstance(kw["low"], float) and kw["high"] is None
 
     cfg = config_lib.apply_overrides(cfg, ["--config.correction.low=None", "--config.correction.high=3"])
-    kw = step_lib.correction_kwargs(cfg)
+    kw = _hparams(cfg)
     assert kw["low"] is None and kw["high"] == 3.0
 
 
@@ -233,20 +234,17 @@ def test_icepop_low_zero_keeps_small_ratios():
     import numpy as np
 
     from cisjax.rl import corrections
-    from cisjax.train import step as step_lib
 
     lp = np.log(np.asarray([[0.1, 0.5]], np.float32))  # k = p / q = 0.1 and 0.5
     lq = np.log(np.asarray([[1.0, 1.0]], np.float32))
     mask = np.ones((1, 2), bool)
-    default = corrections.correction(
-        "icepop", lp, lq, mask, **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop"))
-    )
+    default = corrections.correction("icepop", lp, lq, mask, **_hparams(_cfg("--config.correction.method=icepop")))
     zero = corrections.correction(
         "icepop",
         lp,
         lq,
         mask,
-        **step_lib.correction_kwargs(_cfg("--config.correction.method=icepop", "--config.correction.low=0")),
+        **_hparams(_cfg("--config.correction.method=icepop", "--config.correction.low=0")),
     )
     np.testing.assert_allclose(np.asarray(default.weights_BxT), [[0.0, 0.5]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(zero.weights_BxT), [[0.1, 0.5]], rtol=1e-6)
