@@ -108,6 +108,7 @@ def bench(args) -> dict:
     from cisjax.models import moe as moe_lib
     from cisjax.rl import loss as loss_lib
     from cisjax.train import step as step_lib
+    from cisjax.train import validate
     from cisjax.train.build import build
 
     cfg = config_lib.load(None)
@@ -205,7 +206,7 @@ def bench(args) -> dict:
         del states
 
         # --- forward + backward + loss of one micro-batch (no optimizer), JAX vs torch on the same weights
-        loss_fn = step_lib.make_loss_fn(graphdef, cfg, mesh, rules)
+        loss_fn = step_lib.make_loss_fn(graphdef, validate.check(cfg, inputs=False).step, mesh, rules)
         mb = jax.tree.map(lambda x: x[0], batch)
         denominator = loss_lib.loss_denominator(mb.loss_mask_MxBxT, cfg.loss.aggregation)
         fwd_bwd = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))

@@ -13,11 +13,11 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cisjax import logprobs as logprobs_lib
-from cisjax import runtime, sharding
+from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.models.layers import attention_mask
 from cisjax.records import TrainBatch
-from cisjax.train import optim
+from cisjax.train import optim, validate
 from cisjax.train import publish as publish_lib
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
@@ -185,13 +185,14 @@ class StepPrograms:
 
     def __init__(self, cfg, hf: dict, mesh, rules):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
-        self.mcfg = hf_io.model_config(hf, **runtime.model_runtime(cfg))
+        self.spec = validate.check(cfg, inputs=False)  # the config's typed sections
+        self.mcfg = hf_io.model_config(hf, **self.spec.runtime.model_kwargs())
         self.graphdef, abstract = hf_io.abstract_model(hf, self.mcfg)
         shardings = sharding.param_shardings(abstract, mesh, rules)
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         self.params = jax.tree.map(lambda v, s: v.replace(_abstract(v, s)), abstract, shardings, is_leaf=is_var)
         self.model = nnx.merge(self.graphdef, self.params)  # abstract: ShapeDtypeStructs, for shapes and sub-modules
-        self.tx = optim.make_optimizer(cfg.train)
+        self.tx = optim.make_optimizer(self.spec.step.optim)
         self.state = state_lib.abstract(self.params, self.tx, mesh)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
@@ -208,16 +209,18 @@ class StepPrograms:
     # ------------------------------------------------------------------ the loop's programs
 
     def train_step(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
-        run = step_lib.make_train_step(self.graphdef, self.tx, self.cfg, self.mesh, self.rules, self.state_shardings)
+        run = step_lib.make_train_step(
+            self.graphdef, self.tx, self.spec.step, self.mesh, self.rules, self.state_shardings
+        )
         return compile_program("train_step", run.jitted, self.state, self.batch(micro_batches, rows, seq_len))
 
     def rescore(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
-        fn = step_lib.make_rescore(self.graphdef, self.cfg, self.mesh, self.rules, self.state_shardings.params)
+        fn = step_lib.make_rescore(self.graphdef, self.spec.step, self.mesh, self.rules, self.state_shardings.params)
         return compile_program("rescore", fn, self.params, self.batch(micro_batches, rows, seq_len))
 
     def canary(self) -> Compiled:
-        rows, length = publish_lib.canary_shape(self.cfg, self.mesh, self.rules)
-        fn = publish_lib.canary_logprobs_fn(self.graphdef, self.cfg, self.mesh, self.rules)
+        rows, length = publish_lib.canary_shape(self.spec.publish.canary, self.mesh, self.rules)
+        fn = publish_lib.canary_logprobs_fn(self.graphdef, self.spec.publish, self.mesh, self.rules)
         return compile_program("canary", fn, self.params, self.batch(1, rows, length))
 
     # ------------------------------------------------------------------ one layer kind at a time, no loops
