@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from cisjax import cli, sharding
 from cisjax import config as config_lib
 from cisjax.models import gpu_grouped, moe
-from cisjax.plan import command, hardware
+from cisjax.plan import hardware, planner, search
 from cisjax.plan.programs import Compiled, loops_with_work, pallas_costs
 
 # The XLA:TPU and XLA:GPU compiles of model cuts are marked `slow` (not in the fast tier, make test-fast); the row
@@ -36,7 +36,7 @@ FULL_REPORT = ("qwen15_moe_a27b", "deepseek_v2_lite")
 
 def paper_plan(name, target="v5p-16", overrides=(), **kw):
     cfg = config_lib.load(ROOT / "configs" / f"{name}.py", overrides)
-    return command.plan(cfg, target_name=target, num_layers=2, **kw)
+    return planner.plan(cfg, target_name=target, num_layers=2, **kw)
 
 
 @pytest.mark.slow
@@ -256,7 +256,7 @@ def fake_compile(a, b, usable=None):
 @pytest.mark.parametrize("refuses", [False, True], ids=["measured", "refused"])
 def test_search_rows_finds_the_boundary(a, b, usable, start, best, refuses):
     compile_at, probes = fake_compile(a, b, usable if refuses else None)
-    result = command.search_rows(compile_at, start=start, step=8, usable=usable, max_rows=4096, log=lambda m: None)
+    result = search.search_rows(compile_at, start=start, step=8, usable=usable, max_rows=4096, log=lambda m: None)
     assert result["best_rows"] == best
     if best:
         assert a + b * best <= usable < a + b * (best + 8)
@@ -265,7 +265,7 @@ def test_search_rows_finds_the_boundary(a, b, usable, start, best, refuses):
 
 def test_search_rows_stops_at_the_cap():
     compile_at, _ = fake_compile(1.0, 0.0)
-    result = command.search_rows(compile_at, start=8, step=8, usable=10.0, max_rows=64, log=lambda m: None)
+    result = search.search_rows(compile_at, start=8, step=8, usable=10.0, max_rows=64, log=lambda m: None)
     assert result["best_rows"] == 64 and result["capped"]
 
 
@@ -307,7 +307,7 @@ def test_params_per_chip_counts_the_expert_stacks(mesh_shape):
     params = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=is_var
     )
-    pp = command.params_per_chip(params, mesh, rules, jnp.bfloat16)
+    pp = planner.params_per_chip(params, mesh, rules, jnp.bfloat16)
     stacks = 2 * 3 * 8 * 64 * 32 * 4  # layers x (gate, up, down) x E x D x F, fp32
     assert pp["expert_stacks_total_bytes"] == stacks
     assert pp["expert_stacks_bytes"] == stacks // 8
