@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from cisjax.evaluation import prompts, report, runner, served
 from cisjax.evaluation import sets as sets_lib
 from cisjax.evaluation.grading import POOL_FN
 from cisjax.rl.rewards import RewardPool
-from cisjax.rollout import service
 
 DEFAULT_SETS = "gsm8k,math500,svamp,minerva,olympiadbench"
 
@@ -154,7 +152,18 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         pool = stack.enter_context(
             contextlib.closing(RewardPool(workers=args.grade_workers, timeout_s=args.grade_timeout, fn=POOL_FN))
         )
-        client = _connect(args, model_dir, out, stack)
+        client = stack.enter_context(
+            served.serving(
+                args.server,
+                model_dir=model_dir,
+                log_path=out / "rollout_server.log",
+                backend=args.backend,
+                dtype=args.dtype,
+                kv_cache_gib=args.kv_cache_gib,
+                token=args.token,
+                startup_s=args.startup_timeout,
+            )
+        )
         info = client.info()
         served.check_vocabulary(info, model_dir, formatter.tokenizer, args.server or "the embedded server")
         per_set, samples = runner.evaluate(
@@ -181,28 +190,3 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     print(report.markdown(doc), end="")
     print(f"cisjax eval: {out / 'results.json'}, {out / 'samples.jsonl'}, {out / 'report.md'}")
     return 0
-
-
-def _connect(args: argparse.Namespace, model_dir: Path, out: Path, stack: contextlib.ExitStack):
-    """The client of --server, or of an embedded server child on --model (its exports confined to a temporary
-    directory: it never loads other weights). Their closing goes on `stack`: the client, then the server, then the
-    directory."""
-    export_root = ""
-    if not args.server:
-        export_root = tempfile.mkdtemp(prefix="cisjax-eval-")
-        stack.callback(os.rmdir, export_root)
-    server, client = service.connect(
-        args.server,
-        model_dir=model_dir,
-        export_root=export_root,
-        log_path=out / "rollout_server.log",
-        backend=args.backend,
-        dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib,
-        token=args.token,
-        startup_s=args.startup_timeout,
-    )
-    if server is not None:
-        stack.callback(server.stop)
-    stack.callback(client.close)
-    return client
