@@ -147,10 +147,7 @@ def _add_layer_costs(out: dict, compiled: dict, progs: StepPrograms, target, sha
     warnings = out.get("warnings", []) + layer.pop("warnings", [])
     out.update(layer, **({"warnings": warnings} if warnings else {}))
     if "canary" in compiled and compiled["canary"].ok:
-        c = compiled["canary"]
-        out["programs"]["canary"]["roofline_s"] = max(
-            c.flops / target.chip.peak_flops, c.bytes / target.chip.hbm_bandwidth
-        )
+        out["programs"]["canary"]["roofline_s"] = costs.roofline(compiled["canary"], target.chip)
     for name in ("train_step", "rescore"):
         if name in out["programs"]:
             out["programs"][name]["roofline_s"] = out["roofline"].get(f"{name}_s")
