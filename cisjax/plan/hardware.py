@@ -10,6 +10,9 @@ import re
 import sys
 from pathlib import Path
 
+from jax._src import xla_bridge
+from jax.experimental import topologies
+
 from cisjax import errors
 
 GIB = 2**30
@@ -179,9 +182,8 @@ class Target:
 
     def devices(self) -> list:
         """The target's devices, compile-only (no hardware needed): JAX's deviceless topology API."""
-        from jax.experimental import topologies
-
         if self.platform == "tpu":
+            enable_libtpu()
             bounds = (2, 2, 1) if self.chip.torus_dims == 3 or self.chips >= 4 else (1, 1, 1)
             if self.chip.torus_dims == 2 and self.chips >= 8:
                 bounds = (2, 4, 1)  # v5e / v6e hosts hold 8 chips
@@ -280,13 +282,41 @@ device_description_str: "{spec.description}"
 """
 
 
+# ----------------------------------------------------------------------------- the compilers, off the import path
+# `make setup` installs libtpu (the TPU compiler) and XLA's CUDA plugin into folders of the environment that are not
+# on the import path: installed normally, JAX would start them in every process, and on a machine without their
+# hardware print their start-up errors (libtpu: "unexpected worker hostname") or probes. Only a plan adds them, just
+# before it asks for a target's devices. A TPU VM installs libtpu normally (pip install "jax[tpu]"): JAX finds its TPU,
+# and the plan uses that libtpu.
+
+LIBTPU_ENV = "CISJAX_LIBTPU_DIR"
 CUDA_PLUGIN_ENV = "CISJAX_CUDA_PLUGIN_DIR"
+
+
+def libtpu_dir() -> Path | None:
+    """Where libtpu lies when it is not installed in the environment itself: $CISJAX_LIBTPU_DIR, else
+    <environment>/libtpu (where `make setup` puts it)."""
+    path = os.environ.get(LIBTPU_ENV) or os.path.join(sys.prefix, "libtpu")
+    return Path(path) if Path(path, "libtpu", "libtpu.so").is_file() else None
+
+
+def enable_libtpu() -> None:
+    """Make libtpu importable, where JAX looks for the TPU compiler when a TPU topology is first asked for."""
+    if importlib.util.find_spec("libtpu") is not None or os.environ.get("TPU_LIBRARY_PATH"):
+        return
+    path = libtpu_dir()
+    if path is None:
+        raise RuntimeError(
+            "TPU targets need libtpu's compiler: pip install --no-deps --target .venv/libtpu -c constraints.txt libtpu "
+            f'(`make setup` does), or set ${LIBTPU_ENV}; on a TPU VM, pip install -c constraints.txt "jax[tpu]"'
+        )
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
 
 
 def cuda_plugin_dir() -> Path | None:
     """Where the CUDA PJRT plugin lies when it is not installed in the environment itself: $CISJAX_CUDA_PLUGIN_DIR,
-    else <environment>/cuda-plugin (where `make setup` puts it, off the import path: installed normally, it would
-    print its CUDA probe on every JAX start of every process)."""
+    else <environment>/cuda-plugin (where `make setup` puts it)."""
     path = os.environ.get(CUDA_PLUGIN_ENV) or os.path.join(sys.prefix, "cuda-plugin")
     return Path(path) if Path(path, "jax_plugins").is_dir() else None
 
@@ -305,8 +335,6 @@ def enable_cuda_plugin() -> None:
             "pip install --no-deps --target .venv/cuda-plugin jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
             f"(`make setup` does), or set ${CUDA_PLUGIN_ENV}"
         )
-    from jax._src import xla_bridge
-
     if xla_bridge._backends:  # plugins are discovered once, when the first backend starts
         if "cuda" not in xla_bridge._backend_factories:
             raise RuntimeError(

@@ -9,6 +9,9 @@ import time
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import optax
+from jax._src import xla_bridge
+from jax._src.lib import _jax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -146,9 +149,6 @@ def cost_of(compiled) -> dict:
     cost analysis of its own; XLA's HloCostAnalysis then runs on the optimized GPU module through the CPU client."""
     ca = compiled.cost_analysis()
     if ca is None:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-
         ca = _jax.hlo_module_cost_analysis(
             xla_bridge.get_backend("cpu"), compiled.runtime_executable().hlo_modules()[0]
         )
@@ -350,8 +350,6 @@ class StepPrograms:
         tx = self.tx
 
         def update(params, opt_state, grads):
-            import optax
-
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
 __all__ = ["arm_table", "read_rows", "write"]
 
@@ -162,13 +163,10 @@ def _trailing(x: np.ndarray, width: int) -> np.ndarray:
 
 
 def _plot(table: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """sweep.png: the training reward per arm over the steps, and each held-out set's accuracy per arm and seed."""
     sets = sorted({s for t in table.values() for s in t["held_out"]})
-    fig, axes = plt.subplots(1, 1 + len(sets), figsize=(7 + 3.5 * len(sets), 4), squeeze=False)
+    fig = Figure(figsize=(7 + 3.5 * len(sets), 4))  # no pyplot: no global figure state, no GUI backend
+    axes = fig.subplots(1, 1 + len(sets), squeeze=False)
     ax = axes[0, 0]
     width, colors = 1, {}
     for arm, t in table.items():
@@ -195,7 +193,6 @@ def _plot(table: dict, path: Path) -> None:
         ax.set_ylabel(f"held-out accuracy, {name}\n(dots: seeds; bar: mean)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write(out: Path, runs, steps: int, window: int = 0) -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from cisjax import cli
 from cisjax.evaluation import answers
-from cisjax.evaluation.command import check_vocabulary
+from cisjax.evaluation.served import check_vocabulary
 from cisjax.evaluation.sets import BENCHMARKS
 from cisjax.rollout import engine_env
 from tests.rollout import serverutil

@@ -1,6 +1,9 @@
 """Compile targets: names as users type them, the deviceless devices, and the usable HBM against the TPU compiler."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +81,51 @@ def test_gpu_target_config_fields():
     assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
     assert f"device_memory_size: {int(80e9)}" in text and 'platform_name: "CUDA"' in text
     assert chip.usable_bytes == pytest.approx(80e9 * hardware.GPU_MEM_FRACTION)
+
+
+def test_libtpu_dir_is_found_off_the_import_path(tmp_path, monkeypatch):
+    """`make setup` puts libtpu in <environment>/libtpu, off the import path; $CISJAX_LIBTPU_DIR names another."""
+    monkeypatch.setenv(hardware.LIBTPU_ENV, str(tmp_path))
+    assert hardware.libtpu_dir() is None  # no libtpu/libtpu.so there
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "libtpu.so").write_bytes(b"")
+    assert hardware.libtpu_dir() == tmp_path
+
+
+def test_jax_starts_quietly_without_libtpu_on_the_path():
+    """A JAX process that does not plan (no JAX_PLATFORMS, no TPU settings) prints nothing of libtpu's: it is not on
+    the import path, so JAX does not start it on a machine without a TPU."""
+    # (TPU_LIBRARY_PATH: set in this process by an import of libtpu, by the plans of other tests)
+    quiet = (
+        "JAX_PLATFORMS",
+        "TPU_ACCELERATOR_TYPE",
+        "TPU_WORKER_HOSTNAMES",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD",
+        "TPU_LIBRARY_PATH",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
+    code = (
+        "import importlib.util, jax; print(importlib.util.find_spec('libtpu') is not None, jax.devices()[0].platform)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    importable, platform = res.stdout.split()
+    if importable == "True":
+        pytest.skip("libtpu is installed in this environment (one built before `make setup` kept it off the path)")
+    assert platform != "tpu" and not [line for line in res.stderr.splitlines() if "TPU" in line.upper()], res.stderr
+
+
+def test_enable_libtpu_adds_its_folder_or_names_the_install(tmp_path, monkeypatch):
+    """Where libtpu is not importable, a TPU target's devices put its folder on the import path (JAX imports libtpu
+    when it first builds a TPU topology); without one, the error names the install."""
+    monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv(hardware.LIBTPU_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="make setup"):
+        hardware.enable_libtpu()
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "libtpu.so").write_bytes(b"")
+    hardware.enable_libtpu()
+    hardware.enable_libtpu()  # once on the path
+    assert sys.path.count(str(tmp_path)) == 1

@@ -3,7 +3,8 @@
 import json
 import math
 
-from cisjax.sweep import command, summary
+from cisjax.sweep import runs as runs_lib
+from cisjax.sweep import summary
 
 
 def _run(tmp_path, arm, seed, rewards, train_s, acted=0.0, extra=None):
@@ -16,7 +17,7 @@ def _run(tmp_path, arm, seed, rewards, train_s, acted=0.0, extra=None):
         row.update((extra or {}).get(step, {}))
         rows.append(json.dumps(row))
     (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    return command.Run(arm, seed, run_dir, [])
+    return runs_lib.Run(arm, seed, run_dir, [])
 
 
 def test_arm_table_by_hand(tmp_path):
@@ -44,7 +45,7 @@ def test_markdown_and_plot(tmp_path):
         _run(tmp_path, "cis", 0, [0.0, 0.5], [5.0, 1.1], extra={1: {"eval/gsm8k/accuracy": 0.75}}),
         _run(tmp_path, "cis", 1, [0.0, 0.5], [5.0, 1.1], extra={1: {"eval/gsm8k/accuracy": 0.25}}),
         _run(tmp_path, "none", 0, [0.0, 0.2], [5.0, 1.0]),
-        command.Run("tis", 0, tmp_path / "tis" / "seed0", []),  # not run yet
+        runs_lib.Run("tis", 0, tmp_path / "tis" / "seed0", []),  # not run yet
     ]
     # the held-out reward: a correct \\boxed{} answer only (seed 0: 1 of 4; seed 1: 2 of 2); the latest version counts
     samples = {

@@ -1,0 +1,145 @@
+"""A plan's report on the console: the headline, the HBM table, the FLOP tables, the row search, warnings and notes."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+def gib(x) -> str:
+    return "—" if x is None else f"{x / 2**30:.1f}"
+
+
+def fmt_compiled(c, usable) -> str:
+    """One compiled program in a log line: its bytes per chip against `usable`, or the compiler's refusal."""
+    if not c.ok:
+        need = f": its temporaries alone need {gib(c.oom_temporaries)} GiB" if c.oom_temporaries else ""
+        return f"does not fit (the compiler refused{need}) in {c.seconds:.0f} s"
+    total = c.memory["total"]
+    return f"{gib(total)} GiB per chip of {gib(usable)} ({'fits' if total <= usable else 'does NOT fit'}) in {c.seconds:.0f} s"
+
+
+def console_log(msg: str) -> None:
+    """A timestamped progress line on stderr."""
+    Console(stderr=True, highlight=False).print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+
+
+def print_report(report: dict) -> None:
+    console = Console(highlight=False)
+    if not console.is_terminal:  # a log file: wide enough for the tables, not cut at 80 columns
+        console = Console(highlight=False, width=150)
+    _print_headline(console, report)
+    console.print(_memory_table(report["programs"]))
+    for program, f in report.get("flops", {}).items():
+        console.print(_flops_table(program, f, report["roofline"][f"{program}_s"]))
+        mfu = report["roofline"].get(f"{program}_mfu_estimate")
+        if mfu is not None:
+            console.print(
+                f"{program}: MFU estimate {100 * mfu:.1f}% (analytic FLOPs / (chips x peak x roofline time); "
+                "from the compiler's cost model, not a measurement)"
+            )
+    if "search" in report:
+        s = report["search"]
+        tried = ", ".join(f"{t['rows']}{'✓' if t['fits'] else '✗'}" for t in s["tried"])
+        console.print(
+            f"largest rows per micro-batch that fit: [bold]{s['best_rows']}[/bold] (tried {tried}) {s['note']}"
+        )
+    for w in report.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {w}")
+    for note in report["notes"]:
+        console.print(f"[dim]{note}[/dim]")
+
+
+def _print_headline(console: Console, report: dict) -> None:
+    """The model on the target, the parameters per chip, the train batch."""
+    tg, mo, sh = report["target"], report["model"], report["shape"]
+    console.print(
+        f"[bold]{mo['architecture']}[/bold] ({mo['layers']} layers, {mo['total_params'] / 1e9:.2f}B parameters, "
+        f"{mo['active_params'] / 1e9:.2f}B active; {mo['dtype']} compute, {mo['param_dtype']} master weights, "
+        f"MoE dispatch {mo['moe_impl_resolved']}) on [bold]{tg['name']}[/bold]: {tg['chips']} x {tg['chip']} "
+        f"({tg['usable_gib_per_chip']:.2f} GiB usable per chip, {tg['peak_tflops_per_chip']:.0f} TFLOP/s bf16), "
+        f"mesh {report['mesh']}"
+    )
+    pp = report.get("params_per_chip")
+    if pp:
+        console.print(
+            f"parameters per chip: {gib(pp['all_bytes'])} GiB, of which the routed-expert stacks "
+            f"{gib(pp['expert_stacks_bytes'])} GiB (of {gib(pp['expert_stacks_total_bytes'])} GiB in all); the "
+            f"expert stacks each chip computes with, all MoE layers: {gib(pp['expert_stacks_compute_bytes'])} GiB"
+        )
+    console.print(
+        f"train batch: {sh['micro_batches']} micro-batches x {sh['rows']} rows x {sh['seq_len']} tokens "
+        f"({sh['samples_per_step']} samples per step; the logprob head in {sh['head_chunks']} chunks of "
+        f"{sh['head_chunk_tokens']} tokens)"
+    )
+
+
+_MEMORY_COLUMNS = (
+    "program",
+    "arguments",
+    "temporaries",
+    "outputs",
+    "aliased",
+    "total",
+    "usable",
+    "fits",
+    "margin",
+    "compile s",
+    "roofline s",
+)
+
+
+def _memory_table(programs: dict) -> Table:
+    """HBM per chip of each compiled program, its fit and margin."""
+    table = Table(title="HBM per chip (GiB)")
+    for col in _MEMORY_COLUMNS:
+        table.add_column(col, justify="left" if col == "program" else "right")
+    for name, p in programs.items():
+        mem = p.get("memory") or {}
+        fits = "[green]yes[/green]" if p["fits"] else "[red]no[/red]"
+        if p.get("error"):
+            fits += f" (refused: temporaries {gib(p['oom_temporaries'])})" if p.get("oom_temporaries") else " (refused)"
+        roof = p.get("roofline_s")
+        table.add_row(
+            name,
+            *(gib(mem.get(k)) for k in ("arguments", "temporaries", "outputs", "aliased")),
+            gib(p["total_bytes"]),
+            gib(p["usable_bytes"]),
+            fits,
+            gib(p["margin_bytes"]),
+            f"{p['seconds']:.0f}",
+            "—" if roof is None else f"{roof:.3f}",
+        )
+    return table
+
+
+def _flops_table(program: str, f: dict, roofline_s: float) -> Table:
+    """FLOPs per chip per step of one program, per layer kind: analytic, XLA's, their ratio, the roofline."""
+    table = Table(title=f"{program}: FLOPs per chip per step (TFLOP)")
+    for col in ("kind", "layers", "x per step", "analytic", "XLA", "XLA / analytic", "roofline s"):
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, r in f["kinds"].items():
+        if not r["count"]:
+            continue
+        xla = r["xla_flops_per_chip"]
+        table.add_row(
+            kind,
+            str(r["count"]),
+            str(r["times_per_step"]),
+            f"{r['analytic_flops_per_chip'] / 1e12:.2f}",
+            "—" if xla is None else f"{xla / 1e12:.2f}",
+            "—" if r["ratio"] is None else f"{r['ratio']:.2f}",
+            "—" if r["roofline_s"] is None else f"{r['roofline_s']:.3f}",
+        )
+    table.add_row(
+        "total",
+        "",
+        "",
+        f"{f['analytic_flops_per_chip'] / 1e12:.2f}",
+        f"{f['xla_flops_per_chip'] / 1e12:.2f}",
+        f"{f['xla_flops_per_chip'] / f['analytic_flops_per_chip']:.2f}" if f["analytic_flops_per_chip"] else "—",
+        f"{roofline_s:.3f}",
+    )
+    return table
