@@ -97,12 +97,7 @@ class LoopEval:
             export_version=version,
             engine=info,
             settings=self.settings,
-            prompt={
-                "style": self.prompt,
-                "system": self.formatter.system,
-                "instruction": self.formatter.instruction,
-                "chat_template": self.formatter.chat_template,
-            },
+            prompt=prompts.describe(self.prompt, self.formatter),
             elapsed_s=time.monotonic() - t0,
             grading=self.pool.metrics(),
             limit=self.limit,
