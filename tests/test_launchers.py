@@ -1,5 +1,6 @@
-"""launchers/*.sh and the README's shell blocks: valid bash, and every `cisjax` command, flag and --config field they
-use exists; gpu_local.sh and tpu_pod.sh run end to end on CPU (the transformers engine, one process)."""
+"""launchers/*.sh and the shell blocks of README.md and docs/**/*.md: valid bash, and every `cisjax` command, flag and
+--config field they use exists; gpu_local.sh and tpu_pod.sh run end to end on CPU (the transformers engine, one
+process)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.train import looputil
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted((REPO / "launchers").glob("*.sh"))
+DOCS = sorted((REPO / "docs").rglob("*.md"))
 BASE = config_lib.load_file(REPO / "configs" / "base.py")
 
 _CONFIG_FIELD = re.compile(r"--config\.([A-Za-z_][\w.]*)")
@@ -71,9 +73,10 @@ def _command_options(words: list[str]) -> tuple[list[str], set[str]]:
     return path, {o for a in parser._actions for o in a.option_strings}
 
 
-def _check_commands(lines: list[str], where: str) -> int:
+def _check_commands(lines: list[str], where: str, seen: list[list[str]] | None = None) -> int:
     """Every `cisjax CMD ...` in `lines` (comments skipped) names a command, and each --flag on its line, or in a bash
-    array the line expands, is an option of that command. Returns how many commands were checked."""
+    array the line expands, is an option of that command. Returns how many commands were checked; `seen` gets the
+    command path of each (e.g. ["mismatch", "measure"])."""
     arrays: dict[str, str] = {}
     for line in lines:
         m = re.match(r"\s*(\w+)\+?=\((.*)\)", line)
@@ -92,6 +95,8 @@ def _check_commands(lines: list[str], where: str) -> int:
         flags = set(_FLAG.findall(rest))
         unknown = sorted(f for f in flags if f not in options and not f.startswith("--config."))
         assert not unknown, f"{where}: `cisjax {' '.join(path)}` has no {unknown}: {line.strip()}"
+        if seen is not None:
+            seen.append(path)
         checked += 1
     return checked
 
@@ -116,8 +121,9 @@ def test_launcher_flags_and_config_fields_exist(script):
     assert _check_commands(_logical_lines(text), script.name) >= 1  # it runs cisjax
 
 
-def _readme_shell_blocks() -> str:
-    return "\n".join(re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S))
+def _shell_blocks(path: Path) -> str:
+    """The ```bash blocks of a markdown file, joined."""
+    return "\n".join(re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S))
 
 
 def _check_launcher_calls(lines: list[str], where: str) -> int:
@@ -142,11 +148,46 @@ def _check_launcher_calls(lines: list[str], where: str) -> int:
 
 
 def test_readme_shell_commands_exist():
-    text = _readme_shell_blocks()
+    text = _shell_blocks(REPO / "README.md")
     _assert_fields_exist(_config_fields(text), "README.md")
     lines = _logical_lines(text)
     assert _check_commands(lines, "README.md") >= 3
     assert _check_launcher_calls(lines, "README.md") >= 3
+
+
+def test_there_are_docs():
+    assert {p.name for p in DOCS} >= {"training.md", "launchers.md", "results.md"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO / "docs")))
+def test_docs_shell_commands_exist(doc):
+    """The guides' shell blocks are checked as the README's: commands, flags, --config fields, launcher calls."""
+    text = _shell_blocks(doc)
+    where = str(doc.relative_to(REPO))
+    _assert_fields_exist(_config_fields(text), where)
+    lines = _logical_lines(text)
+    _check_commands(lines, where)
+    _check_launcher_calls(lines, where)
+
+
+def test_docs_shell_blocks_check_enough():
+    """The guides as a whole hold the examples the README held before they moved: many commands, the launcher calls."""
+    commands = calls = 0
+    for doc in DOCS:
+        lines = _logical_lines(_shell_blocks(doc))
+        commands += _check_commands(lines, str(doc))
+        calls += _check_launcher_calls(lines, str(doc))
+    assert commands >= 40 and calls >= 5, (commands, calls)
+
+
+def docs_examples() -> dict[str, list[list[str]]]:
+    """docs/<file>.md -> the command paths of the checked `cisjax` examples in its shell blocks (tests/test_docs.py)."""
+    out = {}
+    for doc in DOCS:
+        seen: list[list[str]] = []
+        _check_commands(_logical_lines(_shell_blocks(doc)), str(doc), seen)
+        out[str(doc.relative_to(REPO))] = seen
+    return out
 
 
 def test_the_checks_catch_a_made_up_flag():
