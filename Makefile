@@ -52,7 +52,7 @@ bench: setup
 	$(BIN)/cisjax bench export
 	$(BIN)/cisjax bench rollout
 
-# The paper's models compiled for the TPU slices a user would pick (README, cisjax plan): JSON reports in runs/plan/
+# The paper's models compiled for the TPU slices a user would pick (docs/plan.md): JSON reports in runs/plan/
 plan: setup
 	$(BIN)/cisjax plan --config configs/qwen15_moe_a27b.py --topology v5p-16 --search rows --json runs/plan/qwen15_moe_a27b.json
 	$(BIN)/cisjax plan --config configs/deepseek_v2_lite.py --topology v5p-16 --search rows --json runs/plan/deepseek_v2_lite.json

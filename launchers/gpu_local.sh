@@ -12,7 +12,7 @@
 #   SERVER_GPUS  CUDA_VISIBLE_DEVICES of the server (default 0); TP its tensor-parallel size (default: their count)
 #   REPLICAS     rollout servers (default 1): SERVER_GPUS split into this many equal groups, in order, one server each
 #                (TP = a group's size), on ports PORT, PORT+1, ..., logs RUN/rollout_server0.log, ...; the trainer
-#                spreads prompts over them and publishes to all (the README's Rollout fleet)
+#                spreads prompts over them and publishes to all (docs/rollout.md, the rollout fleet)
 #   TRAIN_GPUS   CUDA_VISIBLE_DEVICES of the trainer (default 0); its mesh spans them (--config.mesh.* to shape it)
 #   GPU_MEM      the server's share of each of its GPUs' memory (default 0.45; vLLM's --gpu-memory-utilization)
 #   TRAIN_MEM    the trainer's share (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.45 when it shares a GPU with the

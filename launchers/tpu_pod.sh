@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One worker of a TPU VM pod slice: run the same command on every worker (`gcloud compute tpus tpu-vm ssh NAME
-# --worker=all --command=...`, see the README). The workers form one JAX program (jax.distributed, detected from the
+# --worker=all --command=...`, see docs/launchers.md). The workers form one JAX program (jax.distributed, detected from the
 # TPU VM's metadata: CISJAX_DISTRIBUTED=1), the mesh spans every chip of the slice, and worker 0 alone talks to the
 # rollout server, a running `cisjax serve` on a GPU host at ROLLOUT.
 #

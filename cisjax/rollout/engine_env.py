@@ -27,7 +27,7 @@ def cpu_build() -> bool:
 
 def defaults() -> dict[str, str]:
     """DEFAULTS, plus VLLM_TARGET_DEVICE=cpu for the CPU build: vLLM takes an importable libtpu for TPU hardware and
-    then refuses to pick between TPU and CPU, and cisjax installs libtpu beside it (cisjax plan's TPU compiler)."""
+    then refuses to pick between TPU and CPU, and a TPU VM (or an environment with the .[tpu] extra) has libtpu."""
     env = dict(DEFAULTS)
     if cpu_build():
         env["VLLM_TARGET_DEVICE"] = "cpu"

