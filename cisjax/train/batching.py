@@ -87,13 +87,7 @@ def build_batch(
     for i, r in enumerate(rows):
         infer[i, mask[i]] = r.logprobs  # q of the response tokens, at the positions that predict them
 
-    # advantages over the real rows, laid out [G, N, T]
-    g = len(groups)
-    kw = {} if advantages is None else advantages.kwargs()
-    rewards_GxN = np.asarray([[r.reward for r in grp] for grp in groups], np.float32)
-    adv_GxNxT = np.asarray(adv_lib.compute_advantages(rewards_GxN, mask[: g * n].reshape(g, n, t), **kw))
-    advantages = np.zeros((total, t), np.float32)
-    advantages[: g * n] = adv_GxNxT.reshape(g * n, t)
+    adv_RxT = _advantages(groups, mask, advantages)
 
     shape = (micro_batches, b, t)
     routing = built.routing_RxTxXxK.reshape(*shape, *built.routing_RxTxXxK.shape[2:]) if replay else None
@@ -105,13 +99,27 @@ def build_batch(
         loss_mask_MxBxT=mask.reshape(shape),
         infer_logprobs_MxBxT=infer.reshape(shape),
         prox_logprobs_MxBxT=np.zeros(shape, np.float32),
-        advantages_MxBxT=advantages.reshape(shape),
+        advantages_MxBxT=adv_RxT.reshape(shape),
         routing_MxBxTxXxK=routing,
     )
     info = dict(
-        rows=len(rows), tokens=int(mask.sum()), length=t, index=[(gi, si) for gi in range(g) for si in range(n)]
+        rows=len(rows),
+        tokens=int(mask.sum()),
+        length=t,
+        index=[(gi, si) for gi in range(len(groups)) for si in range(n)],
     )
     return batch, info
+
+
+def _advantages(groups, mask_RxT, spec: AdvantageSpec | None):
+    """Advantages [R, T] of every row: those of the real rows (groups laid out [G, N, T]), 0 on the padding rows."""
+    g, n, t = len(groups), len(groups[0]), mask_RxT.shape[1]
+    kw = {} if spec is None else spec.kwargs()
+    rewards_GxN = np.asarray([[r.reward for r in grp] for grp in groups], np.float32)
+    adv_GxNxT = np.asarray(adv_lib.compute_advantages(rewards_GxN, mask_RxT[: g * n].reshape(g, n, t), **kw))
+    out = np.zeros(mask_RxT.shape, np.float32)
+    out[: g * n] = adv_GxNxT.reshape(g * n, t)
+    return out
 
 
 def _check_routing(rows: list[Rollout]) -> None:

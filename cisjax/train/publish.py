@@ -302,47 +302,9 @@ class Publisher:
         check = self._replica_check(trainer, version) if due and self.is_writer and self._fleet() else None
         more = {} if check is None else {"check": check}
         t0 = time.perf_counter()
-        if self.mode == "disk":
-            path = export_lib.export(
-                model,
-                self.hf_config,
-                self.root,
-                version,
-                dtype=self.dtype,
-                keep=self.keep,
-                metadata={"source": "publish"},
-            )
-            export_s = time.perf_counter() - t0
-            nbytes = hf_io.HFTensors(model, self.hf_config, self.dtype).nbytes
-            served, error = None, None
-            if self.is_writer:
-                try:
-                    manifest = export_lib.read_manifest(path)
-                    target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
-                    served = self.client.update_weights(
-                        target,
-                        version=version,
-                        checksums={n: f["sha256"] for n, f in manifest["files"].items()},
-                        **more,
-                    )
-                except Exception as e:
-                    error = e
-            reload_s = time.perf_counter() - t0 - export_s
-        else:
-            stream = _TimedTensors(hf_io.HFTensors(model, self.hf_config, self.dtype))
-            served, error = None, None
-            try:
-                if self.is_writer:
-                    try:
-                        served = self.client.update_weights_from_tensors(stream, version=version, **more)
-                    except Exception as e:
-                        error = e
-            finally:
-                if jax.process_count() > 1:
-                    stream.drain()
-            nbytes = stream.tensors.nbytes
-            export_s = stream.produce_s
-            reload_s = time.perf_counter() - t0 - export_s
+        send = self._send_disk if self.mode == "disk" else self._send_stream
+        path, nbytes, export_s, served, error = send(model, version, more)
+        reload_s = time.perf_counter() - t0 - export_s
         if error is None and self.is_writer and served != version:
             error = PublishError(f"the server reports version {served} after publishing version {version}")
         if distributed.agree(int(error is not None)):
@@ -383,6 +345,42 @@ class Publisher:
             f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "",
         )
         return out
+
+    def _send_disk(self, model, version: int, more: dict):
+        """Export as root/vNNNNNN, then UpdateWeights from it: (path, bytes, export seconds, the version the server
+        reports, the error of process 0's call or None)."""
+        t0 = time.perf_counter()
+        path = export_lib.export(
+            model, self.hf_config, self.root, version, dtype=self.dtype, keep=self.keep, metadata={"source": "publish"}
+        )
+        export_s = time.perf_counter() - t0
+        nbytes = hf_io.HFTensors(model, self.hf_config, self.dtype).nbytes
+        served, error = None, None
+        if self.is_writer:
+            try:
+                manifest = export_lib.read_manifest(path)
+                target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
+                checksums = {n: f["sha256"] for n, f in manifest["files"].items()}
+                served = self.client.update_weights(target, version=version, checksums=checksums, **more)
+            except Exception as e:
+                error = e
+        return path, nbytes, export_s, served, error
+
+    def _send_stream(self, model, version: int, more: dict):
+        """The HF tensors streamed to the server, produced lazily: (None, bytes, seconds producing them, the version
+        the server reports, the error of process 0's call or None)."""
+        stream = _TimedTensors(hf_io.HFTensors(model, self.hf_config, self.dtype))
+        served, error = None, None
+        try:
+            if self.is_writer:
+                try:
+                    served = self.client.update_weights_from_tensors(stream, version=version, **more)
+                except Exception as e:
+                    error = e
+        finally:
+            if jax.process_count() > 1:
+                stream.drain()
+        return None, stream.tensors.nbytes, stream.produce_s, served, error
 
     def _fleet(self) -> bool:
         return isinstance(self.client, RolloutFleet)

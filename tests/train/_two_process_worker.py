@@ -27,7 +27,8 @@ def main(port: str, process_id: str, mesh_name: str, out: str) -> int:
     res = steputil.run_steps(steputil.make_cfg(), mesh, steps=2)
     losses = np.array([m["loss"] for m in res["metrics"]])
     grad_norms = np.array([m["grad_norm"] for m in res["metrics"]])
-    np.savez(out, prox=res["prox"], losses=losses, grad_norms=grad_norms, sums=res["sums"])
+    params = steputil.flat_params(res["state"].params)  # collective: the whole params on both processes
+    np.savez(out, prox=res["prox"], losses=losses, grad_norms=grad_norms, sums=res["sums"], params=params)
     jax.distributed.shutdown()
     return 0
 
