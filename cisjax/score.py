@@ -1,5 +1,4 @@
-"""Training-side (XLA) logprobs of given response tokens, packed and sharded: the library of `cisjax score` and of the
-mismatch observatory's XLA side."""
+"""Training-side (XLA) logprobs of given response tokens, packed and sharded: `cisjax score`, the mismatch XLA side."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`cisjax mismatch measure`'s library: sample with the rollout engine, rescore the same tokens on the other engines, one
-measurement per engine pair."""
+"""`cisjax mismatch measure`'s library: sample on vLLM, rescore those tokens on the other engines, write each pair."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The report's figures, one function per figure: CCDFs of |δ| and |ε|, ε and MAD against 1 − p, the p_train–p_infer plane."""
+"""The report's figures, one function each: CCDFs of |δ| and |ε|, ε and MAD against 1 − p, the p_train–p_infer plane."""
 
 from __future__ import annotations
 

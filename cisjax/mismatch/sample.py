@@ -1,4 +1,4 @@
-"""Sampling on the inference engine (q of every token from the sampling step itself, paper C.5) and the probed positions."""
+"""Sampling on the inference engine (q of each token from the sampling step, paper C.5) and the probed positions."""
 
 from __future__ import annotations
 
