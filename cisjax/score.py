@@ -1,17 +1,19 @@
-"""`cisjax score`: training-side (XLA) logprobs of given response tokens, packed and sharded."""
+"""Training-side (XLA) logprobs of given response tokens, packed and sharded: `cisjax score`, the mismatch XLA side."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import flax.nnx as nnx
 import jax
+import ml_collections
 import numpy as np
+from rich.progress import Progress
 
-from cisjax import config as config_lib
-from cisjax import errors, files, forward, runtime, sharding
+from cisjax import errors, forward, runtime, sharding
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 
@@ -46,6 +48,61 @@ def read_items(path: str | Path, vocab_size: int) -> list[rows_lib.Seq]:
                 raise errors.UserError(f"{path}:{n}: 'prompt_ids' is empty (the first response token needs a context)")
             items.append(rows_lib.Seq(ids["prompt_ids"], ids["response_ids"]))
     return items
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """What scoring takes from the config: the mesh and sharding rules, the model runtime (router dtype, MoE dispatch),
+    the logprob chunk and the packing (score.row_tokens, score.rows)."""
+
+    mesh: tuple[tuple[str, int], ...]  # mesh axis -> size (config mesh.*)
+    rules: tuple[tuple[str, object], ...]  # logical name -> mesh axes (config sharding.rules.*)
+    router_dtype: str
+    moe_impl: str
+    moe_tile: int | None  # None: the dispatch's own tile
+    chunk_size: int
+    row_tokens: int  # 0: the longest sequence, rounded up to 128
+    rows: int
+
+    @classmethod
+    def from_config(cls, cfg: ml_collections.ConfigDict) -> ScoreSpec:
+        return cls(
+            mesh=tuple(cfg.mesh.to_dict().items()),
+            rules=tuple(cfg.sharding.rules.to_dict().items()),
+            router_dtype=cfg.model.router_dtype,
+            moe_impl=cfg.model.moe_impl,
+            moe_tile=int(cfg.model.moe_tile) or None,  # as runtime.model_runtime reads it
+            chunk_size=int(cfg.logprobs.chunk_size),
+            row_tokens=int(cfg.score.row_tokens),
+            rows=int(cfg.score.rows),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Loaded:
+    """A model loaded for scoring, with the mesh and rules it is sharded over."""
+
+    model: nnx.Module
+    config: object  # the model's cisjax config (hf_io.model_config): vocab_size, dtype, ...
+    mesh: jax.sharding.Mesh
+    rules: dict
+
+
+def load_for_scoring(model_dir: str | Path, dtype: str, spec: ScoreSpec) -> Loaded:
+    """The HF model in `model_dir` with parameters and compute in `dtype`, sharded over the spec's mesh."""
+    rules = sharding.rules_from_config(dict(spec.rules))
+    mesh = sharding.make_mesh(dict(spec.mesh))
+    model, model_cfg, _ = hf_io.load(
+        model_dir,
+        mesh=mesh,
+        rules=rules,
+        dtype=dtype,
+        param_dtype=dtype,
+        router_dtype=spec.router_dtype,
+        moe_impl=spec.moe_impl,
+        moe_tile=spec.moe_tile,
+    )
+    return Loaded(model, model_cfg, mesh, rules)
 
 
 class Scorer:
@@ -111,6 +168,16 @@ class Scorer:
                     res["prompt_routing"] = np.transpose(expert_ids[:, r, prompt], (1, 0, 2)).tolist()
                 results[i] = res
 
+    def run_timed(self, seqs, prepared) -> tuple[list, float]:
+        """One pass over every prepare()d group: (collect()'s result per sequence, seconds of the calls alone, their
+        outputs on the host). The first pass includes compilation; a later one gives the steady-state throughput."""
+        t0 = time.monotonic()
+        outs = [self.run(rows) for rows in prepared]  # on the host: waits for the device
+        seconds = time.monotonic() - t0
+        results: list = [None] * len(seqs)
+        self.collect(seqs, prepared, outs, results)
+        return results, seconds
+
 
 def score_items(
     model,
@@ -142,8 +209,6 @@ def score_items(
     results: list[dict | None] = [None] * len(items)
     bar = None
     if progress:
-        from rich.progress import Progress
-
         bar = Progress(transient=True)
         bar.start()
         task = bar.add_task("scoring", total=sum(len(rows.where) for rows in prepared))
@@ -156,84 +221,3 @@ def score_items(
         if bar:
             bar.stop()
     return results
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--input", required=True, help='jsonl with {"prompt_ids": [...], "response_ids": [...]} per line')
-    p.add_argument("--output", required=True, help='jsonl written line for line: {"logprobs": [...], ...}')
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        default="bfloat16",
-        help="parameter and compute dtype (default bfloat16, as the rollout engine)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="sampling temperature of the rollouts (default: config logprobs.temperature)",
-    )
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="also write top-k ids/logprobs per token (default: config logprobs.top_k)",
-    )
-    p.add_argument("--entropy", action="store_true", help="also write the per-token entropy")
-    p.add_argument(
-        "--routing",
-        action="store_true",
-        help="also write selected expert ids per MoE layer: 'routing' [token][layer][k] of the passes that produced "
-        "the response tokens, 'prompt_routing' of the prompt's other positions",
-    )
-    p.add_argument(
-        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    cfg = config_lib.load(args.config, overrides or [])
-    if not Path(args.input).is_file():  # before the model loads
-        raise errors.MissingInput(f"--input {args.input}: no such file")
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    mesh = sharding.make_mesh(cfg.mesh.to_dict())
-    model, mcfg, _ = hf_io.load(
-        args.model,
-        mesh=mesh,
-        rules=rules,
-        dtype=args.dtype,
-        param_dtype=args.dtype,
-        router_dtype=cfg.model.router_dtype,
-        moe_impl=cfg.model.moe_impl,
-        moe_tile=cfg.model.moe_tile or None,
-    )
-    items = read_items(args.input, mcfg.vocab_size)
-    top_k = cfg.logprobs.top_k if args.top_k is None else args.top_k
-    temperature = cfg.logprobs.temperature if args.temperature is None else args.temperature
-    if temperature <= 0:
-        raise errors.UserError("--temperature must be > 0 (greedy rollouts: score at temperature 1)")
-    results = score_items(
-        model,
-        items,
-        mesh,
-        rules,
-        temperature=temperature,
-        chunk_size=cfg.logprobs.chunk_size,
-        top_k=top_k,
-        row_tokens=cfg.score.row_tokens,
-        rows_per_call=cfg.score.rows,
-        progress=not args.no_progress,
-    )
-    keys = (
-        ["logprobs"]
-        + (["entropy"] if args.entropy else [])
-        + (["topk_ids", "topk_logprobs"] if top_k else [])
-        + (["routing", "prompt_routing"] if args.routing else [])
-    )
-    files.write_jsonl_atomic(args.output, results, keys)
-    print(
-        f"scored {len(items)} sequences, {sum(len(it.response_ids) for it in items)} response tokens -> {args.output}"
-    )
-    return 0

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from cisjax import cli
+from cisjax import cli, config, rows
+from cisjax import score as score_lib
 from tests.helpers import SERVER_QWEN2_MOE, hf_forward, log_softmax
 
 VOCAB = 97
@@ -157,3 +158,26 @@ def test_score_missing_model(tmp_path, capsys):
         == 2
     )
     assert "config.json" in capsys.readouterr().err
+
+
+def test_score_spec_reads_the_config():
+    """One reading of the config for `cisjax score` and the mismatch observatory: moe_tile 0 means the dispatch's own."""
+    spec = score_lib.ScoreSpec.from_config(config.load(None, ["--config.score.rows=3", "--config.model.moe_tile=0"]))
+    assert spec.rows == 3 and spec.moe_tile is None
+    assert score_lib.ScoreSpec.from_config(config.load(None, ["--config.model.moe_tile=256"])).moe_tile == 256
+
+
+def test_timed_pass_equals_score_items(model_dir):
+    """Scorer.run_timed (the observatory's passes over the same rows) gives score_items' results, and its seconds."""
+    spec = score_lib.ScoreSpec.from_config(config.load(None, ["--config.score.row_tokens=32", "--config.score.rows=2"]))
+    loaded = score_lib.load_for_scoring(model_dir, "float32", spec)
+    assert loaded.config.vocab_size == VOCAB
+    items = [rows.Seq(it["prompt_ids"], it["response_ids"]) for it in _items(seed=3, n=5)]
+    kw = dict(temperature=1.0, chunk_size=spec.chunk_size, row_tokens=spec.row_tokens, rows_per_call=spec.rows)
+    want = score_lib.score_items(loaded.model, items, loaded.mesh, loaded.rules, progress=False, **kw)
+    scorer = score_lib.Scorer(loaded.model, loaded.mesh, loaded.rules, top_k=0, **kw)
+    got, seconds = scorer.run_timed(items, scorer.prepare(items))
+    assert seconds > 0 and len(got) == len(items)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        np.testing.assert_array_equal(a["routing"], b["routing"])

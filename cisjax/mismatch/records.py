@@ -1,4 +1,4 @@
-"""The on-disk layout of one mismatch measurement (one engine pair): what `cisjax mismatch measure` writes and `report` reads.
+"""The on-disk layout of one mismatch measurement (one engine pair): what `mismatch measure` writes and `report` reads.
 
 A measurement directory holds:
   meta.json    {"pair": "xla-vllm", "side_p": "xla/bfloat16", "side_q": "vllm/bfloat16", "model": ..., ...}: free-form

@@ -1,11 +1,20 @@
-"""Statistics of the training-inference mismatch (paper Appendix A, Sections 3-4): numpy over flat per-token arrays."""
+"""Statistics of the training-inference mismatch (paper Appendix A, Sections 3-4): numpy over flat per-token arrays.
+
+One piece, though over 500 lines: every statistic shares the conventions stated below (flat float64 arrays, the
+same validation, bins, quantile, MAD and sd definitions) and the private helpers that implement them (_logprobs,
+_group, _p_bins, _median_mad); split, each part would import the others' private helpers and restate the conventions.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
 
+import jax
 import numpy as np
+
+from cisjax import config as config_lib
+from cisjax.rl import corrections
 
 # Notation (paper Section 2.1 and Appendix A): per sampled token, logp = log p (training engine), logq = log q
 # (inference engine, recorded at the sampling step), log k = logp - logq, eps = logit p - logit q
@@ -29,8 +38,11 @@ NFLIP_EDGES = (0, 1, 2, 4, 7)
 # alpha grid of fig:mgf / Appendix A.7 (E[e^{alpha eps}] and E[((1 - p) e^eps)^alpha]).
 ALPHAS = np.linspace(0.0, 2.0, 21)
 ALPHAS.flags.writeable = False
-# The operators' defaults (configs/base.py correction.*, paper tab:baselines): CIS lambda and kappa, TIS cap C.
-CIS_LAM, CIS_KAPPA, TIS_CAP = 2.3, 5e-3, 2.0
+# The operators' defaults (paper tab:baselines): CIS lambda and kappa, TIS cap C, KPop's threshold phi, as
+# configs/base.py correction.* sets them (that file is their one source).
+_CORRECTION = config_lib.load(None).correction
+CIS_LAM, CIS_KAPPA, TIS_CAP = float(_CORRECTION.lam), float(_CORRECTION.kappa), float(_CORRECTION.cap)
+KPOP_THRESHOLD = float(_CORRECTION.threshold)
 SEQ_METHODS = ("seq_tis", "seq_mis")
 
 
@@ -569,9 +581,6 @@ def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=CIS_LAM, kappa=CIS
 @functools.cache
 def _acted_fn(method, lam, kappa, cap, low, high, threshold):
     """Jitted acted-on flags [1, C] of cisjax.rl.corrections.correction (the training code path itself)."""
-    import jax
-
-    from cisjax.rl import corrections
 
     def acted(lp_1xC, lq_1xC, mask_1xC):
         return corrections.correction(
@@ -592,7 +601,7 @@ def acted_fractions(
     cap=TIS_CAP,
     low=None,
     high=None,
-    threshold=2.0,
+    threshold=KPOP_THRESHOLD,
     chunk_tokens=1 << 20,
 ):
     """Fraction of tokens each operator acts on (tab:train_stats "Acted on", Appendix D.5), from the training code path:
@@ -607,8 +616,6 @@ def acted_fractions(
     sequence operators the per-response sum of the fp32 log k (non-finite -> 0) is formed here in float64 and handed
     to correction() as a one-token row, whose K = exp(clip(sum, -20, 20)) is then the operator's own.
     lam, kappa, cap, low, high (None: the method's default), threshold: as correction()."""
-    from cisjax.rl import corrections
-
     lp, lq = _logprobs(logp, logq)
     n = lp.size
     lengths = None

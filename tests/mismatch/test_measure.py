@@ -12,8 +12,8 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
-from cisjax.mismatch import command, records  # noqa: E402
-from cisjax.train import metrics as metrics_lib  # noqa: E402
+from cisjax.commands import mismatch as command  # noqa: E402
+from cisjax.mismatch import engines, records  # noqa: E402
 from tests.train import looputil  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
@@ -187,51 +187,14 @@ def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
     args = _args(servers, tmp_path / "again", pairs="xla-vllm", num_prompts=1)
     args.server = args.transformers_server = None
     args.perturb, args.perturb_scale, args.perturb_seed = "noise", 0.02, 5
-    from cisjax.mismatch import measure as measure_lib
-
-    path, _ = measure_lib._perturbed_copy(servers["model"], args, tmp_path / "again_model")
+    path, _ = engines.perturbed_copy(
+        servers["model"], tmp_path / "again_model", kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed
+    )
     assert (path / "model.safetensors").read_bytes() == copies[0.02]
     with pytest.raises(Exception, match="drop --server"):
         bad = _args(servers, tmp_path / "bad", pairs="xla-vllm")
         bad.perturb, bad.perturb_scale = "int8", 0.0
         command.run(bad, [])
-
-
-def test_dump_reader(tmp_path, servers):
-    run_dir = tmp_path / "run"
-    rng = np.random.default_rng(0)
-    for step in (2, 4, 6, 8, 10, 12):
-        shape = (3, 10)
-        infer = -rng.exponential(1.0, shape)
-        metrics_lib.write_dump(
-            run_dir,
-            step,
-            infer_logprobs=infer,
-            prox_logprobs=infer + rng.normal(0, 0.01, shape),
-            mask=rng.random(shape) < 0.7,
-            weights=np.ones(shape),
-            acted=np.zeros(shape, bool),
-            token_versions=np.full(shape, step - 1),
-            current_version=step,
-            sample_tokens=8,
-            seed=0,
-        )
-    args = _args(servers, tmp_path / "out", dump=run_dir)
-    args.model = args.prompts = None
-    assert command.run(args, []) == 0
-    m = records.load(tmp_path / "out" / "train-dump")
-    assert (
-        m.meta["pair"] == "train-dump"
-        and m.meta["side_p"] == "xla (proximal)"
-        and m.meta["side_q"] == "vllm (sampling)"
-    )
-    assert m.n_tokens == 6 * 8 and m.meta["staleness_mean"] == 1.0
-    np.testing.assert_array_equal(np.bincount(m.tokens["phase"]), [16, 16, 16])  # steps 2,4 | 6,8 | 10,12
-    assert m.meta["phase_steps"] == {"early": [2, 4], "middle": [6, 8], "late": [10, 12]}
-    z = np.load(run_dir / "dumps" / "step_0000002.npz")
-    np.testing.assert_array_equal(m.tokens["logq"][:8], z["logp_infer"])
-    np.testing.assert_array_equal(m.tokens["logp"][:8], np.minimum(z["logp_prox"], 0))
-    assert m.tokens["seq_id"].max() < 6 * 3
 
 
 def test_bad_inputs_are_named(servers, tmp_path):

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from cisjax import config
 from cisjax.mismatch import stats as S
 
 LN = math.log
@@ -20,6 +21,12 @@ def logq_from_eps(logp, eps):
 def tokens(p, values):
     """(logp, [p] * len(values)) for one probability and several eps / log k values."""
     return np.full(len(values), np.log(p)), np.asarray(values, np.float64)
+
+
+def test_operator_defaults_are_the_base_configs():
+    """configs/base.py is the one source of the operators' defaults; the statistics read them from there."""
+    c = config.load(None).correction
+    assert (S.CIS_LAM, S.CIS_KAPPA, S.TIS_CAP, S.KPOP_THRESHOLD) == (c.lam, c.kappa, c.cap, c.threshold)
 
 
 # ----------------------------------------------------------------------------- eps and the identity

@@ -1,0 +1,89 @@
+"""What `cisjax mismatch measure` measures: the engine pairs it knows and the frozen spec of one measurement run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cisjax import errors
+from cisjax.train import perturb as perturb_lib
+
+# pair -> (side p, side q): p is the training side, q the inference side (records.py). In vllm-transformers the
+# transformers engine is the paper's training engine (Appendix C.5), so it is p whatever the name's order.
+PAIRS = {
+    "xla-vllm": ("xla", "vllm"),
+    "xla-transformers": ("xla", "transformers"),
+    "vllm-transformers": ("transformers", "vllm"),
+    "xla_bf16-xla_fp32": ("xla_bf16", "xla_fp32"),
+    # routing replay: the trainer's forward on vLLM's expert ids of every position (--replay adds it beside xla-vllm)
+    "xla_replay-vllm": ("xla_replay", "vllm"),
+}
+REPLAY_PAIR = "xla_replay-vllm"
+# The XLA sides rescoring in a fixed dtype (the side "xla" rescores in MeasureSpec.dtype).
+XLA_DTYPES = {"xla_bf16": "bfloat16", "xla_fp32": "float32"}
+
+
+def parse_pairs(text: str) -> tuple[str, ...]:
+    """Comma-separated engine pairs, each known, in order and without repeats."""
+    pairs = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in pairs if s not in PAIRS]
+    if unknown or not pairs:
+        raise errors.UserError(f"unknown engine pair(s) {unknown or [text]}; known: {', '.join(PAIRS)}")
+    return tuple(dict.fromkeys(pairs))
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """One measurement run (the flags of `cisjax mismatch measure`, named alike)."""
+
+    out: Path  # one measurement directory per pair (OUT/xla-vllm, ...)
+    model: Path  # the Hugging Face model directory every engine loads
+    prompts: Path  # jsonl of prompts (prompts.PROMPT_FORMATS)
+    pairs: tuple[str, ...] = ("xla-vllm",)
+    kind: str = "dapo_math_17k"  # row layout of problem rows (cisjax.data.KINDS)
+    num_prompts: int = 0  # a seeded random sample of this many prompts (0 = all)
+    n: int = 8  # samples per prompt (temperature 1, top-p 1)
+    max_new_tokens: int = 1024
+    seed: int = 0  # of the sampling, the prompt sample and the probe positions
+    dtype: str = "bfloat16"  # XLA rescoring dtype (float32 is the control)
+    engine_dtype: str = "bfloat16"  # dtype of the servers started here
+    topk: int = 0  # each side's top-K at the probed positions
+    probe_positions: int = 0  # token positions (seeded sample) for topk and routing (0: routing at every token)
+    routing: bool = False  # the routed expert ids of every MoE layer on both sides
+    replay: bool = False  # add the pair xla_replay-vllm (an MoE model)
+    perturb: str = "none"  # controlled mismatch: the engines started here serve a perturbed copy of `model`
+    perturb_scale: float = 0.0
+    perturb_seed: int = 0
+    server: str | None = None  # a running vLLM rollout server HOST:PORT (None: start one as a child)
+    transformers_server: str | None = None  # a running transformers rollout server (None: start one when needed)
+    startup_s: float = 900.0  # seconds a child server may take to start
+    progress: bool = True
+
+    @property
+    def measured_pairs(self) -> tuple[str, ...]:
+        """The pairs, with xla_replay-vllm added by `replay`."""
+        return self.pairs + ((REPLAY_PAIR,) if self.replay and REPLAY_PAIR not in self.pairs else ())
+
+    @property
+    def sides(self) -> set[str]:
+        """The engine sides the pairs need."""
+        return {s for pair in self.measured_pairs for s in PAIRS[pair]}
+
+    def xla_dtype(self, side: str) -> str | None:
+        """The dtype an XLA side rescores in (None: not an XLA side of its own dtype)."""
+        return self.dtype if side == "xla" else XLA_DTYPES.get(side)
+
+
+def check(spec: MeasureSpec) -> dict:
+    """The model's config.json, after the checks of everything the spec alone can get wrong."""
+    if not (spec.model / "config.json").is_file():
+        raise errors.MissingInput(f"--model {spec.model}: not a Hugging Face model directory (no config.json)")
+    if spec.n < 1 or spec.max_new_tokens < 1:
+        raise errors.UserError("--n and --max-new-tokens must be >= 1")
+    if spec.topk and spec.probe_positions <= 0:
+        raise errors.UserError("--topk needs --probe-positions N > 0 (the positions whose top-K both sides report)")
+    perturb_lib.check(spec.perturb, spec.perturb_scale)
+    if spec.perturb != "none" and (spec.server or spec.transformers_server):
+        raise errors.UserError("--perturb serves a perturbed copy from the servers started here: drop --server")
+    return json.loads((spec.model / "config.json").read_text())
