@@ -110,8 +110,15 @@ def replay_side(sampled: Sampled, probes: Probes, spec: MeasureSpec, score_spec:
             raise errors.UserError(f"--replay: the vLLM server returned no routing for sample {i} (an MoE model?)")
         ids = np.concatenate([np.asarray(s.prompt_routing), np.asarray(s.routing)])
         replayed.append(Seq(it.prompt_ids, it.response_ids, routing=ids))
+    # the top-K probes: the truncated sequences, each with the routing of its own positions
+    probe_items = [
+        Seq(
+            it.prompt_ids, it.response_ids, routing=replayed[s].routing[: len(it.prompt_ids) + len(it.response_ids) - 1]
+        )
+        for s, it in zip(probes.seqs, probes.items)
+    ]
     r = scoring.xla_scores(
-        spec.model, spec.dtype, replayed, [], score_spec, top_k=0, twice=False, progress=spec.progress
+        spec.model, spec.dtype, replayed, probe_items, score_spec, top_k=spec.topk, twice=False, progress=spec.progress
     )
     n_tokens, res = sampled.n_tokens, r.results
     logp = flat_logprobs([x["logprobs"] for x in res], n_tokens, f"XLA {spec.dtype} replay")
@@ -122,6 +129,7 @@ def replay_side(sampled: Sampled, probes: Probes, spec: MeasureSpec, score_spec:
     return Side(
         logp,
         f"xla/{spec.dtype} + vLLM routing replayed",
+        topk=probes.topk_at(r.probe) if spec.topk else None,
         routing_LxTxK=own[:, probes.routing_index] if spec.routing else None,
         router_flip_frac=float(np.mean(np.any(np.sort(own, -1) != np.sort(engine, -1), axis=-1))),
         timings={f"xla_replay_{spec.dtype}_score_s": r.score_s[0]},

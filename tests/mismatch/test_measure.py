@@ -154,9 +154,12 @@ def test_replay_pair_rescores_with_the_engines_routing(servers, tmp_path):
     """--replay: a second XLA pass with vLLM's routing of every position replayed, measured as xla_replay-vllm beside
     xla-vllm on the same tokens. All fp32: the replayed forward matches the engine as closely as the plain one (ids
     replayed at the wrong positions or from another sample would move logprobs by far more); the routers' own choice
-    agrees with the engine's almost everywhere."""
+    agrees with the engine's almost everywhere. With --topk, the replayed side reports its top-K at the probes too."""
     out = tmp_path / "out"
-    assert command.run(_args(servers, out, pairs="xla-vllm", dtype="float32", replay=True, routing=True), []) == 0
+    args = _args(
+        servers, out, pairs="xla-vllm", dtype="float32", replay=True, routing=True, topk=TOPK, probe_positions=PROBES
+    )
+    assert command.run(args, []) == 0
     ms = {m.meta["pair"]: m for m in (records.load(d) for d in records.find([out]))}
     assert sorted(ms) == ["xla-vllm", "xla_replay-vllm"]
     plain, replayed = ms["xla-vllm"], ms["xla_replay-vllm"]
@@ -165,6 +168,12 @@ def test_replay_pair_rescores_with_the_engines_routing(servers, tmp_path):
     assert 0.0 <= replayed.meta["router_flip_frac"] < 0.05
     assert np.max(np.abs(replayed.tokens["logp"] - replayed.tokens["logq"])) < 1e-3
     assert replayed.routing["experts_p"].shape == plain.routing["experts_p"].shape
+    # top-K: the same probes, the engine's side identical, the replayed XLA side next to the plain one
+    np.testing.assert_array_equal(replayed.topk["token_index"], plain.topk["token_index"])
+    np.testing.assert_array_equal(replayed.topk["ids_q"], plain.topk["ids_q"])
+    assert replayed.topk["ids_p"].shape == (PROBES, TOPK)
+    assert np.mean(replayed.topk["ids_p"][:, 0] == replayed.topk["ids_q"][:, 0]) >= 0.95
+    np.testing.assert_allclose(replayed.topk["logp_p"][:, 0], replayed.topk["logp_q"][:, 0], atol=1e-3)
 
 
 def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
