@@ -279,32 +279,10 @@ def correction(
     return Correction(w_BxT, acted_BxT, metrics)
 
 
-def correction_weights(
-    method: str,
-    train_logprobs,
-    infer_logprobs,
-    mask,
-    *,
-    lam: float,
-    kappa: float,
-    cap: float,
-    threshold: float,
-    low: float | None = None,
-    high: float | None = None,
-) -> tuple[jax.Array, dict]:
-    """(weights [B, T] fp32 stop-gradient, metrics) of the operator `method`; see correction() for the semantics."""
-    out = correction(
-        method,
-        train_logprobs,
-        infer_logprobs,
-        mask,
-        lam=lam,
-        kappa=kappa,
-        cap=cap,
-        low=low,
-        high=high,
-        threshold=threshold,
-    )
+def correction_weights(method: str, train_logprobs, infer_logprobs, mask, **hparams) -> tuple[jax.Array, dict]:
+    """(weights [B, T] fp32 stop-gradient, metrics) of the operator `method`; `hparams` and the semantics are
+    correction()'s."""
+    out = correction(method, train_logprobs, infer_logprobs, mask, **hparams)
     return out.weights_BxT, out.metrics
 
 

@@ -33,6 +33,10 @@ class StepSpec:
     optim: optim.OptimSpec
     loss_scale: float = 1.0  # fp16 precision's static loss scale (train.loss_scale); 1 in the other precisions
 
+    def forward_kwargs(self) -> dict:
+        """The step's forward (forward.make_forward / make_batch_logprobs): precision, temperature, chunking."""
+        return dict(precision=self.runtime.precision, temperature=self.temperature, chunk_size=self.chunk_size)
+
 
 @dataclass
 class TrainStep:
@@ -50,14 +54,7 @@ def make_rescore(graphdef, spec: StepSpec, mesh, rules, params_shardings=None, f
     precision, temperature and chunking, the batch's routing replayed; forward.make_batch_logprobs); with `flips`,
     `(logprobs_MxBxT, forward.Flips)`: where the routers' own choice differs from the replayed routing."""
     return forward.make_batch_logprobs(
-        graphdef,
-        mesh,
-        rules,
-        precision=spec.runtime.precision,
-        temperature=spec.temperature,
-        chunk_size=spec.chunk_size,
-        params_shardings=params_shardings,
-        flips=flips,
+        graphdef, mesh, rules, params_shardings=params_shardings, flips=flips, **spec.forward_kwargs()
     )
 
 
@@ -68,14 +65,7 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
     and tokens over valid tokens, corr and loss_metrics dicts."""
     method, corr_kw, loss_kw = spec.correction.method, spec.correction.hparams(), spec.loss.kwargs()
     scale = float(spec.loss_scale)
-    fwd = forward.make_forward(
-        graphdef,
-        mesh,
-        rules,
-        precision=spec.runtime.precision,
-        temperature=spec.temperature,
-        chunk_size=spec.chunk_size,
-    )
+    fwd = forward.make_forward(graphdef, mesh, rules, **spec.forward_kwargs())
 
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
