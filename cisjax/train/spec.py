@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class RolloutSpec:
     token: str | None  # rollout.token, else $CISJAX_ROLLOUT_TOKEN, else None
     backend: str
     dtype: str
-    kv_cache_gib: float  # 0 = the backend default
+    kv_cache_gib: int | float  # 0 = the backend default; as configured (the engine takes whole GiB)
     group_size: int
     temperature: float
     top_p: float
@@ -126,158 +127,70 @@ class TrainSpec:
 def from_config(cfg) -> TrainSpec:
     """The TrainSpec of a ConfigDict whose fields train.validate has checked (call validate.check, which calls
     this)."""
+    m = cfg.model
     runtime = runtime_lib.make_runtime(
         cfg.train.precision,
         method=cfg.correction.method,
-        dtype=cfg.model.dtype,
-        param_dtype=cfg.model.param_dtype,
-        router_dtype=cfg.model.router_dtype,
-        moe_impl=cfg.model.moe_impl,
-        moe_tile=int(cfg.model.moe_tile),
-        remat=cfg.model.remat,
-        scan_layers=bool(cfg.model.scan_layers),
+        **{k: m[k] for k in ("dtype", "param_dtype", "router_dtype", "moe_impl", "moe_tile", "remat", "scan_layers")},
     )
-    tokenizer = str(cfg.data.tokenizer or cfg.model.path)
-    perturb = Perturbation(
-        kind=str(cfg.rollout.perturb), scale=float(cfg.rollout.perturb_scale), seed=int(cfg.rollout.perturb_seed)
-    )
+    tokenizer = str(cfg.data.tokenizer or m.path)
+    r = cfg.rollout
+    perturb = Perturbation(kind=str(r.perturb), scale=float(r.perturb_scale), seed=int(r.perturb_seed))
     step = StepSpec(
         runtime=runtime,
         temperature=float(cfg.logprobs.temperature),
         chunk_size=int(cfg.logprobs.chunk_size),
-        correction=_correction(cfg.correction),
-        loss=LossSpec(
-            aggregation=cfg.loss.aggregation,
-            clip_low=float(cfg.loss.clip_low),
-            clip_high=float(cfg.loss.clip_high),
-            gspo=cfg.correction.method == "gspo",
-            gspo_clip_low=float(cfg.loss.gspo_clip_low),
-            gspo_clip_high=float(cfg.loss.gspo_clip_high),
-        ),
-        optim=_optim(cfg.train),
+        correction=section(CorrectionSpec, cfg.correction),
+        loss=section(LossSpec, cfg.loss, gspo=cfg.correction.method == "gspo"),
+        optim=section(OptimSpec, cfg.train),
         loss_scale=float(cfg.train.loss_scale) if runtime.precision == "fp16" else 1.0,
     )
+    canary = section(CanarySpec, cfg.publish.canary, seed=int(cfg.seed))
     return TrainSpec(
         seed=int(cfg.seed),
-        model_path=str(cfg.model.path),
+        model_path=str(m.path),
         tokenizer=tokenizer,
         runtime=runtime,
         mesh=tuple(cfg.mesh.to_dict().items()),
         rules=sharding.freeze(sharding.rules_from_config(cfg.sharding.rules.to_dict())),
         replay=cfg.routing.replay == "rollout",
         step=step,
-        advantages=AdvantageSpec(**{k: cfg.advantages[k] for k in AdvantageSpec.__dataclass_fields__}),
+        advantages=section(AdvantageSpec, cfg.advantages),
         micro_batches=int(cfg.train.micro_batches),
         length_multiple=int(cfg.train.length_multiple),
-        publish=_publish(cfg, runtime, perturb),
-        rollout=_rollout(cfg.rollout),
+        publish=section(
+            PublishSpec,
+            cfg.publish,
+            dtype=cfg.publish.dtype or None,
+            canary=canary,
+            precision=runtime.precision,
+            chunk_size=int(cfg.logprobs.chunk_size),
+            perturb=perturb,
+        ),
+        # the token: rollout.token, else $CISJAX_ROLLOUT_TOKEN
+        rollout=section(RolloutSpec, r, token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None),
         perturb=perturb,
-        data=DataSpec(**{k: cfg.data[k] for k in DataSpec.__dataclass_fields__}),
-        run=RunSpec(
-            dir=str(cfg.run.dir),
-            steps=int(cfg.run.steps),
-            dump_every=int(cfg.run.dump_every),
-            dump_tokens=int(cfg.run.dump_tokens),
-            tensorboard=bool(cfg.run.tensorboard),
-            progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on",
-            print_every=int(cfg.run.print_every),
-        ),
-        checkpoint=CheckpointSpec(
-            dir=str(cfg.checkpoint.dir), every=int(cfg.checkpoint.every), keep=int(cfg.checkpoint.keep)
-        ),
-        reward=RewardSpec(workers=int(cfg.reward.workers), timeout_s=float(cfg.reward.timeout_s)),
-        eval=_eval(cfg, tokenizer) if cfg.eval.sets else None,
+        data=section(DataSpec, cfg.data),
+        run=section(RunSpec, cfg.run, progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on"),
+        checkpoint=section(CheckpointSpec, cfg.checkpoint),
+        reward=section(RewardSpec, cfg.reward),
+        eval=section(
+            EvalSpec, cfg.eval, tokenizer=tokenizer, **{k: cfg.data[k] for k in ("instruction", "chat_template")}
+        )
+        if cfg.eval.sets
+        else None,
     )
 
 
-def _correction(c) -> CorrectionSpec:
-    bound = lambda x: None if x is None else float(x)  # noqa: E731  (None = the method's default; 0 is a bound)
-    return CorrectionSpec(
-        method=c.method,
-        lam=float(c.lam),
-        kappa=float(c.kappa),
-        cap=float(c.cap),
-        threshold=float(c.threshold),
-        low=bound(c.low),
-        high=bound(c.high),
-    )
+_TYPES = {"float": float, "int": int, "bool": bool, "str": str}
 
 
-def _optim(t) -> OptimSpec:
-    return OptimSpec(
-        lr=float(t.lr),
-        weight_decay=float(t.weight_decay),
-        b1=float(t.b1),
-        b2=float(t.b2),
-        eps=float(t.eps),
-        grad_clip=float(t.grad_clip),
-        schedule=t.schedule,
-        warmup_steps=int(t.warmup_steps),
-        total_steps=int(t.total_steps),
-        final_lr_ratio=float(t.final_lr_ratio),
-    )
-
-
-def _publish(cfg, runtime: runtime_lib.Runtime, perturb: Perturbation) -> PublishSpec:
-    p, c = cfg.publish, cfg.publish.canary
-    return PublishSpec(
-        mode=p.mode,
-        dir=str(p.dir),
-        server_dir=str(p.server_dir),
-        dtype=p.dtype or None,
-        keep=int(p.keep),
-        canary=CanarySpec(
-            every=int(c.every),
-            num_sequences=int(c.num_sequences),
-            prompt_len=int(c.prompt_len),
-            response_len=int(c.response_len),
-            mean_abs=float(c.mean_abs),
-            max_abs=float(c.max_abs),
-            seed=int(cfg.seed),
-        ),
-        precision=runtime.precision,
-        chunk_size=int(cfg.logprobs.chunk_size),
-        perturb=perturb,
-    )
-
-
-def _rollout(r) -> RolloutSpec:
-    return RolloutSpec(
-        server=str(r.server),
-        replicas=int(r.replicas),
-        replica_cpus=str(r.replica_cpus),
-        replica_gpus=str(r.replica_gpus),
-        token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None,
-        backend=r.backend,
-        dtype=r.dtype,
-        kv_cache_gib=r.kv_cache_gib,  # as configured: the engine takes an integer GiB count
-        group_size=int(r.group_size),
-        temperature=float(r.temperature),
-        top_p=float(r.top_p),
-        top_k=int(r.top_k),
-        max_new_tokens=int(r.max_new_tokens),
-        max_staleness=int(r.max_staleness),
-        seed=int(r.seed),
-        timeout_s=float(r.timeout_s),
-        retry_s=float(r.retry_s),
-        startup_s=float(r.startup_s),
-        lag=int(r.lag),
-    )
-
-
-def _eval(cfg, tokenizer: str) -> EvalSpec:
-    e = cfg.eval
-    return EvalSpec(
-        sets=str(e.sets),
-        data=str(e.data),
-        every=int(e.every),
-        final=bool(e.final),
-        limit=int(e.limit),
-        max_new_tokens=int(e.max_new_tokens),
-        prompt=e.prompt,
-        grade_workers=int(e.grade_workers),
-        grade_timeout_s=float(e.grade_timeout_s),
-        tokenizer=tokenizer,
-        instruction=cfg.data.instruction,
-        chat_template=bool(cfg.data.chat_template),
-    )
+def section(cls, node, **given):
+    """The frozen dataclass `cls` of a config section: each field from the section's field of the same name (as the
+    field's declared type when that is float, int, bool or str), or from `given`."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            kind = _TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+            values[f.name] = node[f.name] if kind is None else kind(node[f.name])
+    return cls(**values)

@@ -64,6 +64,9 @@ def test_derived_fields():
     )
     assert s.perturb.on and s.publish.perturb == s.perturb and (s.perturb.kind, s.perturb.scale) == ("noise", 0.05)
     assert s.replay
+    s = _spec("--config.rollout.kv_cache_gib=2", "--config.train.lr=1")
+    assert s.rollout.kv_cache_gib == 2 and isinstance(s.rollout.kv_cache_gib, int)  # vLLM takes whole GiB
+    assert s.step.optim.lr == 1.0 and isinstance(s.step.optim.lr, float)  # a float field of the spec is a float
 
 
 def test_rollout_token_from_the_environment(monkeypatch):
