@@ -9,7 +9,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from cisjax import config as config_lib
 from cisjax import errors
+from cisjax.bench import harness
+from cisjax.train import loop
 
 TARGET = 1.2  # async step time / max(rollout time, train time) once warmed up
 
@@ -31,7 +34,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--staleness", type=int, default=1, help="rollout.max_staleness of the async mode (default: %(default)s)"
     )
     parser.add_argument("--dir", default=None, help="run directories go here (default: a temporary directory, removed)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    harness.add_json(parser)
 
 
 def phase_times(rows: list[dict]) -> dict:
@@ -70,9 +73,6 @@ def summarize(sync: dict, async_: dict) -> dict:
 
 
 def run(args, overrides=()) -> int:
-    from cisjax import config as config_lib
-    from cisjax.train import loop
-
     if args.steps <= args.skip:
         raise errors.UserError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
     if args.staleness < 1:
@@ -117,6 +117,5 @@ def run(args, overrides=()) -> int:
         f"against the sync run's uncontended phases {a['step_s']:.2f} / {res['bound_sync_s']:.2f} = "
         f"{res['async_over_sync_bound']:.2f}; async / sync = {res['async_over_sync']:.2f}"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    harness.write_json(args.json, res)
     return 0

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
 from cisjax import errors
+from cisjax.bench import harness
+from cisjax.models import moe
 
 TARGET_RATIO = 2.0  # default impl's MoE time / dense MLP time
 # ExKxF: Mixtral-like top-2 of 8, and Qwen1.5-MoE-A2.7B (hidden 2048, 60 experts of width 1408,
@@ -43,14 +46,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16"),
         help="activation and weight dtype, MoE and dense alike (default: %(default)s)",
     )
-    parser.add_argument(
-        "--repeats", type=int, default=9, help="timed calls per candidate, interleaved (default: %(default)s)"
-    )
+    harness.add_repeats(parser, 9, "timed calls per candidate, interleaved")
     parser.add_argument(
         "--slow-repeats", type=int, default=2, help="timed calls for the E/k-fold impls (default: %(default)s)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    harness.add_seed(parser)
+    harness.add_json(parser)
 
 
 def parse_shape(spec: str) -> tuple[int, int, int]:
@@ -66,11 +67,6 @@ def parse_shape(spec: str) -> tuple[int, int, int]:
 def _candidates(e: int, k: int, f: int, n: int, d: int, dtype, impls, tile, seed: int) -> dict:
     """name -> (jitted fwd+bwd, args). Loss = <y, fixed random cotangent>; MoE grads w.r.t. x, router
     and expert weights, routing (fp32 router, softmax top-k) inside; dense grads w.r.t. x and its weights."""
-    import jax
-    import jax.numpy as jnp
-
-    from cisjax.models import moe
-
     keys = iter(jax.random.split(jax.random.key(seed), 10))
 
     def normal(shape, fan_in, dt=dtype):
@@ -109,11 +105,6 @@ def _candidates(e: int, k: int, f: int, n: int, d: int, dtype, impls, tile, seed
 
 
 def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow_repeats, seed) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from cisjax.models import moe
-
     cpu = jax.default_backend() == "cpu"
     resolved = {impl: moe.default_impl() if impl == "auto" else impl for impl in impls}
     # off GPU "triton" runs in Pallas's interpreter: a test path, not a timing
@@ -130,38 +121,25 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
         first_call_s[name] = time.perf_counter() - t0
         cands[name] = (compiled, args)
 
-    wall = {name: [] for name in cands}
-    cpu_s = {name: [] for name in cands}
-    for i in range(repeats):  # interleaved, so that load drift on a shared machine hits every candidate alike
-        for name, (fn, args) in cands.items():
-            if name.startswith("moe_") and name[4:] in slow and i >= slow_repeats:
-                continue
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*args))
-            wall[name].append(time.perf_counter() - t0)
-            cpu_s[name].append(time.process_time() - c0)
-
-    base, base_min, base_cpu = (
-        statistics.median(wall["dense_mlp"]),
-        min(wall["dense_mlp"]),
-        statistics.median(cpu_s["dense_mlp"]),
-    )
-    rows = []
-    for name in cands:
-        med = statistics.median(wall[name])
-        rows.append(
-            dict(
-                candidate=name,
-                impl=resolved.get(name[4:], name),
-                ms=med * 1e3,
-                min_ms=min(wall[name]) * 1e3,
-                ratio=med / base,
-                ratio_min=min(wall[name]) / base_min,
-                cpu_ratio=statistics.median(cpu_s[name]) / base_cpu,
-                repeats=len(wall[name]),
-                first_call_s=first_call_s[name],
-            )
+    calls = {name: (lambda fn=fn, args=args: jax.block_until_ready(fn(*args))) for name, (fn, args) in cands.items()}
+    slow_calls = {name: slow_repeats for name in cands if name.startswith("moe_") and name[4:] in slow}
+    times = harness.interleave(calls, repeats, cpu_clock=time.process_time, limit=slow_calls)
+    base, base_min = times.median("dense_mlp"), times.min("dense_mlp")
+    base_cpu = harness.median(times.cpu_s["dense_mlp"])
+    rows = [
+        dict(
+            candidate=name,
+            impl=resolved.get(name[4:], name),
+            ms=times.median(name) * 1e3,
+            min_ms=times.min(name) * 1e3,
+            ratio=times.median(name) / base,
+            ratio_min=times.min(name) / base_min,
+            cpu_ratio=harness.median(times.cpu_s[name]) / base_cpu,
+            repeats=len(times.wall_s[name]),
+            first_call_s=first_call_s[name],
         )
+        for name in cands
+    ]
     rows += [
         dict(
             candidate=f"moe_{impl}",
@@ -188,17 +166,12 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
 
 
 def _print(res: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     title = (
         f"E={res['E']} k={res['k']} F={res['F']}, N={res['N']} D={res['D']} {res['dtype']}, "
         f"dense MLP width {res['dense_width']}, tiles {','.join(map(str, res['tile']))}"
     )
     notes = ["fwd+bwd of <y, ct>; ratio: median / dense_mlp median (min: min / min, cpu: process CPU time)"]
-    table = Table(title=title, caption_justify="left")
-    for col in ("candidate", "ms", "min ms", "ratio", "min", "cpu", "n", "1st s"):
-        table.add_column(col, justify="left" if col == "candidate" else "right")
+    cells = []
     for row in res["rows"]:
         name = row["candidate"].removeprefix("moe_")
         if "skipped" in row:
@@ -208,25 +181,23 @@ def _print(res: dict) -> None:
         if row["candidate"].startswith("moe_") and row["impl"] == res["default_impl"]:
             name += " (default)"
             ratio = f"[{'green' if row['ratio'] <= TARGET_RATIO else 'red'}]{ratio}[/]"
-        table.add_row(
-            name,
-            f"{row['ms']:.1f}",
-            f"{row['min_ms']:.1f}",
-            ratio,
-            f"{row['ratio_min']:.2f}x",
-            f"{row['cpu_ratio']:.2f}x",
-            str(row["repeats"]),
-            f"{row['first_call_s']:.1f}",
+        cells.append(
+            (
+                name,
+                f"{row['ms']:.1f}",
+                f"{row['min_ms']:.1f}",
+                ratio,
+                f"{row['ratio_min']:.2f}x",
+                f"{row['cpu_ratio']:.2f}x",
+                str(row["repeats"]),
+                f"{row['first_call_s']:.1f}",
+            )
         )
-    table.caption = "\n".join(notes)
-    Console().print(table)
+    columns = ("candidate", "ms", "min ms", "ratio", "min", "cpu", "n", "1st s")
+    harness.console().print(harness.table(title, columns, cells, "\n".join(notes)))
 
 
 def run(args, overrides=()) -> int:
-    import jax
-
-    from cisjax.models import moe
-
     shapes = [parse_shape(s) for s in args.shapes]
     impls = args.impls or [i for i in moe.IMPLS if i != "auto"]
     for impl in impls:
@@ -257,28 +228,12 @@ def run(args, overrides=()) -> int:
         f"default impl {moe.default_impl()!r} vs dense MLP (target <= {TARGET_RATIO:g}x): {', '.join(verdicts)} -> "
         f"{'target met' if met else 'TARGET MISSED'}"
     )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                dict(
-                    bench="moe",
-                    backend=jax.default_backend(),
-                    device=str(jax.devices()[0]),
-                    target_ratio=TARGET_RATIO,
-                    repeats=args.repeats,
-                    shapes=results,
-                ),
-                fh,
-                indent=2,
-            )
+    device = dict(backend=jax.default_backend(), device=str(jax.devices()[0]))
+    harness.write_json(
+        args.json, dict(bench="moe", **device, target_ratio=TARGET_RATIO, repeats=args.repeats, shapes=results)
+    )
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cisjax.bench.moe", description=__doc__)
-    add_args(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(harness.main("moe", add_args, run))

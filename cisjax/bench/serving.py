@@ -20,34 +20,13 @@ def engine_env(kv_cache_gib: float | None = None) -> dict:
 
 
 class Server(launch.ChildServer):
-    """A rollout server subprocess on 127.0.0.1 (no token). Waits until it serves unless `wait=False` (then call
-    `wait()`, e.g. after other start-up work done meanwhile). `start_s`: from spawn to SERVING."""
+    """A rollout server subprocess on 127.0.0.1 (no token; launch.ChildServer's keyword arguments: dtype, log_path,
+    export_root, env, extra_args). Waits until it serves unless `wait=False` (then call `wait()`, e.g. after other
+    start-up work done meanwhile). `start_s`: from spawn to SERVING."""
 
-    def __init__(
-        self,
-        backend: str,
-        model_dir,
-        *,
-        dtype: str,
-        log_path,
-        export_root=None,
-        env: dict | None = None,
-        timeout_s: float = 600.0,
-        wait: bool = True,
-        extra_args: tuple = (),
-    ):
+    def __init__(self, backend: str, model_dir, *, timeout_s: float = 600.0, wait: bool = True, **child):
         self._t0 = time.monotonic()
-        super().__init__(
-            backend=backend,
-            model_dir=model_dir,
-            dtype=dtype,
-            log_path=log_path,
-            export_root=export_root,
-            env=env,
-            startup_s=timeout_s,
-            grace_s=5.0,
-            extra_args=extra_args,
-        )
+        super().__init__(backend=backend, model_dir=model_dir, startup_s=timeout_s, grace_s=5.0, **child)
         self.timeout_s = timeout_s
         self.start_s = None
         if wait:
@@ -66,3 +45,9 @@ class Server(launch.ChildServer):
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (graceful), SIGKILL after `timeout_s`; the exit code."""
         return super().stop(timeout_s)
+
+
+def print_logs(servers: dict[str, Server]) -> None:
+    """Each server's log tail, headed '--- <name> server log (tail):' (a bench that failed prints them)."""
+    for name, server in servers.items():
+        print(f"--- {name} server log (tail):\n{server.log_tail()}", flush=True)

@@ -3,45 +3,58 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+import transformers
 
 
-def add_args(
-    group: argparse._ActionsContainer,
-    *,
-    hidden: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    experts: int,
-    top_k: int,
-    moe_intermediate: int,
-    shared_intermediate: int,
-    vocab: int,
-) -> None:
+@dataclass(frozen=True)
+class Sizes:
+    """A bench's defaults for the model flags, in this order."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    shared_intermediate: int
+    vocab: int
+
+
+# the flags of the model's sizes that must be positive
+SIZE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "experts", "top_k", "vocab")
+
+
+def add_args(group: argparse._ActionsContainer, sizes: Sizes) -> None:
     """The model flags, with this bench's defaults."""
-    group.add_argument("--hidden", type=int, default=hidden, help="model width (default: %(default)s)")
-    group.add_argument("--layers", type=int, default=layers, help="decoder layers, all MoE (default: %(default)s)")
-    group.add_argument("--heads", type=int, default=heads, help="attention heads (default: %(default)s)")
-    group.add_argument("--kv-heads", type=int, default=kv_heads, help="key/value heads (default: %(default)s)")
-    group.add_argument("--experts", type=int, default=experts, help="routed experts (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=top_k, help="experts per token (default: %(default)s)")
+    group.add_argument("--hidden", type=int, default=sizes.hidden, help="model width (default: %(default)s)")
     group.add_argument(
-        "--moe-intermediate", type=int, default=moe_intermediate, help="routed expert width (default: %(default)s)"
+        "--layers", type=int, default=sizes.layers, help="decoder layers, all MoE (default: %(default)s)"
+    )
+    group.add_argument("--heads", type=int, default=sizes.heads, help="attention heads (default: %(default)s)")
+    group.add_argument("--kv-heads", type=int, default=sizes.kv_heads, help="key/value heads (default: %(default)s)")
+    group.add_argument("--experts", type=int, default=sizes.experts, help="routed experts (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=sizes.top_k, help="experts per token (default: %(default)s)")
+    group.add_argument(
+        "--moe-intermediate",
+        type=int,
+        default=sizes.moe_intermediate,
+        help="routed expert width (default: %(default)s)",
     )
     group.add_argument(
         "--shared-intermediate",
         type=int,
-        default=shared_intermediate,
+        default=sizes.shared_intermediate,
         help="shared expert width (default: %(default)s)",
     )
-    group.add_argument("--vocab", type=int, default=vocab, help="vocabulary (default: %(default)s)")
+    group.add_argument("--vocab", type=int, default=sizes.vocab, help="vocabulary (default: %(default)s)")
 
 
 def hf_config(args: argparse.Namespace, *, max_positions: int) -> dict:
     """transformers' Qwen2MoeConfig of the flags as a config.json dict. Every layer is MoE, so intermediate_size (the
     dense MLP's width) is never used; it is set to the shared expert's."""
-    import transformers
-
     cfg = transformers.Qwen2MoeConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -66,8 +79,7 @@ def hf_config(args: argparse.Namespace, *, max_positions: int) -> dict:
 
 def save_random(args: argparse.Namespace, path, *, max_positions: int, dtype: str = "float32") -> dict:
     """Random weights (torch seeded with args.seed) saved by transformers in `dtype` to `path`; returns the config."""
-    import torch
-    import transformers
+    import torch  # lazy: torch
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
