@@ -1,4 +1,7 @@
-"""HF directory <-> cisjax model: family registry, streamed sharded loading, streamed saving."""
+"""HF directory <-> cisjax model: family registry, streamed sharded loading, streamed saving.
+
+One piece, though over 500 lines: loading and saving walk the same rows (`resolve_rows`: HF tensor name <-> parameter
+path and slice, per-expert and fused layouts) in opposite directions, which keeps each the exact inverse of the other."""
 
 from __future__ import annotations
 

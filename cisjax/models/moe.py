@@ -1,4 +1,7 @@
-"""Mixture-of-Experts: fp32 router (softmax top-k, group-limited), dropless exact dispatch, experts."""
+"""Mixture-of-Experts: fp32 router (softmax top-k, group-limited), dropless exact dispatch, experts.
+
+One piece for now, though over 500 lines: the routing, the dispatch kernels and expert parallelism are to move into a
+`models/moe/` package with the GPU kernels' rework (grouped matmuls per platform), which changes them all at once."""
 
 from __future__ import annotations
 
