@@ -78,6 +78,14 @@ def _abort(context, err: RequestError):
     context.abort(err.code, str(err))
 
 
+def _checked(context, check, request, backend: Backend):
+    """check(request, backend) (backend.check_generate, check_score); its RequestError ends the call with its status."""
+    try:
+        return check(request, backend)
+    except RequestError as err:
+        _abort(context, err)
+
+
 class RolloutServicer:
     """rollout.proto's Rollout service over a Backend: requests checked, work handed to the engine, results streamed."""
 
@@ -92,10 +100,7 @@ class RolloutServicer:
     def Generate(self, request, context):
         arrived = time.monotonic()
         b = self.backend
-        try:
-            params, prompts = check_generate(request, b)
-        except RequestError as err:
-            _abort(context, err)
+        params, prompts = _checked(context, check_generate, request, b)
         # every prompt goes to the engine at once (it batches them with other calls' work); samples
         # stream back as each prompt finishes
         pending = {
@@ -135,10 +140,7 @@ class RolloutServicer:
     # Score ------------------------------------------------------------------
     def Score(self, request, context):
         b = self.backend
-        try:
-            temperature, seqs = check_score(request, b)
-        except RequestError as err:
-            _abort(context, err)
+        temperature, seqs = _checked(context, check_score, request, b)
         pending = {
             b.submit_score(p, r, temperature, request.logprobs, request.return_routing): i
             for i, (p, r) in enumerate(seqs)
