@@ -9,7 +9,7 @@ import pytest
 
 from cisjax import errors
 from cisjax.commands import serve
-from cisjax.rollout import backend
+from cisjax.rollout import backend, vllm_platform
 
 
 def test_device_is_a_vllm_option(capsys):
@@ -21,13 +21,11 @@ def test_device_is_a_vllm_option(capsys):
 def test_vllm_platform_is_checked():
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
-    from cisjax.rollout import vllm_backend
-
-    here = vllm_backend.platform_name()
-    assert vllm_backend.check_device("auto") == here == vllm_backend.check_device(here)
+    here = vllm_platform.platform_name()
+    assert vllm_platform.check_device("auto") == here == vllm_platform.check_device(here)
     other = "tpu" if here != "tpu" else "cpu"
     with pytest.raises(errors.UserError, match=f"--device {other}: vLLM runs on {here} here"):
-        vllm_backend.check_device(other)
+        vllm_platform.check_device(other)
 
 
 def test_bad_cpus_are_refused(capsys, tmp_path):
