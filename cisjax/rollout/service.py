@@ -18,33 +18,10 @@ class EmbeddedServer(launch.ChildServer):
     """The trainer's rollout server child (launch.ChildServer) on 127.0.0.1, its output in `log_path`, restarted by a
     watchdog when it exits unexpectedly; the client's retries reconnect and re-send the current weights."""
 
-    def __init__(
-        self,
-        *,
-        backend: str,
-        model_dir: str,
-        export_root: str,
-        dtype: str,
-        log_path,
-        env: dict | None = None,
-        port: int = 0,
-        startup_s: float = 600.0,
-        grace_s: float = 10.0,
-        extra_args: tuple = (),
-    ):
-        super().__init__(
-            backend=backend,
-            model_dir=model_dir,
-            dtype=dtype,
-            log_path=log_path,
-            export_root=export_root,
-            env=env,
-            port=port,
-            startup_s=startup_s,
-            grace_s=grace_s,
-            extra_args=extra_args,
-            restart=True,
-        )
+    def __init__(self, *, export_root, **child):
+        """launch.ChildServer's keyword arguments (backend, model_dir, dtype, log_path, env, port, startup_s, grace_s,
+        extra_args); the export root is required (where the trainer publishes)."""
+        super().__init__(export_root=export_root, restart=True, **child)
 
 
 class EmbeddedServers:
