@@ -1,3 +1,138 @@
-"""`cisjax serve`: the rollout gRPC server (token ids in/out) over an inference engine backend."""
+"""`cisjax serve`: the rollout gRPC server over an inference engine (also `python -m cisjax.rollout.server`)."""
 
-from cisjax.rollout.server import add_args, run  # noqa: F401  (moving here from cisjax.rollout.server)
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from cisjax import console, errors
+from cisjax.rollout import placement
+from cisjax.rollout import server as server_lib
+
+log = logging.getLogger("cisjax.serve")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        choices=sorted(server_lib.BACKENDS),
+        default="transformers",
+        help="inference engine (default transformers, the torch reference)",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--port", type=int, required=True, help="port to listen on (0 = any free port, printed)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; anything else requires --token)"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="engine dtype (default bfloat16)"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("CISJAX_ROLLOUT_TOKEN"),
+        help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)",
+    )
+    p.add_argument(
+        "--export-root",
+        default=None,
+        help="UpdateWeights may only load directories under this one (unset: directory updates disabled)",
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop (as on SIGTERM) when the process that started this one exits, even SIGKILLed: what "
+        "`cisjax train` asks of its embedded server, which runs in its own session",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="vllm: context length (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the engine shards the model over (default 1)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)",
+    )
+    p.add_argument(
+        "--device",
+        choices=server_lib.DEVICES,
+        default="auto",
+        help="vllm: the platform the engine must run on: cpu (vLLM's CPU build), cuda, tpu (vllm-tpu, the tpu-inference "
+        "backend; untested); auto = what vLLM detects (default auto)",
+    )
+    p.add_argument(
+        "--cpus",
+        default="",
+        help="hold the server (engine threads included) to these cores, e.g. 0-3 or 0,2 (default: unrestricted); "
+        "`cisjax train` pins its embedded replicas this way (rollout.replica_cpus)",
+    )
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The chosen engine's own options (vllm's); UserError when they are given to another engine."""
+    if args.backend == "vllm":
+        if args.device == "cpu":  # vLLM picks its platform when imported
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        return dict(
+            max_model_len=args.max_model_len or None,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization or None,
+            device=args.device,
+        )
+    if args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len or args.device != "auto":
+        raise errors.UserError(
+            "--max-model-len, --tensor-parallel-size, --gpu-memory-utilization and --device are vllm options"
+        )
+    return {}
+
+
+def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+    """Check the flags, pin the cores, start the engine and the server; serve until a signal (or the parent's exit)."""
+    console.setup()
+    if overrides:
+        raise errors.UserError(f"cisjax serve takes no --config overrides: {overrides}")
+    if args.host not in server_lib.LOCALHOST and not args.token:
+        raise errors.UserError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
+    if args.export_root and not Path(args.export_root).is_dir():
+        raise errors.MissingInput(f"--export-root {args.export_root} is not a directory")
+    if args.cpus:  # before the engine's libraries start their thread pools
+        placement.pin(placement.parse_ids(args.cpus, "--cpus"))
+        log.info("pinned to cores %s", args.cpus)
+    options = _engine_options(args)
+    backend = server_lib.open_backend(args.backend, args.model, dtype=args.dtype, **options)
+    server, health, port = server_lib.build_server(
+        backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root
+    )
+    stop = server_lib.stop_event(exit_with_parent=args.exit_with_parent, grace=args.grace)
+    print(
+        f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}",
+        flush=True,
+    )
+    stop.wait()
+    server_lib.shut_down(server, health, backend, args.grace)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command without the cisjax CLI (`python -m cisjax.rollout.server`: imports nothing of the trainer)."""
+    p = argparse.ArgumentParser(prog="cisjax serve", description="rollout gRPC server")
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except errors.UserError as err:  # declared user errors only: anything else shows its traceback
+        print(f"cisjax serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

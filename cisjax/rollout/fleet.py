@@ -3,42 +3,21 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 
+from cisjax.rollout import client as client_lib
+from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout.client import RolloutClient, RolloutError, Sample, SamplingParams
+from cisjax.rollout.fanout import Fanout
+from cisjax.rollout.replica import Replica
 
 log = logging.getLogger("cisjax.rollout.fleet")
 
 _DOWN = {grpc.StatusCode.UNAVAILABLE}  # a replica that answers this is out of rotation; its work goes elsewhere
-_END = object()  # end of a replica's tensor stream
-
-
-@dataclass
-class Replica:
-    """One server of the fleet and what the fleet knows of it."""
-
-    index: int
-    client: RolloutClient
-    restarts: Callable[[], int] | None = None  # how often its process was restarted (embedded children)
-    restart: Callable[[], None] | None = None  # restarts its process (embedded children: kill, the watchdog restarts)
-    in_rotation: bool = True
-    in_flight: int = 0  # tokens of the calls in flight on it (prompt + max_new_tokens x n per prompt)
-    version: int = 0  # the weights version it last reported
-    failures: int = 0  # times it was taken out of rotation
-    probation: bool = False  # reloaded, its check (a weight canary) not yet passed: no new work
-    quarantined: str = ""  # why it failed its check: out of rotation until a later check passes
-    check_failures: int = 0
-    rejoins: int = 0
-    tokens: int = 0  # response tokens it returned
-    probed: float = 0.0  # monotonic time of the last probe while out of rotation
-    last: dict = field(default_factory=lambda: {"t": time.monotonic(), "tokens": 0})  # at the last metrics()
 
 
 class RolloutFleet:
@@ -123,10 +102,8 @@ class RolloutFleet:
 
     def _take_out(self, r: Replica, why: str) -> None:
         with self._lock:
-            if not r.in_rotation:
+            if not r.take_out():
                 return
-            r.in_rotation, r.probed = False, time.monotonic()
-            r.failures += 1
         log.warning("rollout replica %d (%s) out of rotation: %s", r.index, r.client.target, why)
 
     def _revive(self, force: bool = False) -> None:
@@ -168,8 +145,7 @@ class RolloutFleet:
                     log.debug("replica %d not back yet: %s", r.index, err)
                     continue
                 with self._lock:
-                    r.version, r.in_rotation, r.quarantined = version, True, ""
-                    r.rejoins += 1
+                    r.rejoin(version)
                 log.warning("rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version)
 
     def _run_check(self, r: Replica, check, restart: bool = False) -> bool:
@@ -187,8 +163,7 @@ class RolloutFleet:
         self.last_checks[r.index] = (passed, detail, message)
         if not passed:
             with self._lock:
-                r.in_rotation, r.quarantined, r.probed = False, message or "failed its check", time.monotonic()
-                r.check_failures += 1
+                r.quarantine(message or "failed its check")
             log.error(
                 "rollout replica %d (%s) failed its check, out of rotation:\n%s", r.index, r.client.target, message
             )
@@ -367,9 +342,6 @@ class RolloutFleet:
         before it gets new work (replicas reloading take none); one that fails is quarantined: out of rotation until
         a later checked update passes. `last_checks` holds each replica's outcome; with a check, the version is
         served even when every replica failed it (the caller decides)."""
-        from cisjax.rollout import client as client_lib
-        from cisjax.rollout import manifest as manifest_lib
-
         if checksums is True:  # computed once here, not once per replica
             checksums = manifest_lib.recorded_checksums(path) or client_lib.sha256_manifest(path)
         start = time.monotonic()
@@ -392,43 +364,17 @@ class RolloutFleet:
         with self._update_lock:
             version = version or self.expected_version + 1
             targets = self._update_targets()
-            feeds = {r.index: queue.Queue(maxsize=2) for r in targets}
-            dead: set[int] = set()
-
-            def stream(i):
-                while (item := feeds[i].get()) is not _END:
-                    yield item
+            fan = Fanout(tensors, [r.index for r in targets])
 
             def send(r):
                 try:
                     return r.client.update_weights_from_tensors(
-                        _Feed(stream(r.index)), version=version, chunk_bytes=chunk_bytes
+                        fan.view(r.index), version=version, chunk_bytes=chunk_bytes
                     )
                 finally:
-                    dead.add(r.index)  # stop feeding it (done, or failed part-way)
-                    while True:  # unblock the producer if it waits on this queue
-                        try:
-                            feeds[r.index].get_nowait()
-                        except queue.Empty:
-                            break
+                    fan.stop(r.index)  # done, or failed part-way
 
-            def put(i, item):
-                while i not in dead:  # a replica that stopped reading is skipped, not waited for
-                    try:
-                        return feeds[i].put(item, timeout=0.5)
-                    except queue.Full:
-                        pass
-
-            def produce():
-                try:
-                    for item in tensors.items():
-                        for i in feeds:
-                            put(i, item)
-                finally:
-                    for i in feeds:
-                        put(i, _END)
-
-            producer = self._updates.submit(produce)
+            producer = self._updates.submit(fan.run)
             errors: list = []
             updated = self._to_all(send, version, targets=targets, errors=errors, check=check)
             producer.result()
@@ -508,16 +454,12 @@ class RolloutFleet:
             with self._lock:
                 for r in self.replicas:
                     if r.index in passed:
-                        r.quarantined = ""
-                        if not r.in_rotation:
-                            r.in_rotation = True
-                            r.rejoins += 1
+                        if r.rejoin():
                             log.warning(
                                 "rollout replica %d (%s) rejoined on version %d", r.index, r.client.target, version
                             )
-                    elif r.in_rotation and r.version != version:  # not reached: it must not serve the old version
-                        r.in_rotation, r.probed = False, time.monotonic()
-                        r.failures += 1
+                    elif r.version != version:  # not reached: it must not serve the old version
+                        r.take_out()
             return bool(updated)
         finally:
             with self._lock:
@@ -526,31 +468,8 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """Per replica, for the loop's log: response tokens/s since the last call, in-flight tokens, weights version,
-        in rotation (0/1), failures (times taken out), rejoins, and process restarts (embedded replicas)."""
-        now, out = time.monotonic(), {}
+        """Per replica, for the loop's log: Replica.metrics of each (tokens/s since the last call, in-flight tokens,
+        weights version, in rotation, failures, rejoins, check failures, process restarts)."""
+        now = time.monotonic()
         with self._lock:
-            for r in self.replicas:
-                p = f"rollout/replica{r.index}/"
-                dt = max(now - r.last["t"], 1e-9)
-                out[p + "tokens_per_s"] = (r.tokens - r.last["tokens"]) / dt
-                r.last = {"t": now, "tokens": r.tokens}
-                out[p + "in_flight"] = float(r.in_flight)
-                out[p + "version"] = float(r.version)
-                out[p + "in_rotation"] = float(r.in_rotation)
-                out[p + "failures"] = float(r.failures)
-                out[p + "rejoins"] = float(r.rejoins)
-                out[p + "check_failures"] = float(r.check_failures)
-                if r.restarts is not None:
-                    out[p + "restarts"] = float(r.restarts())
-        return out
-
-
-class _Feed:
-    """The Mapping-like view RolloutClient.update_weights_from_tensors reads (`items()`) over one replica's queue."""
-
-    def __init__(self, items):
-        self._items = items
-
-    def items(self):
-        return self._items
+            return {k: v for r in self.replicas for k, v in r.metrics(now).items()}

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from cisjax.rollout import client as client_lib
 from cisjax.rollout import engine_env
 
 log = logging.getLogger(__name__)
@@ -190,9 +191,7 @@ class ChildServer:
 
         if client is not None:
             return wait_serving(client, self.startup_s, failed=failed, tail=self.log_tail, poll_s=0.5)
-        from cisjax.rollout.client import RolloutClient
-
-        with RolloutClient(self.target) as own:
+        with client_lib.RolloutClient(self.target) as own:
             wait_serving(own, self.startup_s, failed=failed, tail=self.log_tail)
 
     def log_tail(self, lines: int = 40) -> str:

@@ -9,6 +9,7 @@ import subprocess
 from dataclasses import dataclass
 
 from cisjax import errors
+from cisjax.rollout import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,6 @@ def plan(
     contiguous share of the cores this process may use (`allowed`, default its affinity). One replica stays
     unrestricted unless a set is given. UserError for malformed sets, a set count that is not `replicas`, cores this
     process may not use, or more replicas than cores or GPUs."""
-    from cisjax.rollout import engine_env
-
     if replicas < 1:
         raise errors.UserError(f"rollout.replicas={replicas}: at least 1")
     cpus, gpus = str(cpus).strip(), str(gpus).strip()

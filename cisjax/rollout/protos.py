@@ -9,8 +9,16 @@ import shutil
 import sys
 import tempfile
 from functools import cache
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
+
+import google.protobuf
+
+try:
+    from grpc_tools import protoc
+except ImportError:  # said by _generate, when the stubs must be generated
+    protoc = None
 
 # How the stubs come to be: no generated code is committed. On first use, load() runs
 # grpc_tools.protoc (grpcio-tools, a pinned dependency) on rollout.proto and health.proto into
@@ -37,29 +45,23 @@ def cache_root() -> Path:
 
 
 def _key() -> str:
-    import google.protobuf
-
     h = hashlib.sha256()
     for name in _PROTOS:
         h.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
     h.update(google.protobuf.__version__.encode())
     try:
-        from importlib.metadata import version
-
-        h.update(version("grpcio-tools").encode())
-    except Exception:  # grpcio-tools missing: reported by _generate when it is needed
+        h.update(metadata.version("grpcio-tools").encode())
+    except metadata.PackageNotFoundError:  # grpcio-tools missing: reported by _generate when it is needed
         pass
     return h.hexdigest()[:16]
 
 
 def _generate(dest: Path) -> None:
-    try:
-        from grpc_tools import protoc
-    except ImportError:
+    if protoc is None:
         raise RuntimeError(
             "cisjax.rollout needs grpcio-tools to generate its gRPC stubs on first use "
             "(pip install grpcio-tools, pinned in pyproject.toml)"
-        ) from None
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:

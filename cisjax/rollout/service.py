@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from concurrent import futures
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.rollout import client as client_lib
 from cisjax.rollout import launch, placement
+from cisjax.rollout.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
 
@@ -15,33 +18,10 @@ class EmbeddedServer(launch.ChildServer):
     """The trainer's rollout server child (launch.ChildServer) on 127.0.0.1, its output in `log_path`, restarted by a
     watchdog when it exits unexpectedly; the client's retries reconnect and re-send the current weights."""
 
-    def __init__(
-        self,
-        *,
-        backend: str,
-        model_dir: str,
-        export_root: str,
-        dtype: str,
-        log_path,
-        env: dict | None = None,
-        port: int = 0,
-        startup_s: float = 600.0,
-        grace_s: float = 10.0,
-        extra_args: tuple = (),
-    ):
-        super().__init__(
-            backend=backend,
-            model_dir=model_dir,
-            dtype=dtype,
-            log_path=log_path,
-            export_root=export_root,
-            env=env,
-            port=port,
-            startup_s=startup_s,
-            grace_s=grace_s,
-            extra_args=extra_args,
-            restart=True,
-        )
+    def __init__(self, *, export_root, **child):
+        """launch.ChildServer's keyword arguments (backend, model_dir, dtype, log_path, env, port, startup_s, grace_s,
+        extra_args); the export root is required (where the trainer publishes)."""
+        super().__init__(export_root=export_root, restart=True, **child)
 
 
 class EmbeddedServers:
@@ -52,8 +32,6 @@ class EmbeddedServers:
 
     def stop(self, timeout_s: float | None = None) -> int:
         """Stop them all (in parallel: each waits its own grace); the first non-zero exit code, else 0."""
-        from concurrent import futures
-
         with futures.ThreadPoolExecutor(max_workers=len(self.servers)) as ex:
             codes = list(ex.map(lambda s: s.stop(timeout_s), self.servers))
         return next((c for c in codes if c), 0)
@@ -102,54 +80,33 @@ def connect(
     cores or GPUs, cisjax.rollout.placement.plan of `replica_cpus` / `replica_gpus`). One server: a
     RolloutClient and an EmbeddedServer; several: a cisjax.rollout.fleet.RolloutFleet and EmbeddedServers. `cisjax
     train` and `cisjax eval` both get their engine here."""
-    from cisjax.rollout.client import RolloutClient
-    from cisjax.rollout.fleet import RolloutFleet
-
     targets = parse_servers(server)
     if targets and replicas > 1:
         raise errors.UserError(f"rollout.server={server!r} and rollout.replicas={replicas}: set one of them")
-    if len(targets) == 1:
-        client = RolloutClient(targets[0], token=token, timeout_s=timeout_s, retry_s=retry_s)
-        client.wait_ready(startup_s)
-        return None, client
     if targets:
-        fleet = RolloutFleet.connect(targets, token=token, timeout_s=timeout_s, retry_s=retry_s)
-        try:
-            fleet.wait_ready(startup_s)
-        except BaseException:
-            fleet.close()
-            raise
-        return None, fleet
+        return None, _running(targets, token=token, timeout_s=timeout_s, retry_s=retry_s, startup_s=startup_s)
     places = placement.plan(replicas, cpus=replica_cpus, gpus=replica_gpus, backend=backend)
     Path(export_root).mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} if kv_cache_gib else {}
-    log_path = Path(log_path)
-    children: list[EmbeddedServer] = []
-    clients: list[RolloutClient] = []
+    children = _spawn(
+        places,
+        backend=backend,
+        model_dir=model_dir,
+        export_root=export_root,
+        dtype=dtype,
+        log_path=Path(log_path),
+        env=env,
+        startup_s=startup_s,
+    )
+    clients: list[client_lib.RolloutClient] = []
     try:
-        for i, place in enumerate(places):  # all spawned before any is waited for: their engines load together
-            if place != placement.Placement():
-                log.info("rollout replica %d: %s", i, place.describe())
-            children.append(
-                EmbeddedServer(
-                    backend=backend,
-                    model_dir=str(model_dir),
-                    export_root=str(export_root),
-                    dtype=dtype,
-                    log_path=log_path if replicas == 1 else log_path.with_name(f"{log_path.stem}{i}{log_path.suffix}"),
-                    env={**env, **place.env()},
-                    startup_s=startup_s,
-                    extra_args=place.args(backend),
-                )
-            )
         for child in children:
-            clients.append(RolloutClient(child.target, timeout_s=timeout_s, retry_s=retry_s))
+            clients.append(client_lib.RolloutClient(child.target, timeout_s=timeout_s, retry_s=retry_s))
             child.wait_ready(clients[-1])
     except BaseException:
         for c in clients:
             c.close()
-        if children:
-            EmbeddedServers(children).stop()
+        EmbeddedServers(children).stop()
         raise
     if replicas == 1:
         return children[0], clients[0]
@@ -160,3 +117,43 @@ def connect(
         restart=[c.kill for c in children],  # the watchdog starts it again
     )
     return EmbeddedServers(children), fleet
+
+
+def _running(targets: list[str], *, token: str | None, timeout_s: float, retry_s: float, startup_s: float):
+    """A client of running servers (a RolloutClient for one, a RolloutFleet for several), once they serve."""
+    if len(targets) == 1:
+        client = client_lib.RolloutClient(targets[0], token=token, timeout_s=timeout_s, retry_s=retry_s)
+        client.wait_ready(startup_s)
+        return client
+    fleet = RolloutFleet.connect(targets, token=token, timeout_s=timeout_s, retry_s=retry_s)
+    try:
+        fleet.wait_ready(startup_s)
+    except BaseException:
+        fleet.close()
+        raise
+    return fleet
+
+
+def _spawn(places: list, *, log_path: Path, env: dict, **server) -> list[EmbeddedServer]:
+    """An EmbeddedServer per placement, all spawned before any is waited for (their engines load together); with
+    several, each logs to `log_path` with its index before the suffix."""
+    children: list[EmbeddedServer] = []
+    try:
+        for i, place in enumerate(places):
+            if place != placement.Placement():
+                log.info("rollout replica %d: %s", i, place.describe())
+            children.append(
+                EmbeddedServer(
+                    **server,
+                    log_path=log_path
+                    if len(places) == 1
+                    else log_path.with_name(f"{log_path.stem}{i}{log_path.suffix}"),
+                    env={**env, **place.env()},
+                    extra_args=place.args(server["backend"]),
+                )
+            )
+    except BaseException:
+        if children:
+            EmbeddedServers(children).stop()
+        raise
+    return children

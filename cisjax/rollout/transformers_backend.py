@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import shutil
@@ -13,14 +12,9 @@ import numpy as np
 import torch
 import transformers
 
-from cisjax.rollout import server as server_lib
-from cisjax.rollout.server import Params, SampleResult
-
-
-def sample_seed(seed: int, prompt_id: int, sample_index: int) -> int:
-    """Per-sample generator seed: independent of batch composition, so a resent prompt samples identically."""
-    digest = hashlib.sha256(f"{seed}:{prompt_id}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+from cisjax.rollout import backend as backend_lib
+from cisjax.rollout import weights
+from cisjax.rollout.backend import Params, SampleResult, sample_seed
 
 
 def sampling_logprobs(logits_NxV: torch.Tensor, params: Params) -> torch.Tensor:
@@ -43,7 +37,7 @@ def sampling_logprobs(logits_NxV: torch.Tensor, params: Params) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
-class Backend(server_lib.Backend):
+class Backend(backend_lib.Backend):
     engine = "transformers"
 
     def __init__(self, model_dir: str, *, dtype: str = "bfloat16"):
@@ -180,12 +174,12 @@ class Backend(server_lib.Backend):
 
     # ------------------------------------------------------------------ weights
     def load_directory(self, path: Path, version: int) -> None:
-        server_lib.check_same_model(Path(path), self.config_json)
+        weights.check_same_model(Path(path), self.config_json)
         self.m = self._load(path)  # swapped only after a complete load: a failure keeps the old weights
         self.version = version
 
     def load_tensors(self, tensors: dict, version: int) -> None:
-        tmp = server_lib.write_weights_dir(tensors, self.config_json, self.model)
+        tmp = weights.write_weights_dir(tensors, self.config_json, self.model)
         try:
             self.load_directory(tmp, version)
         finally:

@@ -1,15 +1,19 @@
 """`cisjax serve --device`: the platform vLLM picked is checked against the one asked for; --cpus pins the server."""
 
 import os
+import subprocess
+import sys
 
+import grpc
 import pytest
 
 from cisjax import errors
-from cisjax.rollout import server
+from cisjax.commands import serve
+from cisjax.rollout import backend, vllm_platform
 
 
 def test_device_is_a_vllm_option(capsys):
-    assert server.main(["--backend", "transformers", "--model", "m", "--port", "0", "--device", "tpu"]) == 2
+    assert serve.main(["--backend", "transformers", "--model", "m", "--port", "0", "--device", "tpu"]) == 2
     assert "--device are vllm options" in capsys.readouterr().err
 
 
@@ -17,26 +21,47 @@ def test_device_is_a_vllm_option(capsys):
 def test_vllm_platform_is_checked():
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
-    from cisjax.rollout import vllm_backend
-
-    here = vllm_backend.platform_name()
-    assert vllm_backend.check_device("auto") == here == vllm_backend.check_device(here)
+    here = vllm_platform.platform_name()
+    assert vllm_platform.check_device("auto") == here == vllm_platform.check_device(here)
     other = "tpu" if here != "tpu" else "cpu"
     with pytest.raises(errors.UserError, match=f"--device {other}: vLLM runs on {here} here"):
-        vllm_backend.check_device(other)
+        vllm_platform.check_device(other)
 
 
 def test_bad_cpus_are_refused(capsys, tmp_path):
-    assert server.main(["--backend", "transformers", "--model", str(tmp_path), "--port", "0", "--cpus", "1-0"]) == 2
+    assert serve.main(["--backend", "transformers", "--model", str(tmp_path), "--port", "0", "--cpus", "1-0"]) == 2
     assert "empty range" in capsys.readouterr().err
 
 
 def test_routing_refusal_says_why():
-    class TPU(server.Backend):
+    class TPU(backend.Backend):
         engine = "vllm"
         routing_unsupported = "routing capture is not available on vLLM's TPU backend"
 
-    assert server._no_routing(TPU()) == (
+    with pytest.raises(backend.RequestError) as err:
+        backend.check_routing(TPU())
+    assert str(err.value) == (
         "the vllm backend does not return routing: routing capture is not available on vLLM's TPU backend"
     )
-    assert server._no_routing(server.Backend()) == "the ? backend does not return routing"
+    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(backend.RequestError, match=r"^the \? backend does not return routing$"):
+        backend.check_routing(backend.Backend())
+
+
+def test_python_dash_m_rollout_server_is_the_serve_command():
+    """`python -m cisjax.rollout.server` (how children are started) runs `cisjax serve`, importing neither jax nor the
+    trainer."""
+    res = subprocess.run(
+        [sys.executable, "-m", "cisjax.rollout.server", "--backend", "transformers", "--model", "m", "--port", "0"]
+        + ["--device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and res.stderr.startswith("cisjax serve: error: --max-model-len"), res.stderr
+    code = (
+        "import sys, cisjax.commands.serve; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'torch', 'vllm', 'ml_collections') "
+        "or m.startswith(('cisjax.train', 'cisjax.models'))]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

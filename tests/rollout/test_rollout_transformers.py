@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
+from cisjax.commands.generate import add_args as generate_add_args
+from cisjax.commands.generate import run as generate_run
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
-from cisjax.rollout.client import add_args as generate_add_args
-from cisjax.rollout.client import run as generate_run
 from tests.helpers import SERVER_QWEN2_MOE, hf_forward, tiny_hf_config
 from tests.rollout import serverutil, xla
 

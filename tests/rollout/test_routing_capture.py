@@ -1,17 +1,13 @@
-"""The vLLM backend's routing capture bookkeeping (`_RoutingStore`) on hand-made steps: rows split per request along the
+"""The vLLM backend's routing capture bookkeeping (`RoutingStore`) on hand-made steps: rows split per request along the
 model runner's layout, padding trimmed, prefix-cached positions taken from the request that computed them, clear errors."""
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-if os.environ.get("CISJAX_SKIP_VLLM") == "1":
-    pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
-
-from cisjax.rollout.vllm_backend import _RoutingStore  # noqa: E402
+from cisjax.rollout.routing_capture import RoutingStore
 
 LAYERS, K = 2, 2
 
@@ -51,7 +47,7 @@ def _ids(rng, n):
 def test_rows_split_per_request_and_position():
     """Prefill of a (5 tokens) and b (3), then a decode step laid out b before a: each gets its own rows in order."""
     rng = np.random.default_rng(0)
-    runner, store = _Runner({"a": range(5), "b": [7, 8, 9]}), _RoutingStore()
+    runner, store = _Runner({"a": range(5), "b": [7, 8, 9]}), RoutingStore()
     pre, dec = _ids(rng, 8), _ids(rng, 2)
     _step(store, runner, ["a", "b"], [5, 3], [0, 0], pre)
     _step(store, runner, ["b", "a"], [1, 1], [3, 5], dec, padded=4)  # 2 padding rows, trimmed
@@ -66,7 +62,7 @@ def test_cached_prefix_comes_from_the_request_that_computed_it():
     rng = np.random.default_rng(1)
     a, b = list(range(10)), [0, 1, 2, 3, 20, 21, 22, 23, 50, 51, 52, 53]
     c = b + [60, 61]
-    runner, store = _Runner({"a": a, "b": b, "c": c, "d": [90, 1, 2, 3, 4, 5, 40, 41]}), _RoutingStore()
+    runner, store = _Runner({"a": a, "b": b, "c": c, "d": [90, 1, 2, 3, 4, 5, 40, 41]}), RoutingStore()
     s1, s2 = _ids(rng, 18), _ids(rng, 6)
     _step(store, runner, ["a", "b"], [10, 8], [0, 4], s1)
     _step(store, runner, ["c"], [6], [8], s2)
@@ -81,7 +77,7 @@ def test_cached_prefix_comes_from_the_request_that_computed_it():
 def test_recomputed_rows_overwrite():
     """A request preempted and recomputed from position 0: its later rows stand."""
     rng = np.random.default_rng(2)
-    runner, store = _Runner({"a": range(4)}), _RoutingStore()
+    runner, store = _Runner({"a": range(4)}), RoutingStore()
     first, again = _ids(rng, 4), _ids(rng, 4)
     _step(store, runner, ["a"], [4], [0], first)
     _step(store, runner, ["a"], [4], [0], again)
@@ -98,7 +94,7 @@ def test_recomputed_rows_overwrite():
 )
 def test_rows_that_do_not_fit_the_layout_are_refused(change, message):
     rng = np.random.default_rng(3)
-    runner, store = _Runner({"a": range(2), "b": range(2)}), _RoutingStore()
+    runner, store = _Runner({"a": range(2), "b": range(2)}), RoutingStore()
     runner.layout(["a", "b"], [0, 0])
     store.begin(runner, np.asarray([2, 2]))
     if change == "no step":
@@ -112,7 +108,7 @@ def test_rows_that_do_not_fit_the_layout_are_refused(change, message):
 
 def test_positions_never_captured_are_an_error():
     rng = np.random.default_rng(4)
-    runner, store = _Runner({"a": range(4)}), _RoutingStore()
+    runner, store = _Runner({"a": range(4)}), RoutingStore()
     _step(store, runner, ["a"], [3], [0], _ids(rng, 3))
     with pytest.raises(RuntimeError, match="request a has no routing for 2 of its 5 positions"):
         store.positions("a", 5)
