@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+from cisjax.rollout.backend import sample_seed
+
 
 class InProcess:
     """The baseline: a `vllm.LLM` in this process with the engine settings of cisjax/rollout/vllm_backend.py, given every
@@ -21,9 +23,7 @@ class InProcess:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, thread: str = "engine"):
         import vllm  # lazy: vllm (after the bench set its environment; never at a module's top)
 
-        from cisjax.rollout.transformers_backend import sample_seed  # lazy: torch (the server's per-sample seeds)
-
-        self._vllm, self._sample_seed = vllm, sample_seed
+        self._vllm = vllm
         t0 = time.perf_counter()
         self.llm = vllm.LLM(  # as vllm_backend.Backend._start
             model=model_dir,
@@ -60,7 +60,7 @@ class InProcess:
                         temperature=temperature,
                         top_p=1.0,
                         top_k=0,
-                        seed=self._sample_seed(seed, i, j),
+                        seed=sample_seed(seed, i, j),
                         max_tokens=max_new_tokens,
                         ignore_eos=True,
                         logprobs=0,
