@@ -366,7 +366,7 @@ def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp
         [
             sys.executable,
             "-m",
-            "cisjax.rollout.server",
+            "cisjax.commands.serve",
             "--backend",
             "transformers",
             "--model",

@@ -1,4 +1,4 @@
-"""`cisjax serve`: the rollout gRPC server over an inference engine (also `python -m cisjax.rollout.server`)."""
+"""`cisjax serve`: the rollout gRPC server over an inference engine (children: `python -m cisjax.commands.serve`)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command without the cisjax CLI (`python -m cisjax.rollout.server`: imports nothing of the trainer)."""
+    """The command without the cisjax CLI (`python -m cisjax.commands.serve`, how children are started: it imports
+    nothing of the trainer)."""
     p = argparse.ArgumentParser(prog="cisjax serve", description="rollout gRPC server")
     add_args(p)
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Child rollout servers: `python -m cisjax.rollout.server` on a free loopback port, started, waited for, stopped."""
+"""Child rollout servers: `python -m cisjax.commands.serve` on a free loopback port, started, waited for, stopped."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def start(
     own_session: bool = False,
     extra_args: tuple = (),
 ) -> subprocess.Popen:
-    """Spawn `python -m cisjax.rollout.server` (output to `stdout`, an open file or subprocess.PIPE). `own_session`: in its
+    """Spawn `python -m cisjax.commands.serve` (output to `stdout`, an open file or subprocess.PIPE). `own_session`: in its
     own session (out of the terminal's Ctrl-C; stop it with `stop(group=True)`) and stopping when this process exits."""
     cmd = [
         sys.executable,
         "-m",
-        "cisjax.rollout.server",
+        "cisjax.commands.serve",
         "--backend",
         backend,
         "--model",

@@ -7,7 +7,6 @@ import importlib
 import itertools
 import logging
 import os
-import runpy
 import signal
 import threading
 import time
@@ -365,7 +364,3 @@ def shut_down(server, health: HealthServicer, backend: Backend, grace: float) ->
     backend.close()
     log.info("stopped")
 
-
-if __name__ == "__main__":
-    # `python -m cisjax.rollout.server ...`: the `cisjax serve` command under this name, without the CLI's imports
-    runpy.run_module("cisjax.commands.serve", run_name="__main__", alter_sys=True)

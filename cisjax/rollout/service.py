@@ -1,4 +1,4 @@
-"""The rollout service of a run or an evaluation: running server(s), or `cisjax.rollout.server` children restarted."""
+"""The rollout service of a run or an evaluation: running server(s), or `cisjax serve` children restarted."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ free_port = launch.free_port  # the tests' name for it
 
 
 def start(backend, model_dir, port, *, export_root=None, token=None, host="127.0.0.1", env=None, dtype="float32"):
-    """`python -m cisjax.rollout.server` (engine dtype fp32 unless told) with a 5 s shutdown grace, output captured."""
+    """`python -m cisjax.commands.serve` (engine dtype fp32 unless told) with a 5 s shutdown grace, output captured."""
     import subprocess
 
     proc = launch.start(

@@ -49,10 +49,10 @@ def test_routing_refusal_says_why():
 
 
 def test_python_dash_m_rollout_server_is_the_serve_command():
-    """`python -m cisjax.rollout.server` (how children are started) runs `cisjax serve`, importing neither jax nor the
+    """`python -m cisjax.commands.serve` (how children are started) runs `cisjax serve`, importing neither jax nor the
     trainer."""
     res = subprocess.run(
-        [sys.executable, "-m", "cisjax.rollout.server", "--backend", "transformers", "--model", "m", "--port", "0"]
+        [sys.executable, "-m", "cisjax.commands.serve", "--backend", "transformers", "--model", "m", "--port", "0"]
         + ["--device", "tpu"],
         capture_output=True,
         text=True,

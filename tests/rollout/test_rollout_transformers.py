@@ -215,7 +215,7 @@ def test_auth(server):
 
 def test_non_localhost_bind_needs_token(dirs):
     res = subprocess.run(
-        [sys.executable, "-m", "cisjax.rollout.server", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "cisjax.commands.serve", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
         timeout=60,

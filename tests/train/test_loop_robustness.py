@@ -96,7 +96,7 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
         t_first = time.monotonic() - t_start
-        servers = tree.matching("cisjax.rollout.server")
+        servers = tree.matching("cisjax.commands.serve")
         assert len(servers) == 1, tree.cmdlines
         # what a terminal's Ctrl-C does: SIGINT to the foreground process group (the trainer and its reward
         # workers; the server runs in its own session and is stopped by the trainer)
@@ -130,7 +130,7 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
     try:
         looputil.wait_for(
             proc,
-            lambda: tree.matching("cisjax.rollout.server"),
+            lambda: tree.matching("cisjax.commands.serve"),
             timeout_s=120,
             tree=tree,
             what="the resumed run's server",
@@ -159,7 +159,7 @@ def test_second_ctrl_c_aborts(prepared, env, tmp_path):
     slow = {"rollout.max_new_tokens": 64, "rollout.max_staleness": 0}
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir, **slow), run_dir, log_path, env)
     try:
-        assert tree.matching("cisjax.rollout.server"), tree.cmdlines
+        assert tree.matching("cisjax.commands.serve"), tree.cmdlines
         os.killpg(proc.pid, signal.SIGINT)
         # a user presses again after seeing the first one taken; two signals that land while the main thread is in one
         # C call (XLA, a gRPC wait) coalesce into one Python handler call, so sending blind could be one press
@@ -189,7 +189,7 @@ def test_sigkilled_trainer_leaves_no_server(prepared, env, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
-        servers = tree.matching("cisjax.rollout.server")
+        servers = tree.matching("cisjax.commands.serve")
         assert len(servers) == 1 and "--exit-with-parent" in tree.cmdlines[servers[0].pid], tree.cmdlines
         proc.kill()  # the trainer alone, not its process group
         proc.wait()
