@@ -74,46 +74,45 @@ def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
         engine_model = spec.model_path
         if spec.perturb.on and start == 0:
             engine_model = _perturbed_start(run, state.params, run_dir, lead)
-        sv = Services(checkpointer=ckpt, publisher=None, state=state, start=start, total=0)
-        stream = formatter = None
+        stream = formatter = pool = evaluator = client = producer = metrics_log = None
         if lead:
             formatter, stream = _prompts(spec.data, spec.tokenizer, spec.seed, data_state)
-            sv.pool = RewardPool(workers=spec.reward.workers, timeout_s=spec.reward.timeout_s)
-            stack.callback(sv.pool.close)
+            pool = RewardPool(workers=spec.reward.workers, timeout_s=spec.reward.timeout_s)
+            stack.callback(pool.close)
             if spec.eval is not None:  # its sets load (and fail) before the server starts
-                sv.evaluator = LoopEval(spec.eval, run_dir)
-                stack.callback(sv.evaluator.close)
-            server, sv.client = _rollout_service(spec, run_dir, engine_model)
+                evaluator = LoopEval(spec.eval, run_dir)
+                stack.callback(evaluator.close)
+            server, client = _rollout_service(spec, run_dir, engine_model)
             stack.callback(_stop, server)
-            stack.callback(sv.client.close)
-        sv.total = _total_steps(spec.run.steps, spec.data, stream)
-        sv.publisher = Publisher.for_run(run, sv.client, run_dir=str(run_dir))
+            stack.callback(client.close)
+        total = _total_steps(spec.run.steps, spec.data, stream)
+        publisher = Publisher.for_run(run, client, run_dir=str(run_dir))
         if start > 0:  # resumed: the (fresh) server holds the initial weights, version 0; send the state's own
-            if lead and sv.publisher.root is not None:
-                _drop_exports_from(sv.publisher.root, start)
-            sv.publisher.publish(state.params, version=start)
+            if lead and publisher.root is not None:
+                _drop_exports_from(publisher.root, start)
+            publisher.publish(state.params, version=start)
         if lead:
-            sampler = Sampler(sv.client, formatter, sv.pool, _sampling(spec, formatter, run.replay), spec.rollout.seed)
-            sv.producer = RolloutProducer(
+            sampler = Sampler(client, formatter, pool, _sampling(spec, formatter, run.replay), spec.rollout.seed)
+            producer = RolloutProducer(
                 stream,
                 sampler.generate,
                 sampler.reward,
                 max_staleness=spec.rollout.max_staleness,
                 first_index=start,
                 published_version=start,  # the params of step s are weights version s
-                server_version=lambda: sv.client.expected_version,
+                server_version=lambda: client.expected_version,
             )
-            stack.callback(sv.producer.close)
-            sv.log = MetricsLog(
+            stack.callback(producer.close)
+            metrics_log = MetricsLog(
                 run_dir,
-                total_steps=sv.total,
+                total_steps=total,
                 start_step=start,
                 tensorboard=spec.run.tensorboard,
                 progress=spec.run.progress,
                 print_every=spec.run.print_every,
             )
-            stack.callback(sv.log.close)
-        yield sv
+            stack.callback(metrics_log.close)
+        yield Services(ckpt, publisher, state, start, total, producer, client, pool, evaluator, metrics_log)
 
 
 def _start_state(state, ckpt: Checkpointer, resume: bool):
