@@ -34,6 +34,34 @@ def test_command_defaults_are_the_library_defaults():
     assert args.demo_command == "prepare" and args.out == "x"
 
 
+def test_prepare_without_warmup_writes_the_task_and_the_random_model(tmp_path):
+    """`cisjax.demo.prepare` (what the train tests call) with warmup_steps=0: the files and the summary's fields."""
+    from cisjax import demo
+
+    lines = []
+    assert demo.prepare(tmp_path, seed=0, warmup_steps=0, heldout=64, eval_size=0, log=lines.append) == 0
+    summary = json.loads((tmp_path / "warmup.json").read_text())
+    assert list(summary) == [
+        "seed",
+        "train_problems",
+        "heldout_problems",
+        "rl_problems",
+        "test_problems",
+        "vocab",
+        "prompt_tokens",
+        "response_tokens_max",
+        "boxed_fraction",
+        "model",
+        "total_s",
+    ]
+    train, held = task.make_task(0, 64)
+    rl, test = task.split_heldout(0, 64, 16)
+    for name, rows in (("train", train), ("heldout", held), ("rl", rl), ("test", test)):
+        assert [p.question for p in load_problems(tmp_path / "data", name)] == [r["question"] for r in rows]
+    assert summary["test_problems"] == len(test) and summary["model"] == demo_model.model_config(100, 98, 96)
+    assert (tmp_path / "model" / "model.safetensors").exists() and len(lines) == 3  # task, model, prepared
+
+
 @pytest.mark.slow  # `cisjax demo prepare` end to end: warm-up training, then both stacks load the model
 def test_prepare_writes_a_model_both_stacks_load(tmp_path):
     import torch
