@@ -363,4 +363,3 @@ def shut_down(server, health: HealthServicer, backend: Backend, grace: float) ->
     server.stop(grace=grace).wait()
     backend.close()
     log.info("stopped")
-
