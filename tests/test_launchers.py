@@ -17,7 +17,7 @@ import pytest
 
 from cisjax import cli
 from cisjax import config as config_lib
-from cisjax.rollout.launch import free_port
+from tests.rollout.serverutil import free_port
 from tests.train import looputil
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,14 +18,43 @@ from cisjax.rollout import engine_env
 
 log = logging.getLogger(__name__)
 
-__all__ = ["free_port", "server_env", "start", "wait_serving", "stop", "ChildServer"]
+__all__ = ["free_port", "PortLease", "server_env", "start", "wait_serving", "stop", "ChildServer"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the OS's pick; another process may take it before it is bound again)."""
+    """A port free on `host` now (the OS's pick; another process may take it before it is bound again: a server
+    child that starts for seconds holds a PortLease instead)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class PortLease:
+    """A port on `host` held for a server child while it starts (and restarts): bound here with SO_REUSEPORT, not
+    listening, so no other process's bind or outgoing connection gets the port, while the child's gRPC server, which
+    binds with SO_REUSEPORT (cisjax.rollout.server.build_server), can. Without SO_REUSEPORT (not Linux) it holds
+    nothing: `free_port`'s pick."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._sock = None
+        if not hasattr(socket, "SO_REUSEPORT"):
+            self.port = free_port(host)
+            return
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._sock.bind((host, 0))
+        self.port = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def server_env(backend: str, env: Mapping | None = None) -> dict:
@@ -150,7 +179,8 @@ class ChildServer:
         extra_args: tuple = (),
         restart: bool = False,
     ):
-        self.port = port or free_port()
+        self._lease = None if port else PortLease()  # held until stop(): restarts bind the same port
+        self.port = port or self._lease.port
         self.target = f"127.0.0.1:{self.port}"
         self._start = dict(
             backend=backend,
@@ -168,7 +198,11 @@ class ChildServer:
         self.restarts = 0
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self.proc = self._spawn()
+        try:
+            self.proc = self._spawn()
+        except BaseException:
+            self._release()
+            raise
         self._watchdog = None
         if restart:
             self._watchdog = threading.Thread(target=self._watch, name="rollout-server-watchdog", daemon=True)
@@ -222,7 +256,12 @@ class ChildServer:
             code = stop(self.proc, self.grace_s + 30 if timeout_s is None else timeout_s, group=True)
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
+        self._release()
         return code
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
 
     def __enter__(self):
         return self

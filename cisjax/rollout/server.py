@@ -317,7 +317,12 @@ def build_server(
     interceptors = [TokenAuth(token)] if token else []
     # each call in flight holds a thread while its work sits in the engine's batch: `workers` bounds
     # the calls served at once (more wait in gRPC's queue)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors)
+    # SO_REUSEPORT (gRPC's default on Linux, stated): a parent's launch.PortLease holds the port until this binds it
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 1)],
+    )
     pb.rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(backend, export_root), server)
     health = HealthServicer()
     pb.health_pb2_grpc.add_HealthServicer_to_server(health, server)

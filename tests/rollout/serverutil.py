@@ -7,7 +7,14 @@ import time
 from cisjax.rollout import launch
 from cisjax.rollout.client import RolloutClient
 
-free_port = launch.free_port  # the tests' name for it
+_LEASES: list[launch.PortLease] = []
+
+
+def free_port() -> int:
+    """A port for a test's rollout server, held (launch.PortLease) for this process's life: nothing else takes it
+    while the server starts."""
+    _LEASES.append(launch.PortLease())
+    return _LEASES[-1].port
 
 
 def start(backend, model_dir, port, *, export_root=None, token=None, host="127.0.0.1", env=None, dtype="float32"):

@@ -9,6 +9,7 @@ import pytest
 
 from cisjax import export as export_lib
 from cisjax.models import hf_io
+from cisjax.rollout import launch
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
 from tests.helpers import VLLM_QWEN2_MOE, spec_of, tiny_hf_config
@@ -257,7 +258,7 @@ def test_two_processes_publish_and_fail_together(model_dir, tmp_path):
     import sys
     from pathlib import Path
 
-    port = serverutil.free_port()
+    port = launch.free_port()  # jax.distributed's coordinator
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     repo = Path(__file__).resolve().parents[2]
     procs = []
