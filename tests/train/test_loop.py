@@ -6,8 +6,10 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
@@ -51,6 +53,23 @@ def _cfg(prepared, run_dir, **overrides):
     ]
     base += [f"--config.{k}={v}" for k, v in overrides.items()]
     return config_lib.load(os.path.join(REPO, "configs", "demo_cpu.py"), base)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compiles(tmp_path_factory):
+    """The module's runs share their compiled programs through a persistent cache, as runs of `cisjax train` in the
+    subprocess tests do (looputil.subprocess_env): a resumed run, and a run with the same shapes, compile nothing
+    again. Off again after the module: the rest of the suite compiles as before."""
+    before = {
+        k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    }
+    compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in before.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(autouse=True)
