@@ -145,36 +145,63 @@ class MLAttention(nnx.Module):
         if cfg.attention_bias:
             self.bo_D = param(rngs, (d,), ("embed",), pd, zeros)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def cache_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per token, the trailing shapes of what a KV cache keeps (kv): the normed latent [C] and the rotary key
+        shared by the heads [1, P] (the per-head keys and values are re-expanded from the latent, as in training)."""
+        return ((self.cfg.kv_lora_rank,), (1, self.cfg.qk_rope_head_dim))
+
+    def _rope(self, positions_BxL):
+        p = self.cfg.qk_rope_head_dim
+        inv_freq, rope_scale = rope_frequencies(dict(self.cfg.rope), p, self.cfg.max_position_embeddings)
+        return rope_cos_sin(positions_BxL, inv_freq, rope_scale, jnp.float32)
+
+    def kv(self, x_BxLxD, positions_BxL):
+        """What a KV cache keeps of these tokens: (the normed kv latent [B, L, C], the rotary key [B, L, 1, P])."""
+        cfg, dt = self.cfg, self.cfg.dtype
+        c = cfg.kv_lora_rank
+        bias = lambda name: getattr(self, name) if cfg.attention_bias else None  # noqa: E731
+        kv_BxLxA = dense(x_BxLxD, self.wkv_a_DxA, dt, bias("bkv_a_A"))
+        latent_BxLxC, k_pe_BxLx1xP = self.kv_a_norm(kv_BxLxA[..., :c]), kv_BxLxA[..., None, c:]
+        # Rotary in fp32 (HF: complex multiply of the float-cast pairs, then cast back).
+        cos, sin = self._rope(positions_BxL)
+        return latent_BxLxC, apply_rope(k_pe_BxLx1xP.astype(jnp.float32), cos, sin, interleaved=True).astype(dt)
+
+    def query(self, x_BxLxD):
+        """These tokens' queries [B, L, N, nope + P], before rotary."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, l, _ = x_BxLxD.shape
-        nope, p, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        bias = lambda name: getattr(self, name) if cfg.attention_bias else None  # noqa: E731
         if cfg.q_lora_rank is None:
             q_BxLxQ = dense(x_BxLxD, self.wq_DxQ, dt)
         else:
-            q_BxLxR = self.q_a_norm(dense(x_BxLxD, self.wq_a_DxR, dt, bias("bq_a_R")))
-            q_BxLxQ = dense(q_BxLxR, self.wq_b_RxQ, dt)
-        q_BxLxNxH = q_BxLxQ.reshape(b, l, -1, cfg.qk_head_dim)
+            bias = self.bq_a_R if cfg.attention_bias else None
+            q_BxLxQ = dense(self.q_a_norm(dense(x_BxLxD, self.wq_a_DxR, dt, bias)), self.wq_b_RxQ, dt)
+        return q_BxLxQ.reshape(b, l, -1, cfg.qk_head_dim)
+
+    def attend(self, q_BxLxNxH, positions_BxL, kv, mask_BxLxS):
+        """Queries (query()) over `kv` (latent [B, S, C], rotary key [B, S, 1, P]: kv() of the same tokens, or a
+        cache's), the keys and values expanded per head from the latent."""
+        cfg, dt = self.cfg, self.cfg.dtype
+        b, l = positions_BxL.shape
+        nope, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         q_nope_BxLxNxE, q_pe_BxLxNxP = q_BxLxNxH[..., :nope], q_BxLxNxH[..., nope:]
-
-        kv_BxLxA = dense(x_BxLxD, self.wkv_a_DxA, dt, bias("bkv_a_A"))
-        latent_BxLxC, k_pe_BxLx1xP = self.kv_a_norm(kv_BxLxA[..., :c]), kv_BxLxA[..., None, c:]
-        kv_BxLxNxW = dense(latent_BxLxC, self.wkv_b_CxK, dt).reshape(b, l, -1, nope + cfg.v_head_dim)
-        k_nope_BxLxNxE, v_BxLxNxV = kv_BxLxNxW[..., :nope], kv_BxLxNxW[..., nope:]
-
-        # Rotary in fp32 (HF: complex multiply of the float-cast pairs, then cast back).
-        inv_freq, rope_scale = rope_frequencies(dict(cfg.rope), p, cfg.max_position_embeddings)
-        cos, sin = rope_cos_sin(positions_BxL, inv_freq, rope_scale, jnp.float32)
+        cos, sin = self._rope(positions_BxL)
         q_pe_BxLxNxP = apply_rope(q_pe_BxLxNxP.astype(jnp.float32), cos, sin, interleaved=True).astype(dt)
-        k_pe_BxLx1xP = apply_rope(k_pe_BxLx1xP.astype(jnp.float32), cos, sin, interleaved=True).astype(dt)
+
+        latent_BxSxC, k_pe_BxSx1xP = kv
+        s = latent_BxSxC.shape[1]
+        kv_BxSxNxW = dense(latent_BxSxC, self.wkv_b_CxK, dt).reshape(b, s, -1, nope + cfg.v_head_dim)
+        k_nope_BxSxNxE, v_BxSxNxV = kv_BxSxNxW[..., :nope], kv_BxSxNxW[..., nope:]
 
         n = q_BxLxNxH.shape[2]
         q_BxLxNxH = jnp.concatenate([q_nope_BxLxNxE, q_pe_BxLxNxP], axis=-1)
-        k_BxLxNxH = jnp.concatenate([k_nope_BxLxNxE, jnp.broadcast_to(k_pe_BxLx1xP, (b, l, n, p))], axis=-1)
+        k_BxSxNxH = jnp.concatenate([k_nope_BxSxNxE, jnp.broadcast_to(k_pe_BxSx1xP, (b, s, n, p))], axis=-1)
         q_BxLxNxH = sharding.constrain(q_BxLxNxH, ("batch", "length", "act_heads", None))
-        o_BxLxNxV = attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxV, mask_BxLxL, cfg.softmax_scale())
-        return dense(o_BxLxNxV.reshape(b, l, -1), self.wo_VxD, dt, bias("bo_D"))
+        o_BxLxNxV = attention(q_BxLxNxH, k_BxSxNxH, v_BxSxNxV, mask_BxLxS, cfg.softmax_scale())
+        return dense(o_BxLxNxV.reshape(b, l, -1), self.wo_VxD, dt, self.bo_D if cfg.attention_bias else None)
+
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+        q_BxLxNxH = self.query(x_BxLxD)  # first: the backward sums x's gradients in the order q, kv
+        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask_BxLxL)
 
 
 class MoeBlock(nnx.Module):

@@ -152,6 +152,14 @@ def attention_mask(segment_ids_BxL: jax.Array) -> jax.Array:
     return same_BxLxL & causal_LxL[None]
 
 
+def cache_mask(valid_BxS: jax.Array, index, length: int) -> jax.Array:
+    """[B, L, S] bool for L new tokens written into a KV cache at slots index..index+L-1: each sees the valid slots
+    (written, not padding) up to its own. Every row sees at least itself once its own slot is valid."""
+    slots_S = jnp.arange(valid_BxS.shape[1])
+    query_L = index + jnp.arange(length)
+    return valid_BxS[:, None, :] & (slots_S[None, None, :] <= query_L[None, :, None])
+
+
 def attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, mask_BxLxL, scale: float) -> jax.Array:
     """Grouped-query attention; scores and softmax in fp32, probabilities cast to the value dtype
     (as the HF eager path). Returns [B, L, N, V]."""

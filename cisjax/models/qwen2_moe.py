@@ -75,22 +75,48 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=pd, axes=("head_dim",))
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=pd, axes=("head_dim",))
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def cache_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per token, the trailing shapes of what a KV cache keeps (kv): keys and values, [K, H] each."""
+        return ((self.cfg.num_key_value_heads, self.cfg.head_dim),) * 2
+
+    def _rope(self, positions_BxL):
+        h = self.cfg.head_dim
+        inv_freq, rope_scale = rope_frequencies(dict(self.cfg.rope), h, self.cfg.max_position_embeddings)
+        return rope_cos_sin(positions_BxL, inv_freq, rope_scale, self.cfg.dtype)
+
+    def kv(self, x_BxLxD, positions_BxL):
+        """What a KV cache keeps of these tokens: (keys [B, L, K, H], rotary applied; values [B, L, K, H])."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, l, _ = x_BxLxD.shape
-        h = cfg.head_dim
         bias = lambda name: getattr(self, name) if cfg.qkv_bias else None  # noqa: E731
-        q_BxLxNxH = dense(x_BxLxD, self.wq_DxQ, dt, bias("bq_Q")).reshape(b, l, -1, h)
-        k_BxLxKxH = dense(x_BxLxD, self.wk_DxK, dt, bias("bk_K")).reshape(b, l, -1, h)
-        v_BxLxKxH = dense(x_BxLxD, self.wv_DxK, dt, bias("bv_K")).reshape(b, l, -1, h)
+        k_BxLxKxH = dense(x_BxLxD, self.wk_DxK, dt, bias("bk_K")).reshape(b, l, -1, cfg.head_dim)
+        v_BxLxKxH = dense(x_BxLxD, self.wv_DxK, dt, bias("bv_K")).reshape(b, l, -1, cfg.head_dim)
         if self.qk_norm:
-            q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
-        inv_freq, rope_scale = rope_frequencies(dict(cfg.rope), h, cfg.max_position_embeddings)
-        cos, sin = rope_cos_sin(positions_BxL, inv_freq, rope_scale, dt)
-        q_BxLxNxH, k_BxLxKxH = apply_rope(q_BxLxNxH, cos, sin), apply_rope(k_BxLxKxH, cos, sin)
-        q_BxLxNxH = sharding.constrain(q_BxLxNxH, ("batch", "length", "act_heads", None))
-        o_BxLxNxH = attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_BxLxL, h**-0.5)
+            k_BxLxKxH = self.k_norm(k_BxLxKxH)
+        cos, sin = self._rope(positions_BxL)
+        return apply_rope(k_BxLxKxH, cos, sin), v_BxLxKxH
+
+    def query(self, x_BxLxD):
+        """These tokens' queries [B, L, N, H], before rotary."""
+        cfg = self.cfg
+        b, l, _ = x_BxLxD.shape
+        q_BxLxQ = dense(x_BxLxD, self.wq_DxQ, cfg.dtype, self.bq_Q if cfg.qkv_bias else None)
+        q_BxLxNxH = q_BxLxQ.reshape(b, l, -1, cfg.head_dim)
+        return self.q_norm(q_BxLxNxH) if self.qk_norm else q_BxLxNxH
+
+    def attend(self, q_BxLxNxH, positions_BxL, kv, mask_BxLxS):
+        """Queries (query()) over `kv` (keys, values [B, S, K, H]: kv() of the same tokens, or a cache's)."""
+        cfg, dt = self.cfg, self.cfg.dtype
+        b, l = positions_BxL.shape
+        cos, sin = self._rope(positions_BxL)
+        q_BxLxNxH = sharding.constrain(apply_rope(q_BxLxNxH, cos, sin), ("batch", "length", "act_heads", None))
+        k_BxSxKxH, v_BxSxKxH = kv
+        o_BxLxNxH = attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxLxS, cfg.head_dim**-0.5)
         return dense(o_BxLxNxH.reshape(b, l, -1), self.wo_QxD, dt)
+
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+        q_BxLxNxH = self.query(x_BxLxD)  # first: the backward sums x's gradients in the order q, k, v
+        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask_BxLxL)
 
 
 class SparseMoeBlock(nnx.Module):

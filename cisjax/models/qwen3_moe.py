@@ -60,8 +60,8 @@ class Attention(qwen2_moe.Attention):
         if cfg.attention_bias:
             self.bo_D = param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype, jax.nn.initializers.zeros)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
-        y_BxLxD = super().__call__(x_BxLxD, positions_BxL, mask_BxLxL)
+    def attend(self, q_BxLxNxH, positions_BxL, kv, mask_BxLxS):
+        y_BxLxD = super().attend(q_BxLxNxH, positions_BxL, kv, mask_BxLxS)
         if self.cfg.attention_bias:
             y_BxLxD = y_BxLxD + self.bo_D[...].astype(self.cfg.dtype)
         return y_BxLxD

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors, sharding
-from cisjax.models.layers import MLP, RMSNorm, attention_mask, param
+from cisjax.models.layers import MLP, RMSNorm, attention_mask, cache_mask, param
 
 # model.remat: what the backward pass keeps of each decoder layer's forward; the rest it recomputes from the layer's
 # input. "minimal": the matmuls without dot batch dimensions (jax's dots_with_no_batch_dims_saveable), i.e. the
@@ -19,6 +19,11 @@ REMAT_POLICIES = {
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+
+
+# A KV cache: per stack of layers (layer_runs), the arrays its attention keeps per token (attn.cache_shapes(): GQA's
+# keys and values, MLA's latent and rotary key), each [n, B, S, ...] (n = the stack's layers, S = cache slots).
+Cache = list[tuple[jax.Array, ...]]
 
 
 class ModelOutput(NamedTuple):
@@ -58,6 +63,20 @@ class DecoderLayer(nnx.Module):
         x_BxLxD = x_BxLxD + self.attention_block(x_BxLxD, positions_BxL, mask_BxLxL)
         y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
+
+    def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS):
+        """The layer on L new tokens whose attention entries are written into `cache` (this layer's arrays
+        [B, S, ...]) at slots index..index+L-1, their queries attending over the cache under mask_BxLxS
+        (layers.cache_mask) -> (x_BxLxD, expert ids or None, the updated cache)."""
+        h_BxLxD = self.attn_norm(x_BxLxD)
+        q = self.attn.query(h_BxLxD)
+        new = self.attn.kv(h_BxLxD, positions_BxL)
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=1) for c, n in zip(cache, new)
+        )
+        x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, cache, mask_BxLxS)
+        y_BxLxD, ids = self.mlp_block(x_BxLxD)
+        return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
 
 
 def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:
@@ -172,6 +191,20 @@ def run_stack(
     return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
 
 
+def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS):
+    """x through every layer of a stack, each writing and reading its slice of `cache` (arrays [n, B, S, ...]) ->
+    (x_BxLxD, expert ids [n, B, L, k] or None, the updated cache). Scanned as run_stack (unrolled on CPU)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x_BxLxD, xs):
+        state_j, cache_j = xs
+        x_BxLxD, ids, cache_j = nnx.merge(graphdef, state_j).cached(x_BxLxD, positions_BxL, cache_j, index, mask_BxLxS)
+        return x_BxLxD, (ids, cache_j)
+
+    x_BxLxD, (ids, cache) = jax.lax.scan(body, x_BxLxD, (state, cache), unroll=sharding.current_platform() == "cpu")
+    return x_BxLxD, ids, cache
+
+
 class CausalLM(nnx.Module):
     """tokens -> hidden states; each family supplies its decoder layers, stored as stacks (layer_runs).
 
@@ -243,6 +276,32 @@ class CausalLM(nnx.Module):
                 first += len(run)
         hidden = self.norm(x_BxLxD)
         return ModelOutput(hidden, jnp.concatenate(routing) if routing else None)
+
+    def init_cache(self, batch: int, slots: int, dtype=None) -> Cache:
+        """An empty KV cache of `slots` positions for `batch` rows (zeros, the compute dtype unless given)."""
+        dtype = dtype or self.cfg.dtype
+        return [
+            tuple(jnp.zeros((len(run), batch, slots, *shape), dtype) for shape in stack.attn.cache_shapes())
+            for stack, run in zip(self.stacks, layer_runs(self.cfg))
+        ]
+
+    def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS):
+        """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for
+        all rows: left-pad the prompts), attending to the slots valid_BxS marks (written and not padding; it must
+        already mark the new tokens') -> (ModelOutput, the updated cache). Prefill: L = the padded prompt length at
+        index 0; decode: L = 1 at the next slot. The same layers, weights and routers as __call__."""
+        b, l = tokens_BxL.shape
+        mask_BxLxS = cache_mask(valid_BxS, index, l)
+        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.cfg.dtype)
+        x_BxLxD = sharding.constrain(x_BxLxD, ("batch", "length", "act_embed"))
+        routing, out = [], []
+        for stack, entries in zip(self.stacks, cache):
+            x_BxLxD, ids, entries = run_stack_cached(stack, x_BxLxD, positions_BxL, entries, index, mask_BxLxS)
+            out.append(entries)
+            if ids is not None:
+                routing.append(ids)
+        hidden = self.norm(x_BxLxD)
+        return ModelOutput(hidden, jnp.concatenate(routing) if routing else None), out
 
     def unembedding_DxV(self) -> jax.Array:
         """The output projection [D, V] (the transposed embedding when tied)."""

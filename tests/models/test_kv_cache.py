@@ -1,0 +1,72 @@
+"""CausalLM.cached: a prefill of left-padded prompts then one token at a time through a KV cache gives the full
+forward's logits and routing at every position, for every family (GQA and MLA caches)."""
+
+import flax.nnx as nnx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cisjax.models import hf_io
+from cisjax.models.layers import cache_mask
+from cisjax.models.transformer import layer_runs
+from tests.helpers import TINY_FAMILIES, tiny_hf_config
+from tests.models import parity
+
+
+def test_cache_mask_by_hand():
+    valid_BxS = jnp.array([[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]], bool)  # row 0: one slot of left padding
+    m = np.asarray(cache_mask(valid_BxS, 2, 2))  # the tokens at slots 2 and 3
+    assert m.shape == (2, 2, 5)
+    np.testing.assert_array_equal(m[0], [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(m[1], [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+
+
+@nnx.jit
+def _cached(model, tokens_BxL, positions_BxL, cache, index, valid_BxS):
+    out, cache = model.cached(tokens_BxL, positions_BxL, cache, index, valid_BxS)
+    ids = out.expert_ids_XxBxLxK
+    return model.logits(out.hidden_BxLxD), (None if ids is None else jnp.sort(ids, axis=-1)), cache
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_prefill_then_decode_equals_the_full_forward(family):
+    hf = tiny_hf_config(family)
+    cfg = hf_io.model_config(hf)
+    model = hf_io.family_module(hf).build(cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, 6).tolist(), rng.integers(0, 97, 3).tolist()]  # padded to 6 on the left
+    forced = rng.integers(0, 97, (2, 4))  # the tokens fed back one at a time
+    p, steps = 6, forced.shape[1]
+    slots = p + steps
+    tokens_BxP = np.zeros((2, p), np.int32)
+    valid_BxS = np.zeros((2, slots), bool)
+    for r, prompt in enumerate(prompts):
+        tokens_BxP[r, p - len(prompt) :] = prompt
+        valid_BxS[r, p - len(prompt) : p] = True
+    positions_BxP = np.maximum(np.cumsum(valid_BxS[:, :p], axis=1) - 1, 0)
+
+    cache = model.init_cache(2, slots)
+    for entries, run in zip(cache, layer_runs(cfg)):  # per stack: [layers, rows, slots, ...] per kept array
+        assert [a.shape[:3] for a in entries] == [(len(run), 2, slots)] * len(entries)
+    logits, ids, cache = _cached(model, jnp.asarray(tokens_BxP), jnp.asarray(positions_BxP), cache, 0, valid_BxS)
+    got = [[logits[r, -1]] for r in range(2)]  # per row: the logits that predict each next token
+    got_ids = [[None if ids is None else ids[:, r, p - len(prompts[r]) :]] for r in range(2)]
+    for t in range(steps):
+        valid_BxS[:, p + t] = True
+        positions_Bx1 = np.array([[len(prompts[0]) + t], [len(prompts[1]) + t]])
+        logits, ids, cache = _cached(
+            model, jnp.asarray(forced[:, t : t + 1], jnp.int32), jnp.asarray(positions_Bx1), cache, p + t, valid_BxS
+        )
+        for r in range(2):
+            got[r].append(logits[r, 0])
+            got_ids[r].append(None if ids is None else ids[:, r])
+
+    for r, prompt in enumerate(prompts):
+        seq = np.array([prompt + forced[r].tolist()])
+        ref_logits, ref_ids = parity.run(model, seq)
+        want = ref_logits[0, len(prompt) - 1 :]  # the logits after the prompt and after each fed-back token
+        np.testing.assert_allclose(np.stack(got[r]), want, atol=parity.LOGITS_TOL, rtol=0, err_msg=f"row {r}")
+        if ref_ids is None:
+            assert got_ids[r][0] is None
+        else:
+            parity.assert_same_routing(np.concatenate(got_ids[r], axis=1)[:, None], ref_ids, f"row {r}")
