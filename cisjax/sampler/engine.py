@@ -1,0 +1,159 @@
+"""The JAX sampler's host side: requests padded into a shape bucket, one compiled program per bucket (prefill, expand
+to n samples, decode), and the results as the rollout backends return them."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cisjax.rollout.backend import Params, SampleResult, sample_seed
+from cisjax.sampler import programs
+from cisjax.sampler.sampling import key_data
+
+STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
+BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs")
+
+log = logging.getLogger(__name__)
+
+
+class Request(NamedTuple):
+    prompt: list  # token ids
+    prompt_id: int  # mixed into the per-sample seeds (cisjax.rollout.backend.sample_seed)
+    params: Params
+
+
+def bucket(n: int, smallest: int) -> int:
+    """The shape a size compiles at: the next power of two, at least `smallest`."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+class Engine:
+    """Generates with a cisjax CausalLM (graphdef + params, e.g. hf_io.load's): a batch of requests (each its own
+    sampling parameters; one n) has its size, prompt length and new-token count rounded up to buckets (prompt_bucket,
+    new_bucket: the smallest sizes), so a run compiles one program per bucket it meets (`compiled` counts them).
+    `params` may be swapped whole between calls (same structure): the compiled programs stay."""
+
+    def __init__(self, graphdef, params, *, max_len: int, prompt_bucket: int = 16, new_bucket: int = 16):
+        self.graphdef, self.params = graphdef, params
+        self.max_len = max_len
+        self.prompt_bucket, self.new_bucket = prompt_bucket, new_bucket
+        self._programs: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self.version = 0
+
+    @property
+    def compiled(self) -> int:
+        return len(self._programs)
+
+    def _program(self, b: int, p: int, n: int, max_new: int, top_n: int):
+        key = (b, p, n, max_new, top_n)
+        with self._lock:
+            if key not in self._programs:
+                graphdef = self.graphdef
+
+                def run(params, tokens_BxP, valid_BxP, rows):
+                    model = nnx.merge(graphdef, params)
+                    pre = programs.prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
+                    pre = programs.expand(pre, n)
+                    return programs.decode(model, pre, rows, max_new=max_new, top_n=top_n), pre.prompt_ids_XxBxPxK
+
+                self._programs[key] = jax.jit(run)
+                log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
+            return self._programs[key]
+
+    def check(self, prompt: Sequence[int], params: Params) -> None:
+        """ValueError naming what this engine cannot take (the server checks requests first; a library caller may not)."""
+        if not prompt:
+            raise ValueError("an empty prompt")
+        if len(prompt) + params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt + max_new_tokens = {len(prompt) + params.max_new_tokens} > {self.max_len}")
+        if len(params.stop_token_ids) > STOP_SLOTS:
+            raise ValueError(f"{len(params.stop_token_ids)} stop token ids: at most {STOP_SLOTS}")
+
+    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], params: Params):
+        """Per prompt, its params.n samples as SampleResults (the logprobs of the distribution sampled from)."""
+        return self.generate_many([Request(list(p), i, params) for p, i in zip(prompts, prompt_ids)])
+
+    def generate_many(self, requests: Sequence[Request]):
+        """Requests with the same n in one program, each row with its own sampling parameters, stop tokens and
+        length: per request, its n samples as SampleResults."""
+        ns = {r.params.n for r in requests}
+        if len(ns) != 1:
+            raise ValueError(f"one n per batch of requests, got {sorted(ns)}")
+        for r in requests:
+            self.check(r.prompt, r.params)
+        n = ns.pop()
+        p = bucket(max(len(r.prompt) for r in requests), self.prompt_bucket)
+        b = bucket(len(requests), 1)
+        new = bucket(max(r.params.max_new_tokens for r in requests), self.new_bucket)
+        top_n = max(r.params.logprobs for r in requests)
+        tokens_BxP = np.zeros((b, p), np.int32)
+        valid_BxP = np.zeros((b, p), bool)
+        per_row = dict(
+            prompt_len_B=np.zeros(b, np.int32),
+            temperature_B=np.ones(b, np.float32),
+            top_k_B=np.zeros(b, np.int32),
+            top_p_B=np.ones(b, np.float32),
+            greedy_B=np.ones(b, bool),
+            max_new_B=np.zeros(b, np.int32),  # padding rows produce nothing
+            stop_ids_BxT=np.full((b, STOP_SLOTS), -1, np.int32),
+        )
+        keys = np.zeros((b * n, 2), np.uint32)
+        for i, r in enumerate(requests):
+            q = r.params
+            tokens_BxP[i, p - len(r.prompt) :] = r.prompt
+            valid_BxP[i, p - len(r.prompt) :] = True
+            per_row["prompt_len_B"][i] = len(r.prompt)
+            per_row["temperature_B"][i] = max(q.temperature, 1e-6)
+            per_row["top_k_B"][i], per_row["top_p_B"][i], per_row["greedy_B"][i] = q.top_k, q.top_p, q.greedy
+            per_row["max_new_B"][i] = q.max_new_tokens
+            stops = sorted(q.stop_token_ids)
+            per_row["stop_ids_BxT"][i, : len(stops)] = stops
+            seed = q.seed if q.seed is not None else secrets.randbits(62)
+            for j in range(n):
+                keys[i * n + j] = key_data(sample_seed(seed, r.prompt_id, j))
+        rows = programs.Rows(
+            **{k: jnp.asarray(np.repeat(v, n, axis=0)) for k, v in per_row.items()}, key_data_Bx2=jnp.asarray(keys)
+        )
+        version = self.version
+        params_now = self.params
+        out, prompt_routing = self._program(b, p, n, new, top_n)(
+            params_now, jnp.asarray(tokens_BxP), jnp.asarray(valid_BxP), rows
+        )
+        out = jax.tree.map(np.asarray, out)
+        prompt_routing = None if prompt_routing is None else np.asarray(prompt_routing)
+        return [self._samples(out, prompt_routing, i * n, n, p, r, version) for i, r in enumerate(requests)]
+
+    @staticmethod
+    def _samples(out: programs.Decoded, prompt_routing, first: int, n: int, p: int, r: Request, version: int):
+        samples = []
+        top = r.params.logprobs
+        for j in range(n):
+            i = first + j
+            m = int(out.lengths_B[i])
+            s = SampleResult(
+                sample_index=j,
+                token_ids=out.tokens_BxN[i, :m].tolist(),
+                logprobs=out.logprobs_BxN[i, :m].tolist(),
+                finish_reason="stop" if out.stopped_B[i] else "length",
+                versions=[version] * m,
+                top_ids=out.top_ids_BxNxT[i, :m, :top].tolist() if top else None,
+                top_logprobs=out.top_logprobs_BxNxT[i, :m, :top].tolist() if top else None,
+            )
+            if r.params.return_routing and out.routing_BxNxXxK is not None:
+                s.routing = out.routing_BxNxXxK[i, :m]
+                # [X, B*n, P, k] -> the real prompt's positions but its last: [len - 1, X, k]
+                s.prompt_routing = np.moveaxis(prompt_routing[:, i, p - len(r.prompt) : p - 1], 0, 1)
+            samples.append(s)
+        return samples

@@ -1,0 +1,158 @@
+"""The sampler's device programs: prefill of left-padded prompts, expansion to n samples per prompt, and a decode
+`lax.while_loop` over the KV cache that stops when no row is active."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cisjax.sampler.sampling import draw, sampling_logprobs
+
+
+class Prefilled(NamedTuple):
+    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, S, ...]
+    valid_BxS: jax.Array  # the slots written and not padding
+    logits_BxV: jax.Array  # fp32, after each row's last prompt token
+    ids_XxBxK: jax.Array | None  # the routers' expert ids at the last prompt position (the first token's routing)
+    prompt_ids_XxBxPxK: jax.Array | None  # the routers' expert ids at every prompt slot
+
+
+class Rows(NamedTuple):
+    """Per row (sample) of a decode: its prompt length and sampling parameters, traced."""
+
+    prompt_len_B: jax.Array  # int32
+    temperature_B: jax.Array  # float32
+    top_k_B: jax.Array  # int32, 0 = off
+    top_p_B: jax.Array  # float32, 1 = off
+    greedy_B: jax.Array  # bool
+    key_data_Bx2: jax.Array  # uint32: the row's PRNG key (sampling.key_data)
+    max_new_B: jax.Array  # int32: tokens this row may produce (<= the program's N)
+    stop_ids_BxT: jax.Array  # int32: the row's stop tokens, padded with -1
+
+
+class Decoded(NamedTuple):
+    tokens_BxN: jax.Array  # int32, 0 after a row's end
+    logprobs_BxN: jax.Array  # fp32, the sampling distribution's logprob of each token
+    lengths_B: jax.Array  # int32, tokens produced (the stop token included)
+    stopped_B: jax.Array  # bool: ended on a stop token (else on its length)
+    top_ids_BxNxT: jax.Array | None  # the T most likely tokens of each step's distribution
+    top_logprobs_BxNxT: jax.Array | None
+    routing_BxNxXxK: jax.Array | None  # expert ids of the forward that produced each token
+
+
+def _last_logits(model, hidden_BxD) -> jax.Array:
+    w_DxV = model.unembedding_DxV().astype(model.cfg.dtype)
+    return jnp.einsum("bd,dv->bv", hidden_BxD.astype(model.cfg.dtype), w_DxV, preferred_element_type=jnp.float32)
+
+
+def prefill(model, tokens_BxP, valid_BxP, slots: int) -> Prefilled:
+    """Left-padded prompts (one write index for all rows; positions from the pad mask) into a fresh cache of
+    `slots` positions; only the last position's logits are computed."""
+    b, p = tokens_BxP.shape
+    positions_BxP = jnp.maximum(jnp.cumsum(valid_BxP.astype(jnp.int32), axis=1) - 1, 0)
+    valid_BxS = jnp.zeros((b, slots), bool).at[:, :p].set(valid_BxP)
+    out, cache = model.cached(tokens_BxP, positions_BxP, model.init_cache(b, slots), 0, valid_BxS)
+    ids = out.expert_ids_XxBxLxK
+    return Prefilled(
+        cache,
+        valid_BxS,
+        _last_logits(model, out.hidden_BxLxD[:, -1]),
+        None if ids is None else ids[:, :, -1],
+        ids,
+    )
+
+
+def expand(pre: Prefilled, n: int) -> Prefilled:
+    """Each prompt's row repeated for its n samples, in order (rows 0..n-1 are prompt 0's): one prefill per prompt."""
+    rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
+    return Prefilled(
+        [tuple(rep(a, 1) for a in entries) for entries in pre.cache],
+        rep(pre.valid_BxS, 0),
+        rep(pre.logits_BxV, 0),
+        rep(pre.ids_XxBxK, 1),
+        rep(pre.prompt_ids_XxBxPxK, 1),
+    )
+
+
+def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -> Decoded:
+    """Up to `max_new` tokens per row: each step draws from the rows' sampling distributions, records the token and
+    its logprob (and the `top_n` best of the distribution), and feeds the tokens back through the cache at the next
+    slot. A row ends on one of its stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no
+    row is active. The cache's slots: the prompt's P, then max_new."""
+    b = pre.logits_BxV.shape[0]
+    p = pre.valid_BxS.shape[1] - max_new
+    keys_B = jax.random.wrap_key_data(rows.key_data_Bx2)
+    routed = pre.ids_XxBxK is not None
+    x, k = (pre.ids_XxBxK.shape[0], pre.ids_XxBxK.shape[2]) if routed else (0, 0)
+
+    class Carry(NamedTuple):
+        t: jax.Array
+        cache: list
+        valid_BxS: jax.Array
+        logits_BxV: jax.Array
+        ids_XxBxK: jax.Array | None
+        active_B: jax.Array
+        out: Decoded
+
+    init = Carry(
+        jnp.int32(0),
+        pre.cache,
+        pre.valid_BxS,
+        pre.logits_BxV,
+        pre.ids_XxBxK,
+        rows.max_new_B > 0,
+        Decoded(
+            jnp.zeros((b, max_new), jnp.int32),
+            jnp.zeros((b, max_new), jnp.float32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), bool),
+            jnp.zeros((b, max_new, top_n), jnp.int32) if top_n else None,
+            jnp.zeros((b, max_new, top_n), jnp.float32) if top_n else None,
+            jnp.zeros((b, max_new, x, k), pre.ids_XxBxK.dtype) if routed else None,
+        ),
+    )
+
+    def cond(c: Carry):
+        return (c.t < max_new) & jnp.any(c.active_B)
+
+    def body(c: Carry) -> Carry:
+        t, o = c.t, c.out
+        lp_BxV = sampling_logprobs(c.logits_BxV, rows.temperature_B, rows.top_k_B, rows.top_p_B, rows.greedy_B)
+        step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, t)
+        tok_B = draw(step_keys_B, lp_BxV, rows.greedy_B)
+        lp_B = jnp.take_along_axis(lp_BxV, tok_B[:, None], axis=-1)[:, 0]
+        on_B = c.active_B
+        put = lambda buf, val: buf.at[:, t].set(jnp.where(on_B.reshape((b,) + (1,) * (val.ndim - 1)), val, buf[:, t]))  # noqa: E731
+        stop_B = on_B & jnp.any(tok_B[:, None] == rows.stop_ids_BxT, axis=-1)
+        top = (None, None)
+        if top_n:
+            top_v, top_i = jax.lax.top_k(lp_BxV, top_n)
+            top = (put(o.top_ids_BxNxT, top_i.astype(jnp.int32)), put(o.top_logprobs_BxNxT, top_v))
+        out = Decoded(
+            put(o.tokens_BxN, tok_B),
+            put(o.logprobs_BxN, lp_B),
+            o.lengths_B + on_B.astype(jnp.int32),
+            o.stopped_B | stop_B,
+            *top,
+            put(o.routing_BxNxXxK, jnp.moveaxis(c.ids_XxBxK, 1, 0)) if routed else None,
+        )
+        active_B = on_B & ~stop_B & (t + 1 < rows.max_new_B)
+        # the tokens back through the model at slot p + t (a finished row's too: its results are not read)
+        slot = p + t
+        valid_BxS = c.valid_BxS.at[:, slot].set(True)
+        positions_Bx1 = (rows.prompt_len_B + t)[:, None]
+        fwd, cache = model.cached(tok_B[:, None], positions_Bx1, c.cache, slot, valid_BxS)
+        ids = fwd.expert_ids_XxBxLxK
+        return Carry(
+            t + 1,
+            cache,
+            valid_BxS,
+            _last_logits(model, fwd.hidden_BxLxD[:, 0]),
+            None if ids is None else ids[:, :, 0],
+            active_B,
+            out,
+        )
+
+    return jax.lax.while_loop(cond, body, init).out

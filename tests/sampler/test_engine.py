@@ -1,0 +1,113 @@
+"""The JAX sampler end to end on tiny random models of every family (fp32, CPU): greedy output equal to the
+transformers reference backend's, seeded samples independent of the batch, logprobs equal to a rescoring, stop
+tokens, routing, and the programs compiled per bucket."""
+
+import dataclasses
+
+import flax.nnx as nnx
+import numpy as np
+import pytest
+
+from cisjax.models import hf_io
+from cisjax.rollout import transformers_backend
+from cisjax.rollout.backend import Params
+from cisjax.sampler.engine import Engine, bucket
+from tests.helpers import TINY_FAMILIES, log_softmax
+from tests.models import parity
+
+GREEDY = Params(
+    n=1,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    max_new_tokens=8,
+    stop_token_ids=frozenset(),
+    seed=0,
+    greedy=True,
+    logprobs=0,
+    return_routing=True,
+)
+PROMPTS = [[5, 17, 3, 88, 41, 2, 9], [60, 7, 33]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_hf_dir):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model_dir = tiny_hf_dir(family)
+            model = hf_io.load(model_dir)[0]
+            cache[family] = (model_dir, model, Engine(*nnx.split(model), max_len=64))
+        return cache[family]
+
+    return get
+
+
+def test_bucket():
+    assert [bucket(n, 16) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_greedy_equals_the_reference_backend(loaded, family):
+    model_dir, _, engine = loaded(family)
+    ref = transformers_backend.Backend(model_dir, dtype="float32")
+    params = dataclasses.replace(GREEDY, return_routing=ref.supports_routing)  # a dense model has none to return
+    got = engine.generate(PROMPTS, [0, 1], params)
+    for r, prompt in enumerate(PROMPTS):
+        (want,) = ref.generate(prompt, r, params)
+        (ours,) = got[r]
+        assert ours.token_ids == want.token_ids, (r, ours.token_ids, want.token_ids)
+        np.testing.assert_allclose(ours.logprobs, want.logprobs, atol=1e-4, rtol=0)
+        assert ours.finish_reason == "length" and len(ours.token_ids) == GREEDY.max_new_tokens
+        if want.routing is None:
+            assert ours.routing is None
+        else:
+            np.testing.assert_array_equal(np.sort(ours.routing, -1), np.sort(want.routing, -1))
+            np.testing.assert_array_equal(np.sort(ours.prompt_routing, -1), np.sort(want.prompt_routing, -1))
+
+
+def test_seeded_samples_do_not_depend_on_the_batch_and_logprobs_equal_a_rescoring(loaded):
+    _, model, engine = loaded("qwen2_moe")
+    params = dataclasses.replace(GREEDY, greedy=False, n=3, seed=11, return_routing=False)
+    alone = engine.generate([PROMPTS[1]], [7], params)[0]
+    beside = engine.generate([PROMPTS[0], PROMPTS[1]], [3, 7], params)[1]
+    assert [s.token_ids for s in alone] == [s.token_ids for s in beside]
+    assert len({tuple(s.token_ids) for s in alone}) > 1  # the n samples differ from one another
+    other_seed = engine.generate([PROMPTS[1]], [7], dataclasses.replace(params, seed=12))[0]
+    assert [s.token_ids for s in other_seed] != [s.token_ids for s in alone]
+    for s in alone:  # temperature 1, no truncation: the model's own log-probabilities of the tokens
+        seq = np.array([PROMPTS[1] + s.token_ids])
+        logits = parity.run(model, seq)[0][0, len(PROMPTS[1]) - 1 : -1]
+        want = log_softmax(logits)[np.arange(len(s.token_ids)), s.token_ids]
+        np.testing.assert_allclose(s.logprobs, want, atol=1e-4, rtol=0)
+
+
+def test_a_stop_token_ends_the_sample_with_its_logprob(loaded):
+    _, _, engine = loaded("qwen2")
+    (full,) = engine.generate([PROMPTS[0]], [0], GREEDY)[0]
+    stop = full.token_ids[2]
+    first = full.token_ids.index(stop)
+    (cut,) = engine.generate([PROMPTS[0]], [0], dataclasses.replace(GREEDY, stop_token_ids=frozenset({stop})))[0]
+    assert cut.token_ids == full.token_ids[: first + 1] and cut.finish_reason == "stop"
+    np.testing.assert_allclose(cut.logprobs, full.logprobs[: first + 1], atol=1e-6)
+
+
+def test_top_logprobs_and_one_program_per_bucket(loaded):
+    _, _, engine = loaded("qwen3_moe")
+    before = engine.compiled
+    params = dataclasses.replace(GREEDY, logprobs=3, max_new_tokens=5)
+    a = engine.generate([[1, 2, 3]], [0], params)[0][0]
+    engine.generate([[4, 5, 6, 7, 8, 9]], [1], dataclasses.replace(params, max_new_tokens=9))  # same buckets
+    assert engine.compiled == before + 1
+    assert len(a.top_ids) == 5 and all(len(t) == 3 for t in a.top_ids)
+    assert [t[0] for t in a.top_ids] == a.token_ids  # greedy: the best token is the one taken
+    np.testing.assert_allclose([v[0] for v in a.top_logprobs], a.logprobs, atol=1e-6)
+
+
+def test_bad_input_is_named(loaded):
+    _, _, engine = loaded("qwen2")
+    with pytest.raises(ValueError, match="> 64"):
+        engine.generate([list(range(60))], [0], GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], [0], GREEDY)
