@@ -157,7 +157,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.replica_cpus = ""  # e.g. "0-3|4-7"; "" = automatic; "none" = unpinned
     c.rollout.replica_gpus = ""  # e.g. "0,1|2,3"; "" = automatic; "none" = as the trainer sees them
     c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN)
-    c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers
+    c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers | jax (cisjax's own sampler)
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32
     c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)
     c.rollout.group_size = 4  # samples per prompt (the GRPO group)

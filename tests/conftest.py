@@ -57,6 +57,7 @@ ONE_WORKER_MODULES = (
     "tests/evaluation/test_command.py",
     "tests/mismatch/test_measure.py",
     "tests/rollout/test_fleet.py",
+    "tests/rollout/test_rollout_jax.py",
     "tests/rollout/test_rollout_transformers.py",
     "tests/rollout/test_rollout_vllm.py",
     "tests/rollout/test_rollout_vllm_batching.py",

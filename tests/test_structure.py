@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cisjax"
 FLOORS = (
     ("errors", "files", "console", "records", "config"),
     ("sharding", "distributed", "runtime", "logprobs", "rows", "data", "rl", "models"),
-    ("forward", "score", "rollout", "export"),
+    ("forward", "score", "rollout", "sampler", "export"),
     ("evaluation",),
     ("train",),
     ("mismatch", "plan", "sweep", "bench", "demo"),

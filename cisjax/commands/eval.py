@@ -94,7 +94,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="vllm",
-        choices=["vllm", "transformers"],
+        choices=["vllm", "transformers", "jax"],
         help="the embedded server's engine (default vllm)",
     )
     p.add_argument(

@@ -58,12 +58,15 @@ class PortLease:
 
 
 def server_env(backend: str, env: Mapping | None = None) -> dict:
-    """The child's environment: this process's, the vLLM defaults where unset (cisjax.rollout.engine_env), no
+    """The child's environment: this process's, the vLLM defaults where unset (cisjax.rollout.engine_env; for the JAX
+    engine, no preallocation of GPU memory), no
     CISJAX_ROLLOUT_TOKEN (a child binds localhost: a token meant for a remote server is not its), then `env`."""
     out = dict(os.environ)
     if backend == "vllm":
         for key, value in engine_env.defaults().items():
             out.setdefault(key, value)
+    if backend == "jax":  # beside a trainer on the same GPU: take memory as needed, not XLA's default 75% up front
+        out.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out["CISJAX_ROLLOUT_TOKEN"] = ""
     out.update({k: str(v) for k, v in (env or {}).items()})
     return out

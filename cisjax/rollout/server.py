@@ -27,6 +27,7 @@ DEVICES = ("auto", "cpu", "cuda", "tpu")
 BACKENDS = {  # name -> module defining Backend, imported only when chosen (the server runs without vllm installed)
     "transformers": "cisjax.rollout.transformers_backend",
     "vllm": "cisjax.rollout.vllm_backend",
+    "jax": "cisjax.rollout.jax_backend",
 }
 
 

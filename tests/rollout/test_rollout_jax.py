@@ -1,0 +1,132 @@
+"""`cisjax serve --backend jax` end to end: a server subprocess on the JAX sampler, against the transformers reference
+backend (greedy tokens, logprobs, routing) and `cisjax score` (sampled logprobs); weight updates; bad input."""
+
+import dataclasses
+
+import flax.nnx as nnx
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from cisjax.models import hf_io
+from cisjax.rollout import transformers_backend
+from cisjax.rollout.backend import Params
+from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
+from tests.helpers import SERVER_QWEN2_MOE
+from tests.rollout import serverutil, xla
+
+pytestmark = pytest.mark.slow  # a server subprocess
+
+PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
+GREEDY = Params(
+    n=1,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    max_new_tokens=6,
+    stop_token_ids=frozenset(),
+    seed=None,
+    greedy=True,
+    logprobs=0,
+    return_routing=True,
+)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tiny_hf_dir):
+    return tiny_hf_dir("qwen2_moe", **SERVER_QWEN2_MOE), tmp_path_factory.mktemp("exports")
+
+
+@pytest.fixture(scope="module")
+def client(dirs):
+    model_dir, export_root = dirs
+    port = serverutil.free_port()
+    proc = serverutil.start("jax", model_dir, port, export_root=export_root, env={"JAX_PLATFORMS": "cpu"})
+    target = f"127.0.0.1:{port}"
+    try:
+        serverutil.wait_serving(proc, target, timeout=180.0)
+        with RolloutClient(target, retry_s=10) as c:
+            yield c
+    finally:
+        assert serverutil.stop(proc) == 0, serverutil.output(proc)
+
+
+def _greedy_against_reference(client, model_dir):
+    ref = transformers_backend.Backend(model_dir, dtype="float32")
+    got = client.generate(PROMPTS, SamplingParams(n=1, greedy=True, max_new_tokens=6, return_routing=True))
+    for i, prompt in enumerate(PROMPTS):
+        (want,) = ref.generate(prompt, i, GREEDY)
+        (s,) = got[i]
+        assert s.response_ids == want.token_ids, (i, s.response_ids, want.token_ids)
+        np.testing.assert_allclose(s.logprobs, want.logprobs, atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(np.sort(s.routing.astype(np.int64), -1), np.sort(want.routing, -1))
+        np.testing.assert_array_equal(np.sort(s.prompt_routing.astype(np.int64), -1), np.sort(want.prompt_routing, -1))
+    return got
+
+
+def test_info_and_greedy_equal_the_reference_backend(client, dirs):
+    info = client.info()
+    assert info["engine"] == "jax" and info["vocab_size"] == 97
+    _greedy_against_reference(client, dirs[0])
+
+
+def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, tmp_path):
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, seed=5, stop_token_ids=[5, 9], logprobs=2)
+    samples = client.generate(PROMPTS, params)
+    again = client.generate(PROMPTS, params)
+    assert [[s.response_ids for s in per] for per in samples] == [[s.response_ids for s in per] for per in again]
+    flat = [s for per in samples for s in per]
+    assert len({tuple(s.response_ids) for s in samples[0]}) > 1
+    for s in flat:
+        assert s.finish_reason in ("stop", "length") and len(s.top_ids) == len(s.response_ids)
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] in (5, 9) and not {5, 9} & set(s.response_ids[:-1])
+    ref = xla.rescore(dirs[0], xla.items_of(samples), tmp_path, temperature=0.7)
+    for s, r in zip(flat, ref):
+        np.testing.assert_allclose(s.logprobs, r["logprobs"], atol=1e-4)
+    scored = client.score(xla.items_of(samples), temperature=0.7)
+    for s, g in zip(flat, scored):
+        np.testing.assert_allclose(g["logprobs"], s.logprobs, atol=1e-4)
+
+
+def test_weights_update_whole_or_not_at_all(client, dirs):
+    model_dir, export_root = dirs
+    v0 = client.info()["version"]
+    model, _, hf = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    nnx.update(
+        model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    )
+    new_dir = export_root / "v1"
+    hf_io.save(model, new_dir, hf)
+    greedy = SamplingParams(n=1, greedy=True, max_new_tokens=6)
+    before = [(s.response_ids, s.logprobs) for s in client.generate(PROMPTS[:1], greedy)[0]]
+
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(new_dir / "model.safetensors"))
+    with pytest.raises(RolloutError, match="lacks"):  # a stream missing tensors: refused, nothing swapped
+        client.update_weights_from_tensors(dict(list(tensors.items())[:3]))
+    assert client.info()["version"] == v0
+    assert [(s.response_ids, s.logprobs) for s in client.generate(PROMPTS[:1], greedy)[0]] == before
+
+    v1 = client.update_weights(str(new_dir), version=v0 + 1)
+    assert client.info()["version"] == v1
+    got = _greedy_against_reference(client, str(new_dir))
+    assert all(s.versions == [v1] * len(s.response_ids) for per in got for s in per)
+
+
+def test_bad_input_is_refused_and_the_server_keeps_serving(client):
+    for prompts, params, match in [
+        ([list(range(90)) * 2], SamplingParams(max_new_tokens=8), "context length"),
+        ([[1, 200]], SamplingParams(max_new_tokens=4), "outside the vocabulary"),
+        ([[1, 2]], SamplingParams(n=0), "n must be"),
+        ([[1, 2]], SamplingParams(top_p=1.5), "top_p"),
+    ]:
+        with pytest.raises(RolloutError, match=match) as err:
+            client.generate(prompts, params)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    (ok,) = client.generate([[1, 2]], dataclasses.replace(SamplingParams(), max_new_tokens=3, greedy=True))
+    assert len(ok[0].response_ids) == 3
