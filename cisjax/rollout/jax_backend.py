@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import queue
-import shutil
 import threading
 import time
 from concurrent import futures
@@ -164,11 +163,7 @@ class Backend(backend_lib.Backend):
         self.sampler.version = self.version = version
 
     def load_tensors(self, tensors: dict, version: int) -> None:
-        tmp = weights.write_weights_dir(tensors, self.config_json, self.model)
-        try:
-            self.load_directory(tmp, version)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        weights.load_through_directory(self, tensors, version)
 
 
 @functools.cache

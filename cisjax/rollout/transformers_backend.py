@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -179,8 +178,4 @@ class Backend(backend_lib.Backend):
         self.version = version
 
     def load_tensors(self, tensors: dict, version: int) -> None:
-        tmp = weights.write_weights_dir(tensors, self.config_json, self.model)
-        try:
-            self.load_directory(tmp, version)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        weights.load_through_directory(self, tensors, version)

@@ -144,3 +144,13 @@ def write_weights_dir(tensors: dict, config_json: dict, served_model_dir) -> Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def load_through_directory(backend, tensors: dict, version: int) -> None:
+    """A backend's load_tensors by way of its load_directory: the tensors written as a temporary HF directory
+    (write_weights_dir), loaded from there as `version`, the directory removed after."""
+    tmp = write_weights_dir(tensors, backend.config_json, backend.model)
+    try:
+        backend.load_directory(tmp, version)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
