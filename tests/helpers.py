@@ -205,6 +205,26 @@ def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, posi
     return logits, routing
 
 
+def engine_params(**overrides):
+    """cisjax.rollout.backend.Params for a backend or engine called directly: one sample of 8 new tokens at
+    temperature 1 (no top-k, top-p, stop tokens, seed, top logprobs or routing), with `overrides`."""
+    from cisjax.rollout.backend import Params
+
+    base = dict(
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=8,
+        stop_token_ids=frozenset(),
+        seed=None,
+        greedy=False,
+        logprobs=0,
+        return_routing=False,
+    )
+    return Params(**{**base, **overrides})
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)

@@ -4,21 +4,10 @@ and a weight update holds back the work queued after it."""
 import dataclasses
 import threading
 
-from cisjax.rollout.backend import Params
 from cisjax.rollout.jax_backend import Backend
+from tests.helpers import engine_params
 
-BASE = Params(
-    n=2,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    max_new_tokens=6,
-    stop_token_ids=frozenset(),
-    seed=4,
-    greedy=False,
-    logprobs=0,
-    return_routing=False,
-)
+BASE = engine_params(n=2, max_new_tokens=6, seed=4)
 REQUESTS = [
     ([1, 2, 3], 0, dataclasses.replace(BASE, greedy=True)),
     ([50, 7, 9, 11, 4], 1, dataclasses.replace(BASE, temperature=0.6, top_k=5, max_new_tokens=3)),

@@ -11,26 +11,14 @@ import pytest
 
 from cisjax.models import hf_io
 from cisjax.rollout import transformers_backend
-from cisjax.rollout.backend import Params
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
-from tests.helpers import SERVER_QWEN2_MOE
+from tests.helpers import SERVER_QWEN2_MOE, engine_params
 from tests.rollout import serverutil, xla
 
 pytestmark = pytest.mark.slow  # a server subprocess
 
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
-GREEDY = Params(
-    n=1,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    max_new_tokens=6,
-    stop_token_ids=frozenset(),
-    seed=None,
-    greedy=True,
-    logprobs=0,
-    return_routing=True,
-)
+GREEDY = engine_params(max_new_tokens=6, greedy=True, return_routing=True)
 
 
 @pytest.fixture(scope="module")

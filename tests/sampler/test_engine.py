@@ -10,23 +10,11 @@ import pytest
 
 from cisjax.models import hf_io
 from cisjax.rollout import transformers_backend
-from cisjax.rollout.backend import Params
 from cisjax.sampler.engine import Engine, bucket
-from tests.helpers import TINY_FAMILIES, log_softmax
+from tests.helpers import TINY_FAMILIES, engine_params, log_softmax
 from tests.models import parity
 
-GREEDY = Params(
-    n=1,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    max_new_tokens=8,
-    stop_token_ids=frozenset(),
-    seed=0,
-    greedy=True,
-    logprobs=0,
-    return_routing=True,
-)
+GREEDY = engine_params(seed=0, greedy=True, return_routing=True)
 PROMPTS = [[5, 17, 3, 88, 41, 2, 9], [60, 7, 33]]
 
 
