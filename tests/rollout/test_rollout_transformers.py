@@ -36,7 +36,7 @@ def _start(model_dir, port, export_root=None, token=None, host="127.0.0.1"):
 
 
 def _wait(proc, target):
-    serverutil.wait_serving(proc, target, timeout=90.0)
+    serverutil.wait_serving(proc, target, timeout=300.0)
 
 
 _stop = serverutil.stop

@@ -92,7 +92,7 @@ def main(
             coordinator_address=f"127.0.0.1:{port}",
             num_processes=int(processes),
             process_id=int(process_id),
-            initialization_timeout=60,
+            initialization_timeout=300,
         )
     assert (
         jax.process_count() == int(processes) and jax.device_count() == 4 and jax.local_device_count() == int(devices)

@@ -46,7 +46,7 @@ def main(port: str, process_id: str, model_dir: str, export_root: str, out: str)
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=60
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=300
     )
     import flax.nnx as nnx
 

@@ -13,7 +13,7 @@ def main(port: str, process_id: str, mesh_name: str, out: str) -> int:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=60
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=300
     )
     import numpy as np
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two jax.
 
 REPO = Path(__file__).resolve().parents[2]
 MESH = "data2_fsdp2_tensor2"
-TIMEOUT_S = 90
+TIMEOUT_S = 600  # a hang guard: CI hosts under load took 165 s for this test
 
 
 def test_two_processes_match_one_process(tmp_path):

@@ -44,7 +44,7 @@ def model_dir(tiny_hf_dir):
 def tf_server(model_dir, tmp_path_factory):
     """(target, export root) of a transformers-backend server."""
     root = tmp_path_factory.mktemp("tf_exports")
-    s = _Server("transformers", model_dir, root, env={"OMP_NUM_THREADS": "1"}, timeout=90)
+    s = _Server("transformers", model_dir, root, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     yield s.target, root
     assert s.stop() == 0
 
@@ -191,7 +191,7 @@ def test_canary_every_and_off(tf_server, trainer):
 @pytest.fixture(scope="module")
 def tf_server2(model_dir, tf_server):
     """A second transformers-backend server on the same export root: with tf_server, a fleet of two."""
-    s = _Server("transformers", model_dir, tf_server[1], env={"OMP_NUM_THREADS": "1"}, timeout=90)
+    s = _Server("transformers", model_dir, tf_server[1], env={"OMP_NUM_THREADS": "1"}, timeout=300)
     yield s.target
     assert s.stop() == 0
 
