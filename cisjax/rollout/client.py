@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +95,9 @@ class Sample:
 
 
 class RolloutClient:
-    """Calls a rollout server. Generate/Score/Info retry on UNAVAILABLE with exponential backoff
-    for up to `retry_s` seconds (reopening the channel, so a restarted server is picked up); a
+    """Calls a rollout server, from any number of threads. Generate/Score/Info/UpdateWeights retry on UNAVAILABLE
+    with exponential backoff for up to `retry_s` seconds (reopening the channel, so a restarted server is picked up;
+    a call cancelled because another thread's retry replaced the channel is retried too); a
     broken Generate stream is resumed with only the prompts still missing (their ids keep the
     seeded samples identical). Every prompt gets exactly n samples or a RolloutError is raised."""
 
@@ -116,6 +118,9 @@ class RolloutClient:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.batch_size = batch_size
         self.pb = protos.load()
+        # The trainer calls from two threads (the rollout producer's Generate, the publisher's UpdateWeights): the
+        # channel is replaced under this lock, and only by the call whose channel failed.
+        self._lock = threading.Lock()
         self._channel = None
         self._open()
         # The weights the server should hold: after a reconnect to a server that reports an older
@@ -132,10 +137,18 @@ class RolloutClient:
         self.stub = self.pb.rollout_pb2_grpc.RolloutStub(self._channel)
         self.health_stub = self.pb.health_pb2_grpc.HealthStub(self._channel)
 
+    def _reopen(self, used) -> None:
+        """Replace the channel `used` after a failed call on it, unless another thread already has."""
+        with self._lock:
+            if self._channel is used:
+                self._open()
+            self._reconnected = True
+
     def close(self):
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
 
     def __enter__(self):
         return self
@@ -150,13 +163,16 @@ class RolloutClient:
         start, delay, tries = time.monotonic(), self.backoff_s, 0
         while True:
             tries += 1
+            used = self._channel
             try:
                 if self._reconnected:
                     self._restore()
                 return attempt()
             except grpc.RpcError as err:
                 code = err.code()
-                if code not in _RETRYABLE:
+                # CANCELLED on a channel that is no longer the client's: another thread's retry replaced it mid-call
+                replaced = code == grpc.StatusCode.CANCELLED and self._channel not in (used, None)
+                if code not in _RETRYABLE and not replaced:
                     raise RolloutError(f"{what} on {self.target} failed: {code.name}: {err.details()}", code) from None
                 if time.monotonic() - start + delay > self.retry_s:
                     raise RolloutError(
@@ -166,8 +182,7 @@ class RolloutClient:
                 log.warning("%s: %s (%s), retrying in %.2fs", what, code.name, err.details(), delay)
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, self.max_backoff_s)
-                self._open()
-                self._reconnected = True
+                self._reopen(used)
 
     def _restore(self) -> None:
         """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
