@@ -1,6 +1,8 @@
 """Routing replay: MoE layers run on forced expert ids (the rollout engine's) with gate weights from the current
 router, against the transformers reference forced the same way (tests/helpers.py hooks its routers)."""
 
+import functools
+
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -108,11 +110,10 @@ def test_router_learns_under_replay(tiny_hf_dir, family):
             assert np.isfinite(g).all() and np.abs(g).max() > 1e-6
 
 
-@pytest.mark.parametrize("remat, scan", [("none", False), ("full", True), ("minimal", True), ("full", False)])
-def test_forced_ids_survive_scan_and_remat(tiny_hf_dir, remat, scan):
-    """Each scanned layer (and its recompute under remat) gets its own layer's ids: loss and gradients equal the
-    unscanned, stored forward's, and differ from no replay."""
-    model_dir = tiny_hf_dir("deepseek_v2", **FAMILIES["deepseek_v2"])
+@functools.cache
+def _replay_reference(model_dir):
+    """The tokens, forced ids and swapped ids of test_forced_ids_survive_scan_and_remat, and the unscanned stored
+    forward's loss and gradients under the forced ids: once per process (the cases share them)."""
     ref_model, cfg, _ = hf_io.load(model_dir, scan_layers=False)
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 10)), jnp.int32)
@@ -120,12 +121,20 @@ def test_forced_ids_survive_scan_and_remat(tiny_hf_dir, remat, scan):
     # layer 2's ids where layer 1's should be: a mix-up of layers inside the scan would show
     swapped = forced[::-1]
     ref_value, ref_grads = _value_and_grads(ref_model, tokens, forced)
+    return tokens, forced, swapped, float(ref_value), [(n, np.asarray(r[...])) for n, r in nnx.to_flat_state(ref_grads)]
+
+
+@pytest.mark.parametrize("remat, scan", [("none", False), ("full", True), ("minimal", True), ("full", False)])
+def test_forced_ids_survive_scan_and_remat(tiny_hf_dir, remat, scan):
+    """Each scanned layer (and its recompute under remat) gets its own layer's ids: loss and gradients equal the
+    unscanned, stored forward's, and differ from no replay."""
+    model_dir = tiny_hf_dir("deepseek_v2", **FAMILIES["deepseek_v2"])
+    tokens, forced, swapped, ref_value, ref_grads = _replay_reference(model_dir)
     model, _, _ = hf_io.load(model_dir, scan_layers=scan, remat=remat)
     value, grads = _value_and_grads(model, tokens, forced)
-    assert float(value) == pytest.approx(float(ref_value), rel=1e-6)
-    assert float(_value_and_grads(model, tokens, swapped)[0]) != pytest.approx(float(ref_value), rel=1e-4)
-    for (name, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
-        r = np.asarray(r[...])
+    assert float(value) == pytest.approx(ref_value, rel=1e-6)
+    assert float(_value_and_grads(model, tokens, swapped)[0]) != pytest.approx(ref_value, rel=1e-4)
+    for (name, g), (_, r) in zip(nnx.to_flat_state(grads), ref_grads):
         np.testing.assert_allclose(np.asarray(g[...]), r, rtol=1e-5, atol=1e-6 * np.abs(r).max(), err_msg=str(name))
 
 

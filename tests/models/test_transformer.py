@@ -1,6 +1,7 @@
 """The shared decoder shell: rematerialisation (model.remat) and scanned layers (model.scan_layers) change what is
 compiled and stored, not the results."""
 
+import functools
 import re
 
 import flax.nnx as nnx
@@ -45,6 +46,12 @@ def _loss_and_grads(model_dir, remat, scan):
     return float(value), jax.tree.leaves(grads), str(jax.make_jaxpr(fn)(params))
 
 
+@functools.cache
+def _reference(model_dir):
+    """_loss_and_grads of the unscanned model without remat, once per model per process (the cases share it)."""
+    return _loss_and_grads(model_dir, "none", False)
+
+
 # The fast tier (make test-fast) runs qwen2_moe scanned with full remat; CI every case.
 @pytest.mark.parametrize(
     "family, remat, scan",
@@ -59,7 +66,7 @@ def _loss_and_grads(model_dir, remat, scan):
 def test_remat_and_scan_give_the_same_loss_and_gradients(tiny_hf_dir, family, remat, scan):
     """Against the unscanned model without remat (a Python loop over the layers, everything stored)."""
     model_dir = tiny_hf_dir(family, **MULTI_STACK[family])
-    ref_value, ref_grads, ref_jaxpr = _loss_and_grads(model_dir, "none", False)
+    ref_value, ref_grads, ref_jaxpr = _reference(model_dir)
     assert not REMAT.findall(ref_jaxpr)
     value, grads, jaxpr = _loss_and_grads(model_dir, remat, scan)
     layers = hf_io.read_hf_config(model_dir)["num_hidden_layers"]
