@@ -1,4 +1,5 @@
-"""`cisjax mismatch measure|report`: the mismatch observatory: measure XLA vs vLLM token by token, then report."""
+"""`cisjax mismatch measure|report`: the mismatch observatory: measure XLA vs vLLM (or the JAX sampler) token by token,
+then report."""
 
 from __future__ import annotations
 
@@ -77,11 +78,23 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
     )
     add("--perturb-scale", type=float, default=0.0, help="--perturb noise: the relative rms (e.g. 0.01)")
     add("--perturb-seed", type=int, default=0, help="--perturb noise: its seed")
+    add(
+        "--sampler",
+        choices=spec_lib.SAMPLERS,
+        default="vllm",
+        help="the engine that samples the tokens every pair is measured on; its side is the sampling step's logprobs, "
+        "another engine's side its Score of those tokens (default vllm; jax: cisjax's own sampler, serve --backend jax)",
+    )
     add("--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)")
     add(
         "--transformers-server",
         default=None,
         help="a running transformers rollout server HOST:PORT (default: start one when a pair needs it)",
+    )
+    add(
+        "--jax-server",
+        default=None,
+        help="a running JAX rollout server HOST:PORT (default: start one when a pair needs it)",
     )
     add("--startup-s", type=float, default=900.0, help="seconds a child server may take to start")
     add(

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class Servers:
-    """The rollout servers of the run: given addresses (spec.server, spec.transformers_server), or children started
-    here on `model_dir` (stopped by close())."""
+    """The rollout servers of the run: given addresses (spec.server, spec.transformers_server, spec.jax_server), or
+    children started here on `model_dir` (stopped by close())."""
 
     def __init__(self, spec: MeasureSpec, model_dir: Path, vocab_size: int):
         self.spec, self.model_dir, self.vocab_size = spec, model_dir, vocab_size
@@ -29,11 +29,11 @@ class Servers:
         self._export_root = None
 
     def client(self, backend: str) -> RolloutClient:
-        """The client of `backend` ("vllm" or "transformers"), connected (and its server started) on first use; its
-        engine and vocabulary checked against the model."""
+        """The client of `backend` (spec.ENGINES), connected (and its server started) on first use; its engine and
+        vocabulary checked against the model."""
         if backend in self.clients:
             return self.clients[backend]
-        target = self.spec.server if backend == "vllm" else self.spec.transformers_server
+        target = self.spec.target(backend)
         client = self._connect(target) if target else self._start(backend)
         info = client.info()
         where = target or "the child server"

@@ -1,4 +1,5 @@
-"""`cisjax mismatch measure`'s library: sample on vLLM, rescore those tokens on the other engines, write each pair."""
+"""`cisjax mismatch measure`'s library: sample on one engine (vLLM or the JAX sampler), rescore those tokens on the
+other engines, write each pair."""
 
 from __future__ import annotations
 
@@ -9,31 +10,30 @@ from cisjax import score as score_lib
 from cisjax.mismatch import engines, prompts, records, scoring, sides, write
 from cisjax.mismatch import sample as sample_lib
 from cisjax.mismatch import spec as spec_lib
-from cisjax.mismatch.spec import PAIRS, MeasureSpec
+from cisjax.mismatch.spec import ENGINES, PAIRS, MeasureSpec
 
 
 def _engine_sides(servers: engines.Servers, prompt_ids, spec: MeasureSpec, vocab_size: int):
-    """1. Sampling on vLLM (q of every token from the sampling step itself, paper C.5, and its routing), the probes, and
-    the inference engines' sides: (Sampled, Probes, {side name: Side})."""
+    """1. Sampling on spec.sampler (q of every token from the sampling step itself, paper C.5, and its routing), the
+    probes, and the inference engines' sides, the others' by Score: (Sampled, Probes, {side name: Side})."""
     wanted = spec.sides
-    vllm = servers.client("vllm")
     sampled = sample_lib.sample(
-        vllm,
+        servers.client(spec.sampler),
         prompt_ids,
         n=spec.n,
         max_new_tokens=spec.max_new_tokens,
         stop_ids=prompts.stop_ids(spec.model),
         seed=spec.seed,
-        routing=(spec.routing and "vllm" in wanted) or "xla_replay" in wanted,
+        routing=(spec.routing and spec.sampler in wanted) or "xla_replay" in wanted,
         vocab_size=vocab_size,
+        engine=spec.sampler,
     )
     probes = sample_lib.choose_probes(sampled, spec.probe_positions, seed=spec.seed + 1, topk=bool(spec.topk))
     out = {}
-    if "vllm" in wanted:
-        out["vllm"] = sides.vllm_side(vllm, servers.infos["vllm"], sampled, probes, spec)
-    if "transformers" in wanted:
-        client = servers.client("transformers")
-        out["transformers"] = sides.transformers_side(client, servers.infos["transformers"], sampled, probes, spec)
+    for engine in ENGINES:
+        if engine in wanted:
+            side = sides.sampling_side if engine == spec.sampler else sides.score_side
+            out[engine] = side(engine, servers.client(engine), servers.infos[engine], sampled, probes, spec)
     return sampled, probes, out
 
 
@@ -65,8 +65,8 @@ def _xla_sides(sampled, probes, spec: MeasureSpec, score_spec: score_lib.ScoreSp
 
 
 def measure(spec: MeasureSpec, score_spec: score_lib.ScoreSpec) -> list[Path]:
-    """Sample spec.n responses per prompt on vLLM, score the same tokens on every side the pairs need and write one
-    measurement directory per pair into spec.out (records.py); the directories written."""
+    """Sample spec.n responses per prompt on spec.sampler, score the same tokens on every side the pairs need and write
+    one measurement directory per pair into spec.out (records.py); the directories written."""
     hf = spec_lib.check(spec)
     vocab_size = int(hf["vocab_size"])
     prompt_ids = prompts.read_prompts(spec.prompts, spec.model, kind=spec.kind, num=spec.num_prompts, seed=spec.seed)

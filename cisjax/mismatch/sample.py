@@ -38,9 +38,18 @@ class Sampled:
 
 
 def sample(
-    client: RolloutClient, prompts, *, n: int, max_new_tokens: int, stop_ids, seed: int, routing: bool, vocab_size: int
+    client: RolloutClient,
+    prompts,
+    *,
+    n: int,
+    max_new_tokens: int,
+    stop_ids,
+    seed: int,
+    routing: bool,
+    vocab_size: int,
+    engine: str = "vllm",
 ) -> Sampled:
-    """`n` samples per prompt at temperature 1, top-p 1 (with the engine's routing when `routing`)."""
+    """`n` samples per prompt at temperature 1, top-p 1 (with the engine's routing when `routing`) on `engine`."""
     params = SamplingParams(
         n=n,
         temperature=1.0,
@@ -70,7 +79,7 @@ def sample(
         token_id_N=token_id,
         seq_id_N=np.repeat(np.arange(len(items)), lengths),
         position_N=np.concatenate([np.arange(k) for k in lengths]),
-        logq_N=flat_logprobs([s.logprobs for s in samples], n_tokens, "vllm sampling"),
+        logq_N=flat_logprobs([s.logprobs for s in samples], n_tokens, f"{engine} sampling"),
         generate_s=generate_s,
     )
 

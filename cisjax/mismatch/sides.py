@@ -1,4 +1,5 @@
-"""The engine sides of a measurement, one frozen Side per engine kind: vLLM's sampling, transformers' Score, XLA."""
+"""The engine sides of a measurement, one frozen Side per engine: the sampler's own logprobs, another engine's Score
+of its tokens, the trainer's (XLA) rescoring."""
 
 from __future__ import annotations
 
@@ -48,32 +49,37 @@ def _pairs(items) -> list[tuple]:
     return [(it.prompt_ids, it.response_ids) for it in items]
 
 
-def vllm_side(client: RolloutClient, info: dict, sampled: Sampled, probes: Probes, spec: MeasureSpec) -> Side:
-    """q from the sampling step itself; top-K by a Score pass over the probe items; routing from the sampling."""
+def sampling_side(
+    engine: str, client: RolloutClient, info: dict, sampled: Sampled, probes: Probes, spec: MeasureSpec
+) -> Side:
+    """The sampler's side: q from the sampling step itself; top-K by a Score pass over the probe items; routing from
+    the sampling."""
     topk, timings, routing = None, {}, None
     if spec.topk:
         t0 = time.monotonic()
         topk = probes.topk_at(client.score(_pairs(probes.items), logprobs=spec.topk))
-        timings["vllm_topk_s"] = time.monotonic() - t0
+        timings[f"{engine}_topk_s"] = time.monotonic() - t0
     if spec.routing:
         per_seq = [[] if s.routing is None else s.routing for s in sampled.samples]
-        routing = routing_array(per_seq, probes.routing_index, sampled.n_tokens, "vllm sampling")
-    label = f"vllm/{info['dtype']} (sampling)"
+        routing = routing_array(per_seq, probes.routing_index, sampled.n_tokens, f"{engine} sampling")
+    label = f"{engine}/{info['dtype']} (sampling)"
     return Side(sampled.logq_N, label, topk=topk, routing_LxTxK=routing, timings=timings)
 
 
-def transformers_side(client: RolloutClient, info: dict, sampled: Sampled, probes: Probes, spec: MeasureSpec) -> Side:
-    """The transformers engine's Score of the sampled tokens (and of the probe items for top-K)."""
+def score_side(
+    engine: str, client: RolloutClient, info: dict, sampled: Sampled, probes: Probes, spec: MeasureSpec
+) -> Side:
+    """Another engine's Score (prefill) of the sampled tokens (and of the probe items for top-K)."""
     t0 = time.monotonic()
     res = client.score(_pairs(sampled.items), routing=spec.routing)
-    timings = {"transformers_score_s": time.monotonic() - t0}
-    logp = flat_logprobs([r["logprobs"] for r in res], sampled.n_tokens, "transformers Score")
+    timings = {f"{engine}_score_s": time.monotonic() - t0}
+    logp = flat_logprobs([r["logprobs"] for r in res], sampled.n_tokens, f"{engine} Score")
     topk = probes.topk_at(client.score(_pairs(probes.items), logprobs=spec.topk)) if spec.topk else None
     routing = None
     if spec.routing:
         per_seq = [r.get("routing", []) for r in res]
-        routing = routing_array(per_seq, probes.routing_index, sampled.n_tokens, "transformers Score")
-    label = f"transformers/{info['dtype']} (Score)"
+        routing = routing_array(per_seq, probes.routing_index, sampled.n_tokens, f"{engine} Score")
+    label = f"{engine}/{info['dtype']} (Score)"
     return Side(logp, label, topk=topk, routing_LxTxK=routing, timings=timings)
 
 

@@ -10,16 +10,23 @@ from cisjax import errors
 from cisjax.train import perturb as perturb_lib
 
 # pair -> (side p, side q): p is the training side, q the inference side (records.py). In vllm-transformers the
-# transformers engine is the paper's training engine (Appendix C.5), so it is p whatever the name's order.
+# transformers engine is the paper's training engine (Appendix C.5), so it is p whatever the name's order. An engine
+# side ("vllm", "jax", "transformers") is the sampler's logprobs at the sampling step when it is MeasureSpec.sampler,
+# else that engine's Score (prefill) of the sampler's tokens.
 PAIRS = {
     "xla-vllm": ("xla", "vllm"),
     "xla-transformers": ("xla", "transformers"),
     "vllm-transformers": ("transformers", "vllm"),
+    # the JAX sampler (cisjax's own engine, `serve --backend jax`): the trainer's kernels behind a KV cache and decode
+    "xla-jax": ("xla", "jax"),
+    "jax-vllm": ("jax", "vllm"),
     "xla_bf16-xla_fp32": ("xla_bf16", "xla_fp32"),
     # routing replay: the trainer's forward on vLLM's expert ids of every position (--replay adds it beside xla-vllm)
     "xla_replay-vllm": ("xla_replay", "vllm"),
 }
 REPLAY_PAIR = "xla_replay-vllm"
+ENGINES = ("vllm", "jax", "transformers")  # the sides served by a rollout server (cisjax serve --backend NAME)
+SAMPLERS = ("vllm", "jax")  # the engines that may sample the measured tokens
 # The XLA sides rescoring in a fixed dtype (the side "xla" rescores in MeasureSpec.dtype).
 XLA_DTYPES = {"xla_bf16": "bfloat16", "xla_fp32": "float32"}
 
@@ -55,8 +62,10 @@ class MeasureSpec:
     perturb: str = "none"  # controlled mismatch: the engines started here serve a perturbed copy of `model`
     perturb_scale: float = 0.0
     perturb_seed: int = 0
+    sampler: str = "vllm"  # the engine whose samples (and sampling logprobs) every pair is measured on (SAMPLERS)
     server: str | None = None  # a running vLLM rollout server HOST:PORT (None: start one as a child)
     transformers_server: str | None = None  # a running transformers rollout server (None: start one when needed)
+    jax_server: str | None = None  # a running JAX rollout server (None: start one when needed)
     startup_s: float = 900.0  # seconds a child server may take to start
     progress: bool = True
 
@@ -69,6 +78,10 @@ class MeasureSpec:
     def sides(self) -> set[str]:
         """The engine sides the pairs need."""
         return {s for pair in self.measured_pairs for s in PAIRS[pair]}
+
+    def target(self, engine: str) -> str | None:
+        """The address given for `engine`'s rollout server (None: start one as a child)."""
+        return {"vllm": self.server, "transformers": self.transformers_server, "jax": self.jax_server}[engine]
 
     def xla_dtype(self, side: str) -> str | None:
         """The dtype an XLA side rescores in (None: not an XLA side of its own dtype)."""
@@ -83,7 +96,11 @@ def check(spec: MeasureSpec) -> dict:
         raise errors.UserError("--n and --max-new-tokens must be >= 1")
     if spec.topk and spec.probe_positions <= 0:
         raise errors.UserError("--topk needs --probe-positions N > 0 (the positions whose top-K both sides report)")
+    if spec.sampler not in SAMPLERS:
+        raise errors.UserError(f"--sampler {spec.sampler!r}: one of {', '.join(SAMPLERS)}")
+    if spec.replay and spec.sampler != "vllm":
+        raise errors.UserError("--replay replays vLLM's routing from its sampling: it needs --sampler vllm")
     perturb_lib.check(spec.perturb, spec.perturb_scale)
-    if spec.perturb != "none" and (spec.server or spec.transformers_server):
+    if spec.perturb != "none" and any(spec.target(e) for e in ENGINES):
         raise errors.UserError("--perturb serves a perturbed copy from the servers started here: drop --server")
     return json.loads((spec.model / "config.json").read_text())

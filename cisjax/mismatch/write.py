@@ -31,6 +31,7 @@ def run_meta(
         "model": str(spec.model.resolve()),
         "vocab_size": int(hf["vocab_size"]),
         "architecture": (hf.get("architectures") or [None])[0],
+        "sampler": spec.sampler,  # the engine that sampled the tokens (its side: the sampling step's logprobs)
         "n": spec.n,
         "temperature": 1.0,
         "top_p": 1.0,

@@ -1,4 +1,5 @@
-"""`cisjax mismatch measure` end to end: the demo's tiny MoE sampled by the real vLLM engine, rescored by XLA and the transformers engine."""
+"""`cisjax mismatch measure` end to end: the demo's tiny MoE sampled by the real vLLM engine (or the JAX sampler),
+rescored by XLA and scored by the other engines."""
 
 import argparse
 import json
@@ -23,7 +24,8 @@ N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """The tiny MoE, and a vLLM and a transformers server on it (fp32: the engines agree to ~1e-5), once per module."""
+    """The tiny MoE, and a vLLM, a transformers and a JAX server on it (fp32: the engines agree to ~1e-5), once per
+    module."""
     from cisjax.rollout.client import RolloutClient
     from cisjax.rollout.launch import ChildServer
 
@@ -32,7 +34,7 @@ def servers(tmp_path_factory):
     (root / "exports").mkdir()
     started = []
     try:
-        for backend in ("vllm", "transformers"):
+        for backend in ("vllm", "transformers", "jax"):
             s = ChildServer(
                 backend=backend,
                 model_dir=str(prepared / "model"),
@@ -50,6 +52,7 @@ def servers(tmp_path_factory):
             "data": prepared / "data" / "heldout.jsonl",
             "vllm": started[0].target,
             "transformers": started[1].target,
+            "jax": started[2].target,
             "root": root,
         }
     finally:
@@ -82,6 +85,8 @@ def _args(servers, out, **kw):
         servers["vllm"],
         "--transformers-server",
         servers["transformers"],
+        "--jax-server",
+        servers["jax"],
         "--no-progress",
     ]
     for k, v in kw.items():
@@ -185,7 +190,7 @@ def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
     for scale in (0.02, 0.1):
         out = tmp_path / f"noise{scale}"
         args = _args(servers, out, pairs="xla-vllm", dtype="float32", engine_dtype="float32", num_prompts=2)
-        args.server = args.transformers_server = None
+        args.server = args.transformers_server = args.jax_server = None
         args.perturb, args.perturb_scale, args.perturb_seed = "noise", scale, 5
         assert command.run(args, []) == 0
         m = records.load(out / "xla-vllm")
@@ -194,7 +199,7 @@ def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
         copies[scale] = (out / "engine_model" / "v000000" / "model.safetensors").read_bytes()
     assert 0 < sd[0.02] < sd[0.1], sd
     args = _args(servers, tmp_path / "again", pairs="xla-vllm", num_prompts=1)
-    args.server = args.transformers_server = None
+    args.server = args.transformers_server = args.jax_server = None
     args.perturb, args.perturb_scale, args.perturb_seed = "noise", 0.02, 5
     path, _ = engines.perturbed_copy(
         servers["model"], tmp_path / "again_model", kind=args.perturb, scale=args.perturb_scale, seed=args.perturb_seed
@@ -207,6 +212,8 @@ def test_perturbed_engine_mismatch_grows_with_the_dial(servers, tmp_path):
 
 
 def test_bad_inputs_are_named(servers, tmp_path):
+    with pytest.raises(ValueError, match="--replay .* needs --sampler vllm"):
+        command.run(_args(servers, tmp_path / "r", sampler="jax", pairs="xla-jax", replay=True), [])
     with pytest.raises(ValueError, match="unknown engine pair.*xla-sglang"):
         command.run(_args(servers, tmp_path / "a", pairs="xla-vllm,xla-sglang"), [])
     with pytest.raises(FileNotFoundError, match="--prompts .*no such file"):
@@ -231,7 +238,7 @@ def test_bad_inputs_are_named(servers, tmp_path):
 def test_child_servers_and_the_other_pairs(servers, tmp_path):
     """No --server: measure starts (and stops) its own vLLM and transformers servers, bf16 as the paper's engines."""
     args = _args(servers, tmp_path / "out", pairs="vllm-transformers,xla_bf16-xla_fp32", routing=True, num_prompts=2)
-    args.server = args.transformers_server = None
+    args.server = args.transformers_server = args.jax_server = None
     assert command.run(args, []) == 0
     vt, bf = (records.load(tmp_path / "out" / p) for p in ("vllm-transformers", "xla_bf16-xla_fp32"))
     assert vt.meta["side_p"] == "transformers/bfloat16 (Score)" and vt.meta["side_q"] == "vllm/bfloat16 (sampling)"
@@ -243,6 +250,32 @@ def test_child_servers_and_the_other_pairs(servers, tmp_path):
         assert m.routing["experts_p"].shape[:2] == (2, m.n_tokens)  # no probes: routing at every token
     np.testing.assert_array_equal(vt.tokens["token_id"], bf.tokens["token_id"])
     assert (tmp_path / "out" / "servers" / "vllm.log").is_file()
+
+
+def test_three_engines_on_the_jax_samplers_tokens(servers, tmp_path):
+    """--sampler jax: cisjax's JAX sampler samples, the trainer (XLA) rescores and vLLM scores the same tokens, all in
+    fp32. The sampler runs the trainer's kernels behind a KV cache: its sampling logprobs equal the trainer's rescoring
+    to 1e-4 and its routers choose what the trainer's do; vLLM (other kernels) agrees to float noise."""
+    out = tmp_path / "out"
+    pairs = ("xla-jax", "jax-vllm", "xla-vllm")
+    args = _args(servers, out, pairs=",".join(pairs), sampler="jax", dtype="float32", routing=True)
+    assert command.run(args, []) == 0
+    m = {p: records.load(out / p) for p in pairs}
+    sides = {p: (x.meta["side_p"], x.meta["side_q"]) for p, x in m.items()}
+    assert sides == {
+        "xla-jax": ("xla/float32", "jax/float32 (sampling)"),
+        "jax-vllm": ("jax/float32 (sampling)", "vllm/float32 (Score)"),
+        "xla-vllm": ("xla/float32", "vllm/float32 (Score)"),
+    }
+    assert {x.meta["sampler"] for x in m.values()} == {"jax"} and 0 < m["xla-jax"].n_tokens <= N_PROMPTS * N * NEW
+    for p in pairs[1:]:
+        np.testing.assert_array_equal(m[p].tokens["token_id"], m["xla-jax"].tokens["token_id"])  # one sample set
+    max_abs_logk = {p: float(np.max(np.abs(x.tokens["logp"] - x.tokens["logq"]))) for p, x in m.items()}
+    assert max_abs_logk["xla-jax"] <= 1e-4, max_abs_logk
+    assert max(max_abs_logk.values()) < 1e-3, max_abs_logk  # fp32 engines: float noise, not another model
+    routing = m["xla-jax"].routing
+    agree = np.all(np.sort(routing["experts_p"], -1) == np.sort(routing["experts_q"], -1), axis=-1)
+    assert agree.mean() >= 0.95  # the same routers on the same weights (a near-tie may flip)
 
 
 def test_report_of_a_real_measurement_has_every_table_and_plot(measured, tmp_path):

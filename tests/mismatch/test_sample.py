@@ -88,11 +88,12 @@ def test_routing_array_is_layer_major_at_the_tokens():
         sides.routing_array(per_seq, np.array([0]), 5, "test")
 
 
-def test_vllm_side_is_the_sampling():
+@pytest.mark.parametrize("engine", ["vllm", "jax"])
+def test_the_samplers_side_is_the_sampling(engine):
     s, _ = _sampled()
     probes = sample_lib.choose_probes(s, 0, seed=0, topk=False)
     spec = SimpleNamespace(topk=0, routing=True)
-    side = sides.vllm_side(None, {"dtype": "float32"}, s, probes, spec)
-    assert side.label == "vllm/float32 (sampling)" and side.topk is None and side.control is None
+    side = sides.sampling_side(engine, None, {"dtype": "float32"}, s, probes, spec)
+    assert side.label == f"{engine}/float32 (sampling)" and side.topk is None and side.control is None
     np.testing.assert_array_equal(side.logp_N, s.logq_N)
     assert side.routing_LxTxK.shape == (2, 8, 2) and dict(side.timings) == {}
