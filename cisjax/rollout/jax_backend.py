@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from cisjax.rollout.backend import Params, RequestError
 from cisjax.sampler.engine import Engine, Request, bucket
 
 MAX_BATCH = 64  # prompts in one program: the requests waiting beyond it run in the next
+
+log = logging.getLogger(__name__)
 
 
 class Backend(backend_lib.Backend):
@@ -46,6 +49,7 @@ class Backend(backend_lib.Backend):
         self.routing_unsupported = "" if self.supports_routing else "the model has no MoE layer"
         self.version = 0
         self.sampler = Engine(*nnx.split(model), max_len=self.max_model_len)
+        self.score_shapes: set[tuple[int, int]] = set()  # (length bucket, top_n): one compiled Score program each
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="jax-engine", daemon=True)
         self._thread.start()
@@ -137,6 +141,9 @@ class Backend(backend_lib.Backend):
         targets_L = np.zeros((length,), np.int32)
         targets_L[: n - 1] = seq[1:]  # position i predicts token i + 1
         top_n = min(int(top_k), self.vocab_size)
+        if (length, top_n) not in self.score_shapes:
+            self.score_shapes.add((length, top_n))
+            log.info("compiling score program %d: length %d, top_logprobs %d", len(self.score_shapes), length, top_n)
         lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n)(
             self.sampler.params, jnp.asarray(tokens_1xL), jnp.int32(n), jnp.float32(temperature), jnp.asarray(targets_L)
         )

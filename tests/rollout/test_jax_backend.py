@@ -44,3 +44,16 @@ def test_waiting_requests_run_as_one_batch_with_their_own_parameters(tiny_hf_dir
         assert got[2][0].top_ids is not None and len(got[2][0].top_ids[0]) == 2 and got[0][0].top_ids is None
     finally:
         backend.close()
+
+
+def test_score_compiles_one_program_per_length_bucket(tiny_hf_dir):
+    backend = Backend(tiny_hf_dir("qwen2_moe"), dtype="float32")
+    try:
+        for prompt, response, top_k in [([1, 2], [3, 4, 5], 0), ([7] * 9, [8] * 6, 0), ([1] * 10, [2] * 10, 0)]:
+            out = backend.score(prompt, response, 1.0, top_k)
+            assert len(out["logprobs"]) == len(response)
+        backend.score([1, 2], [3], 1.0, 2)
+        # lengths 5 and 15 share the 16 bucket, 20 takes 32; top-2 logprobs are another program
+        assert backend.score_shapes == {(16, 0), (32, 0), (16, 2)}
+    finally:
+        backend.close()
