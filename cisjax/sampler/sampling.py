@@ -19,17 +19,22 @@ def sampling_logprobs(logits_BxV, temperature_B, top_k_B, top_p_B, greedy_B) -> 
     v = x_BxV.shape[-1]
     temperature_B = jnp.where(greedy_B, 1.0, temperature_B).astype(jnp.float32)
     x_BxV = x_BxV / temperature_B[:, None]
-    desc_BxV = -jnp.sort(-x_BxV, axis=-1)
     use_k_B = ~greedy_B & (top_k_B > 0) & (top_k_B < v)
-    kth_Bx1 = jnp.take_along_axis(desc_BxV, jnp.clip(top_k_B - 1, 0, v - 1)[:, None], axis=-1)
-    x_BxV = jnp.where(use_k_B[:, None] & (x_BxV < kth_Bx1), -jnp.inf, x_BxV)
-    desc_BxV = jnp.where(use_k_B[:, None] & (desc_BxV < kth_Bx1), -jnp.inf, desc_BxV)  # still sorted
-    probs_BxV = jax.nn.softmax(desc_BxV, axis=-1)
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # the mass strictly above each sorted token
-    kept_B = jnp.sum(before_BxV < top_p_B[:, None], axis=-1)  # a prefix of the sorted tokens, >= 1
-    last_Bx1 = jnp.take_along_axis(desc_BxV, jnp.clip(kept_B - 1, 0, v - 1)[:, None], axis=-1)
     use_p_B = ~greedy_B & (top_p_B < 1.0)
-    x_BxV = jnp.where(use_p_B[:, None] & (x_BxV < last_Bx1), -jnp.inf, x_BxV)
+
+    def filtered(x_BxV):
+        desc_BxV = -jnp.sort(-x_BxV, axis=-1)
+        kth_Bx1 = jnp.take_along_axis(desc_BxV, jnp.clip(top_k_B - 1, 0, v - 1)[:, None], axis=-1)
+        x_BxV = jnp.where(use_k_B[:, None] & (x_BxV < kth_Bx1), -jnp.inf, x_BxV)
+        desc_BxV = jnp.where(use_k_B[:, None] & (desc_BxV < kth_Bx1), -jnp.inf, desc_BxV)  # still sorted
+        probs_BxV = jax.nn.softmax(desc_BxV, axis=-1)
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # the mass strictly above each sorted token
+        kept_B = jnp.sum(before_BxV < top_p_B[:, None], axis=-1)  # a prefix of the sorted tokens, >= 1
+        last_Bx1 = jnp.take_along_axis(desc_BxV, jnp.clip(kept_B - 1, 0, v - 1)[:, None], axis=-1)
+        return jnp.where(use_p_B[:, None] & (x_BxV < last_Bx1), -jnp.inf, x_BxV)
+
+    # the sort over V only when a row filters: RL's rollouts (temperature only) and greedy rows skip it
+    x_BxV = jax.lax.cond(jnp.any(use_k_B | use_p_B), filtered, lambda x: x, x_BxV)
     return jax.nn.log_softmax(x_BxV, axis=-1)
 
 
