@@ -253,11 +253,9 @@ def _train_killing_a_server(cfg, run_dir, which: int) -> list:
 @pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
-    the current weights, and the run completes every step. The JAX engine (it starts in half vLLM's time): what is
-    tested is the service's, not the engine's."""
+    the current weights, and the run completes every step."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300, "rollout.backend": "jax"})
-    servers = _train_killing_a_server(cfg, run_dir, 0)
+    servers = _train_killing_a_server(_cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300}), run_dir, 0)
     assert servers and servers[0].restarts >= 1
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
 
@@ -266,11 +264,9 @@ def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
 def test_fleet_of_two_replicas_one_killed_mid_run(prepared, tmp_path):
     """rollout.replicas=2: both embedded engines generate; one is killed (-9) after the first step. The run completes
     every step with continuous versions, its work goes to the other, and no replica in rotation ever holds an older
-    version than the one just published (the per-replica metrics of every step say so). Two JAX engines, as in
-    test_server_killed_mid_run_is_recovered."""
+    version than the one just published (the per-replica metrics of every step say so)."""
     run_dir = tmp_path / "run"
-    over = {"run.steps": 4, "rollout.replicas": 2, "rollout.retry_s": 300, "rollout.backend": "jax"}
-    cfg = _cfg(prepared, run_dir, **over)
+    cfg = _cfg(prepared, run_dir, **{"run.steps": 4, "rollout.replicas": 2, "rollout.retry_s": 300})
     servers = _train_killing_a_server(cfg, run_dir, 1)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
