@@ -131,11 +131,12 @@ class RolloutClient:
         self._reconnected = False
 
     def _open(self):
-        if self._channel is not None:
-            self._channel.close()
+        old = self._channel
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.stub = self.pb.rollout_pb2_grpc.RolloutStub(self._channel)
         self.health_stub = self.pb.health_pb2_grpc.HealthStub(self._channel)
+        if old is not None:  # closed after the new one is in place: a call it cancels sees it replaced
+            old.close()
 
     def _reopen(self, used) -> None:
         """Replace the channel `used` after a failed call on it, unless another thread already has."""
@@ -171,7 +172,8 @@ class RolloutClient:
             except grpc.RpcError as err:
                 code = err.code()
                 # CANCELLED on a channel that is no longer the client's: another thread's retry replaced it mid-call
-                replaced = code == grpc.StatusCode.CANCELLED and self._channel not in (used, None)
+                with self._lock:  # a replacement in progress finishes first
+                    replaced = code == grpc.StatusCode.CANCELLED and self._channel not in (used, None)
                 if code not in _RETRYABLE and not replaced:
                     raise RolloutError(f"{what} on {self.target} failed: {code.name}: {err.details()}", code) from None
                 if time.monotonic() - start + delay > self.retry_s:
