@@ -15,6 +15,9 @@ from cisjax import errors
 PREFIX = "--config."
 # Config dicts whose keys are free (any logical axis name); everywhere else an unknown key is a typo.
 OPEN_FIELDS = ("sharding.rules",)
+# Fields never written or printed (redacted): the rollout service's bearer token.
+SECRET_FIELDS = ("rollout.token",)
+REDACTED = "<redacted>"
 
 
 def load_file(path: str | Path) -> ml_collections.ConfigDict:
@@ -134,6 +137,25 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> ml_collectio
     cfg = apply_overrides(load_file(path), overrides)
     cfg.lock()
     return cfg
+
+
+def redacted(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `cfg` with each set SECRET_FIELDS value replaced by REDACTED: what a run directory saves and `cisjax
+    config` prints."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    for path in SECRET_FIELDS:
+        *parents, leaf = path.split(".")
+        node = out
+        for name in parents:
+            node = node.get(name) if node is not None else None
+        if node is not None and node.get(leaf):
+            node[leaf] = REDACTED
+    return out
+
+
+def secret_overrides(overrides: Sequence[str]) -> list[str]:
+    """The SECRET_FIELDS among `--config.x=y` overrides (a command line that other local users can read)."""
+    return [f for f in SECRET_FIELDS if any(o.split("=", 1)[0] == PREFIX + f for o in overrides)]
 
 
 def default_config_path() -> Path:

@@ -156,7 +156,12 @@ def get_config() -> ml_collections.ConfigDict:
     # "" = automatic with several replicas (GPUs split evenly on a GPU engine, else the cores); "none" = unrestricted
     c.rollout.replica_cpus = ""  # e.g. "0-3|4-7"; "" = automatic; "none" = unpinned
     c.rollout.replica_gpus = ""  # e.g. "0,1|2,3"; "" = automatic; "none" = as the trainer sees them
-    c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN)
+    c.rollout.token = ""  # bearer token for a remote server ("" = $CISJAX_ROLLOUT_TOKEN, the safer place); never saved
+    # TLS to running servers (rollout.server; embedded children bind localhost in plain text): docs/rollout.md
+    c.rollout.tls_ca = ""  # PEM of the CA that signed the servers' certificates ("" = plain text)
+    c.rollout.tls_cert = ""  # mutual TLS: this trainer's client certificate (PEM; with tls_key)
+    c.rollout.tls_key = ""  # its private key (PEM)
+    c.rollout.tls_server_name = ""  # the name the servers' certificates carry, when not the host in rollout.server
     c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers | jax (cisjax's own sampler)
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32
     c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)

@@ -19,6 +19,12 @@
 #                server, else JAX's own); GPU_MEM + TRAIN_MEM must stay below 1 on a shared GPU
 #   PORT (50051), DTYPE (bfloat16: the engine's), MAX_LEN (vLLM context length; 0 = the model's), STARTUP_S (900),
 #   BACKEND (vllm; transformers = the torch reference engine, for a run without a GPU), BIN (.venv/bin)
+#   HOST         the address the servers bind (default 127.0.0.1; the trainer dials 127.0.0.1): another address lets
+#                other hosts reach them (an eval, a measurement) and needs CISJAX_ROLLOUT_TOKEN and TLS
+#   TLS_CERT, TLS_KEY  the servers serve TLS with this certificate (it must name 127.0.0.1, or set TLS_SERVER_NAME)
+#                and key; TLS_CA the CA the trainer trusts (required with them); TLS_CLIENT_CA: mutual TLS, the servers
+#                accept only clients this CA signed, the trainer presenting TLS_CLIENT_CERT / TLS_CLIENT_KEY
+#                (docs/rollout.md: a CA in a few commands)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +55,21 @@ if [ "$n_gpus" -lt "$REPLICAS" ] || [ $((n_gpus % REPLICAS)) -ne 0 ]; then
 fi
 per=$((n_gpus / REPLICAS))
 case "$BACKEND" in vllm | transformers) ;; *) echo "gpu_local.sh: BACKEND is vllm or transformers" >&2; usage ;; esac
+HOST=${HOST:-127.0.0.1}
+tls_serve=() tls_train=()
+if [ -n "${TLS_CERT:-}${TLS_KEY:-}${TLS_CA:-}${TLS_CLIENT_CA:-}" ]; then
+  [ -n "${TLS_CERT:-}" ] && [ -n "${TLS_KEY:-}" ] && [ -n "${TLS_CA:-}" ] \
+    || { echo "gpu_local.sh: TLS needs TLS_CERT and TLS_KEY (the servers') and TLS_CA (what the trainer trusts)" >&2; usage; }
+  tls_serve=(--tls-cert "$TLS_CERT" --tls-key "$TLS_KEY")
+  tls_train=(--config.rollout.tls_ca="$TLS_CA")
+  if [ -n "${TLS_CLIENT_CA:-}" ]; then
+    [ -n "${TLS_CLIENT_CERT:-}" ] && [ -n "${TLS_CLIENT_KEY:-}" ] \
+      || { echo "gpu_local.sh: TLS_CLIENT_CA (mutual TLS) needs TLS_CLIENT_CERT and TLS_CLIENT_KEY" >&2; usage; }
+    tls_serve+=(--tls-client-ca "$TLS_CLIENT_CA")
+    tls_train+=(--config.rollout.tls_cert="$TLS_CLIENT_CERT" --config.rollout.tls_key="$TLS_CLIENT_KEY")
+  fi
+  [ -z "${TLS_SERVER_NAME:-}" ] || tls_train+=(--config.rollout.tls_server_name="$TLS_SERVER_NAME")
+fi
 for a in "$@"; do
   case "$a" in --config.* | --resume) ;; *) echo "gpu_local.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
 done
@@ -112,7 +133,8 @@ for ((i = 0; i < REPLICAS; i++)); do
   echo "gpu_local.sh: starting rollout server $i ($BACKEND on GPUs $gpus, port $port, log $log)" >&2
   offsets+=("$(wc -c <"$log" 2>/dev/null || echo 0)")  # the log is appended to: --resume keeps the old one
   CUDA_VISIBLE_DEVICES=$gpus setsid "$BIN/cisjax" serve --backend "$BACKEND" --model "$MODEL" --port "$port" \
-    --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} >>"$log" 2>&1 </dev/null &
+    --host "$HOST" --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} \
+    ${tls_serve[@]+"${tls_serve[@]}"} >>"$log" 2>&1 </dev/null &
   server_pids+=("$!")
   logs+=("$log")
   targets+=("127.0.0.1:$port")
@@ -139,4 +161,4 @@ if [ -n "${TRAIN_MEM:-}" ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$TRAIN_MEM
 fi
 CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$BIN/cisjax" train --config "$CONFIG" --config.model.path="$MODEL" --config.run.dir="$RUN" \
-  --config.rollout.server="$ROLLOUT" --config.publish.dir="$RUN/exports" "$@"
+  --config.rollout.server="$ROLLOUT" --config.publish.dir="$RUN/exports" ${tls_train[@]+"${tls_train[@]}"} "$@"

@@ -15,6 +15,10 @@
 #             (default: RUN/checkpoints, enough on a single-host slice only)
 #   PUBLISH   stream (default: weights go over gRPC, no shared filesystem) | disk: exported into PUBLISH_DIR
 #             (worker 0's path) that the server sees as SERVER_DIR (under its --export-root)
+#   TLS_CA    TLS to the rollout server(s): the CA that signed their certificates (`cisjax serve --tls-cert`); needed
+#             when they bind a non-localhost address (docs/rollout.md: a CA for a cluster in a few commands)
+#   TLS_CERT, TLS_KEY  mutual TLS: this slice's client certificate and key (the servers' --tls-client-ca signed it)
+#   TLS_SERVER_NAME    the name the servers' certificates carry, when not the host in ROLLOUT
 #   BIN       (.venv/bin)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +48,11 @@ case "$PUBLISH" in
     args+=(--config.publish.dir="$PUBLISH_DIR" --config.publish.server_dir="$SERVER_DIR") ;;
   *) echo "tpu_pod.sh: PUBLISH is stream or disk" >&2; usage ;;
 esac
+if [ -n "${TLS_CA:-}${TLS_CERT:-}${TLS_KEY:-}${TLS_SERVER_NAME:-}" ]; then
+  [ -n "${TLS_CA:-}" ] || { echo "tpu_pod.sh: TLS_CERT, TLS_KEY and TLS_SERVER_NAME need TLS_CA" >&2; usage; }
+  args+=(--config.rollout.tls_ca="$TLS_CA" --config.rollout.tls_cert="${TLS_CERT:-}" --config.rollout.tls_key="${TLS_KEY:-}")
+  args+=(--config.rollout.tls_server_name="${TLS_SERVER_NAME:-}")
+fi
 if [ -n "${RUN:-}" ]; then
   args+=(--config.run.dir="$RUN")
 fi

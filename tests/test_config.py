@@ -88,3 +88,13 @@ def test_experiment_arms():
         config.load(f"{configs}/qwen3_30b_a3b.py:cis+rep")
     with pytest.raises(errors.UserError, match="takes no argument"):
         config.load(f"{configs}/base.py:cis")
+
+
+def test_the_token_is_redacted_in_what_is_saved_or_printed():
+    cfg = config.load(None, ["--config.rollout.token=t0p-secret", "--config.rollout.server=h:1"])
+    shown = config.redacted(cfg)
+    assert shown.rollout.token == config.REDACTED and "t0p-secret" not in shown.to_json_best_effort()
+    assert shown.rollout.server == "h:1" and cfg.rollout.token == "t0p-secret"  # the original untouched
+    assert config.redacted(config.load(None)).rollout.token == ""  # unset stays unset
+    assert config.secret_overrides(["--config.rollout.token=x", "--config.rollout.server=h:1"]) == ["rollout.token"]
+    assert config.secret_overrides(["--config.rollout.tokenizer=x"]) == []

@@ -5,6 +5,7 @@ process)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import pytest
 
 from cisjax import cli
 from cisjax import config as config_lib
+from cisjax.rollout.local_ca import LocalCA
 from tests.rollout.serverutil import free_port
 from tests.train import looputil
 
@@ -231,6 +233,25 @@ def test_gpu_local_replicas_must_split_the_server_gpus():
     assert r.returncode == 2 and "REPLICAS=0 is not a positive integer" in r.stderr, r
 
 
+@pytest.mark.parametrize(
+    "script, settings, message",
+    [
+        ("gpu_local.sh", dict(TLS_CERT="s.pem"), "TLS needs TLS_CERT and TLS_KEY (the servers') and TLS_CA"),
+        (
+            "gpu_local.sh",
+            dict(TLS_CERT="s.pem", TLS_KEY="s.key", TLS_CA="ca.pem", TLS_CLIENT_CA="ca.pem"),
+            "TLS_CLIENT_CA (mutual TLS) needs TLS_CLIENT_CERT and TLS_CLIENT_KEY",
+        ),
+        ("tpu_pod.sh", dict(TLS_CERT="c.pem", TLS_KEY="c.key"), "TLS_CERT, TLS_KEY and TLS_SERVER_NAME need TLS_CA"),
+    ],
+)
+def test_launcher_tls_settings_come_whole(script, settings, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLS_")}
+    env.update(CONFIG="configs/demo_cpu.py", ROLLOUT="127.0.0.1:1", **settings)
+    r = subprocess.run(["bash", str(REPO / "launchers" / script)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr, r
+
+
 def test_distributed_is_opt_in(monkeypatch):
     """`cisjax train` calls jax.distributed.initialize() only under CISJAX_DISTRIBUTED=1 (tpu_pod.sh sets it)."""
     import jax
@@ -325,8 +346,10 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
 @pytest.mark.slow
 def test_gpu_local_starts_one_server_per_gpu_group(prepared, env, tmp_path):
     """REPLICAS=2: two servers (one per group of SERVER_GPUS, the transformers engine here), both serving the run's
-    prompts and getting its weights, both stopped at the end."""
+    prompts and getting its weights over TLS (the certificates passed through), both stopped at the end."""
     run_dir, port = tmp_path / "run", free_port()
+    ca = LocalCA(tmp_path / "pki")
+    cert = ca.issue("server")
     env = dict(
         env,
         CONFIG="configs/demo_cpu.py",
@@ -338,6 +361,9 @@ def test_gpu_local_starts_one_server_per_gpu_group(prepared, env, tmp_path):
         SERVER_GPUS="0,1",
         TRAIN_GPUS="2",
         REPLICAS="2",
+        TLS_CERT=cert.cert,
+        TLS_KEY=cert.key,
+        TLS_CA=ca.cert,
     )
     r = subprocess.run(
         ["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared)],
@@ -353,39 +379,59 @@ def test_gpu_local_starts_one_server_per_gpu_group(prepared, env, tmp_path):
     for i in range(2):
         assert rows[-1][f"rollout/replica{i}/version"] == 2, rows[-1]
         log = (run_dir / f"rollout_server{i}.log").read_text()
-        assert "listening on" in log and "stopped" in log
+        assert "listening on" in log and "(TLS)" in log and "stopped" in log
     assert not (run_dir / "rollout_server.log").exists()
 
 
 @pytest.mark.slow
 def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp_path):
     """A pod slice of one host, without jax.distributed: the command line the workers run, against a server started
-    apart (weights streamed: no shared directory)."""
-    run_dir, port = tmp_path / "run", free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cisjax.commands.serve",
-            "--backend",
-            "transformers",
-            "--model",
-            str(prepared / "model"),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    apart, as across a network: mutual TLS (certificates from a CA made here) and a bearer token. The weights are
+    streamed over TLS (no shared directory) and pass the canary; the token, given to the trainer as a config field,
+    is in no file of the run, no log line and no saved config."""
+    run_dir, port, token = tmp_path / "run", free_port(), "tok-" + os.urandom(8).hex()
+    ca = LocalCA(tmp_path / "pki")
+    server_cert, client_cert = ca.issue("server"), ca.issue("trainer", names=("trainer",), client=True)
+    server_log = tmp_path / "server.log"
+    with open(server_log, "wb") as out:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cisjax.commands.serve",
+                "--backend",
+                "transformers",
+                "--model",
+                str(prepared / "model"),
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--tls-cert",
+                server_cert.cert,
+                "--tls-key",
+                server_cert.key,
+                "--tls-client-ca",
+                ca.cert,
+            ],
+            env=dict(env, CISJAX_ROLLOUT_TOKEN=token),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         env = dict(
-            env, CONFIG="configs/demo_cpu.py", ROLLOUT=f"127.0.0.1:{port}", RUN=str(run_dir), CISJAX_DISTRIBUTED="0"
+            env,
+            CONFIG="configs/demo_cpu.py",
+            ROLLOUT=f"127.0.0.1:{port}",
+            RUN=str(run_dir),
+            CISJAX_DISTRIBUTED="0",
+            CISJAX_ROLLOUT_TOKEN="",
+            TLS_CA=ca.cert,
+            TLS_CERT=client_cert.cert,
+            TLS_KEY=client_cert.key,
         )
         r = subprocess.run(
-            ["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared)],
+            ["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared), f"--config.rollout.token={token}"],
             env=env,
             capture_output=True,
             text=True,
@@ -397,4 +443,12 @@ def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp
         server.wait(30)
     rows = looputil.metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1] and rows[-1]["publish/version"] == 2
+    assert all(row["publish/canary_failed_replicas"] == 0 for row in rows), rows
     assert not (run_dir / "exports").exists()  # streamed
+    assert "(TLS, mutual)" in server_log.read_text()
+    assert "can be read by other users" in r.stderr  # the token was on the command line
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["rollout"]["token"] == "<redacted>" and saved["rollout"]["tls_ca"] == ca.cert
+    texts = {"stdout": r.stdout, "stderr": r.stderr, "server log": server_log.read_text(errors="replace")}
+    texts.update({str(p): p.read_bytes().decode(errors="replace") for p in run_dir.rglob("*") if p.is_file()})
+    assert len(texts) > 5 and not [where for where, text in texts.items() if token in text]

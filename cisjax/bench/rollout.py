@@ -17,6 +17,8 @@ from cisjax.bench import harness, rollout_fleet, serving, tiny_model, workload
 from cisjax.bench.inprocess import InProcess
 from cisjax.bench.serving import Server, engine_env
 from cisjax.rollout.client import RolloutClient
+from cisjax.rollout.local_ca import LocalCA
+from cisjax.rollout.tls import ClientTLS
 
 TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same engine settings
 MODEL = tiny_model.Sizes(256, 4, 4, 2, 8, 2, 256, 512, 8192)
@@ -92,10 +94,16 @@ def _add_engine_args(e: argparse._ArgumentGroup) -> None:
         help="also time cisjax's JAX sampler on the same requests (a `cisjax serve --backend jax` subprocess, one "
         "call), against the same in-process vLLM baseline",
     )
+    e.add_argument(
+        "--tls",
+        action="store_true",
+        help="also time the gRPC call over TLS: a second vLLM server serving a throwaway CA's certificate on "
+        "127.0.0.1, against the plain-text server (the ratio tls / plain)",
+    )
     harness.add_server_timeout(e)
 
 
-def _grpc_call(target: str, prompts, params, clients: int):
+def _grpc_call(target: str, prompts, params, clients: int, tls: ClientTLS | None = None):
     """Generate through the server: one client call with every prompt, or `clients` concurrent calls (threads, one channel
     each) on interleaved slices. Returns ([prompt][sample] -> (tokens, logprobs), (sum over prompts of the server's
     generate_s per prompt, the server's span: the latest sample's queue_s + generate_s from its call's arrival)))."""
@@ -106,7 +114,7 @@ def _grpc_call(target: str, prompts, params, clients: int):
 
     def work(k: int):
         try:
-            with RolloutClient(target, timeout_s=3600.0, retry_s=120.0) as client:
+            with RolloutClient(target, tls=tls, timeout_s=3600.0, retry_s=120.0) as client:
                 results[k] = client.generate([prompts[i] for i in parts[k]], params)
         except BaseException as err:  # re-raised in the caller
             failures.append(err)
@@ -184,6 +192,20 @@ def bench(args) -> dict:
                 timeout_s=args.server_timeout,
                 wait=False,
             )
+        if args.tls:
+            ca = LocalCA(tmp / "tls")
+            cert = ca.issue("server")
+            servers["tls"] = Server(
+                "vllm",
+                model_dir,
+                dtype=args.dtype,
+                log_path=tmp / "tls_server.log",
+                env=env,
+                timeout_s=args.server_timeout,
+                wait=False,
+                extra_args=("--tls-cert", cert.cert, "--tls-key", cert.key),
+                client_tls=ClientTLS(ca.cert),
+            )
         inproc = None
         try:
             inproc = InProcess(str(model_dir), args.dtype, max_model_len, args.inproc_thread)  # while the server starts
@@ -191,8 +213,9 @@ def bench(args) -> dict:
             for s in servers.values():
                 s.wait()
             res["server_start_s"] = server.start_s
-            if args.jax:
-                res["jax_server_start_s"] = servers["jax"].start_s
+            for name in ("jax", "tls"):
+                if name in servers:
+                    res[f"{name}_server_start_s"] = servers[name].start_s
             names, times = _interleave(args, prompts, inproc, servers)
         except BaseException:
             serving.print_logs(servers)
@@ -202,8 +225,9 @@ def bench(args) -> dict:
             if inproc is not None:
                 inproc.close()
             res["server_exit_code"] = server.stop()
-            if args.jax:
-                res["jax_server_exit_code"] = servers["jax"].stop()
+            for name in ("jax", "tls"):
+                if name in servers:
+                    res[f"{name}_server_exit_code"] = servers[name].stop()
     res.update(_results(names, times))
     return res
 
@@ -229,6 +253,9 @@ def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]) ->
     if "jax" in servers:
         names["grpc_jax"] = "gRPC to the JAX sampler (cisjax serve --backend jax), 1 client call"
         runs["grpc_jax"] = lambda p: _grpc_call(servers["jax"].target, prompts, p, 1)
+    if "tls" in servers:
+        names["grpc_tls"] = "gRPC over TLS (a second vLLM server, its certificate from a throwaway CA), 1 client call"
+        runs["grpc_tls"] = lambda p: _grpc_call(servers["tls"].target, prompts, p, 1, servers["tls"].client_tls)
     for run in runs.values():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
         run(warm)
 
@@ -262,7 +289,12 @@ def _results(names: dict, times: harness.Timings) -> dict:
             row["outside_server_s"] = harness.median(t - span for (_, span), t in zip(server, wall))
     ratio = next(r["ratio"] for r in rows if r["key"] == "grpc")
     concurrent = next((r["ratio"] for r in rows if r["key"] == "grpc_concurrent"), None)
+    tls = "grpc_tls" in times.wall_s
     return dict(
+        # tokens/s over TLS / in plain text (same tokens): median time of plain over median time of TLS, and the
+        # median over rounds of each round's plain / TLS time (load drift between rounds cancels)
+        ratio_tls_vs_plain=times.median("grpc") / times.median("grpc_tls") if tls else None,
+        ratio_tls_vs_plain_paired=times.paired("grpc", "grpc_tls") if tls else None,
         rows=rows,
         times_s=times.wall_s,
         ratio=ratio,
@@ -302,6 +334,11 @@ def _print(res: dict) -> None:
             else ""
         )
     )
+    if res.get("ratio_tls_vs_plain") is not None:
+        console.print(
+            f"gRPC over TLS / plain-text gRPC tokens/s: {res['ratio_tls_vs_plain']:.2f}x (medians), "
+            f"{res['ratio_tls_vs_plain_paired']:.2f}x (paired by round); 1 call each"
+        )
     base = res["rows"][0]
     for row in res["rows"][1:]:  # where the gRPC time goes
         line = (

@@ -14,5 +14,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    print(config_lib.load(args.config, overrides or []))
+    print(config_lib.redacted(config_lib.load(args.config, overrides or [])))
     return 0

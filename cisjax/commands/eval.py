@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import time
 from pathlib import Path
 
 from cisjax import console, errors
+from cisjax.commands import remote
 from cisjax.evaluation import prompts, report, runner, served
 from cisjax.evaluation import sets as sets_lib
 from cisjax.evaluation.grading import POOL_FN
@@ -53,11 +53,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="HOST:PORT of a running `cisjax serve`, or HOST:PORT,HOST:PORT,... of several (a fleet) "
         "(default: start a vLLM server child on --model)",
     )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("CISJAX_ROLLOUT_TOKEN"),
-        help="bearer token for --server (default $CISJAX_ROLLOUT_TOKEN)",
-    )
+    remote.add_token(p, "bearer token for --server")
+    remote.add_client_tls(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +134,9 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         concurrency=args.concurrency,
     )
     settings.check()
+    token, tls = remote.token(args), remote.client_tls(args)
+    if tls is not None and not args.server:
+        raise errors.UserError("--tls-ca is for --server: the embedded server binds 127.0.0.1 in plain text")
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise errors.MissingInput(f"--model {model_dir} is not a directory")
@@ -160,7 +160,8 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
                 backend=args.backend,
                 dtype=args.dtype,
                 kv_cache_gib=args.kv_cache_gib,
-                token=args.token,
+                token=token,
+                tls=tls,
                 startup_s=args.startup_timeout,
             )
         )

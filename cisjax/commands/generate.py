@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.commands import remote
 from cisjax.files import write_jsonl_atomic
 from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
 
@@ -68,9 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also write routed expert ids: 'routing' [token][moe_layer][k] of the passes that produced the response "
         "tokens, 'prompt_routing' of the prompt's other positions (the engine batches such calls among themselves)",
     )
-    p.add_argument(
-        "--token", default=os.environ.get("CISJAX_ROLLOUT_TOKEN"), help="bearer token (default $CISJAX_ROLLOUT_TOKEN)"
-    )
+    remote.add_token(p, "the server's bearer token")
+    remote.add_client_tls(p)
     p.add_argument("--timeout", type=float, default=600.0, help="deadline per call, seconds")
     p.add_argument("--retry", type=float, default=120.0, help="seconds to keep retrying an unavailable server")
 
@@ -94,7 +93,8 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         logprobs=args.logprobs,
         return_routing=args.routing,
     )
-    with RolloutClient(args.server, token=args.token, timeout_s=args.timeout, retry_s=args.retry) as client:
+    token, tls = remote.token(args), remote.client_tls(args)
+    with RolloutClient(args.server, token=token, tls=tls, timeout_s=args.timeout, retry_s=args.retry) as client:
         try:
             samples = client.generate(prompts, params)
         except RolloutError as err:

@@ -11,6 +11,7 @@ from pathlib import Path
 from cisjax import config as config_lib
 from cisjax import errors
 from cisjax import score as score_lib
+from cisjax.commands import remote
 from cisjax.mismatch import dumps, records
 from cisjax.mismatch import measure as measure_lib
 from cisjax.mismatch import report as report_lib
@@ -97,6 +98,8 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
         help="a running JAX rollout server HOST:PORT (default: start one when a pair needs it)",
     )
     add("--startup-s", type=float, default=900.0, help="seconds a child server may take to start")
+    remote.add_token(p, "bearer token of the running servers")
+    remote.add_client_tls(p)
     add(
         "--dump",
         default=None,
@@ -157,6 +160,8 @@ def _measure(args: argparse.Namespace, overrides) -> int:
             model=Path(args.model),
             prompts=Path(args.prompts),
             pairs=pairs,
+            token=remote.token(args),
+            tls=remote.client_tls(args),
             progress=not args.no_progress,
         )
         written += measure_lib.measure(spec, score_spec)

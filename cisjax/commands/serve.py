@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 from cisjax import console, errors
+from cisjax.commands import remote
 from cisjax.rollout import placement
 from cisjax.rollout import server as server_lib
+from cisjax.rollout.tls import ServerTLS
 
 log = logging.getLogger("cisjax.serve")
 
@@ -25,15 +27,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--port", type=int, required=True, help="port to listen on (0 = any free port, printed)")
     p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; anything else requires --token)"
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; anything else requires a token, and TLS unless --insecure)",
     )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="engine dtype (default bfloat16)"
     )
+    remote.add_token(p, "require 'authorization: Bearer TOKEN' on every call but health checks")
+    p.add_argument("--tls-cert", default="", help="serve TLS with this certificate chain (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default="", help="the private key of --tls-cert (PEM)")
     p.add_argument(
-        "--token",
-        default=os.environ.get("CISJAX_ROLLOUT_TOKEN"),
-        help="require 'authorization: Bearer TOKEN' (default $CISJAX_ROLLOUT_TOKEN)",
+        "--tls-client-ca",
+        default="",
+        help="mutual TLS: only clients with a certificate this CA (PEM) signed may connect (with --tls-cert)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-localhost --host without TLS: the token and the weights then cross the network in clear text",
     )
     p.add_argument(
         "--export-root",
@@ -95,13 +107,24 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return {}
 
 
+def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise errors.UserError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds mutual TLS to them)")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     """Check the flags, pin the cores, start the engine and the server; serve until a signal (or the parent's exit)."""
     console.setup()
     if overrides:
         raise errors.UserError(f"cisjax serve takes no --config overrides: {overrides}")
-    if args.host not in server_lib.LOCALHOST and not args.token:
-        raise errors.UserError(f"refusing to bind {args.host}: binding a non-localhost address requires --token")
+    token = remote.token(args)
+    tls = _server_tls(args)
+    server_lib.check_bind(args.host, token=token, tls=tls, insecure=args.insecure)  # before the engine loads
+    if tls is not None:
+        tls.credentials()  # the files read and checked now, not after the engine loaded
     if args.export_root and not Path(args.export_root).is_dir():
         raise errors.MissingInput(f"--export-root {args.export_root} is not a directory")
     if args.cpus:  # before the engine's libraries start their thread pools
@@ -110,11 +133,18 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     options = _engine_options(args)
     backend = server_lib.open_backend(args.backend, args.model, dtype=args.dtype, **options)
     server, health, port = server_lib.build_server(
-        backend, host=args.host, port=args.port, token=args.token, export_root=args.export_root
+        backend,
+        host=args.host,
+        port=args.port,
+        token=token,
+        export_root=args.export_root,
+        tls=tls,
+        insecure=args.insecure,
     )
     stop = server_lib.stop_event(exit_with_parent=args.exit_with_parent, grace=args.grace)
     print(
-        f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}",
+        f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}"
+        + (" (TLS" + (", mutual" if args.tls_client_ca else "") + ")" if tls is not None else ""),
         flush=True,
     )
     stop.wait()

@@ -13,6 +13,7 @@ import jax
 
 from cisjax import config as config_lib
 from cisjax import console
+from cisjax.commands import remote
 from cisjax.train import loop
 
 log = logging.getLogger("cisjax.train")
@@ -30,6 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     console.setup()
     cfg = config_lib.load(args.config, overrides or [])
+    if config_lib.secret_overrides(overrides or []):
+        log.warning(remote.TOKEN_ON_COMMAND_LINE.replace("--token", "--config.rollout.token"))
     _init_distributed()
     stop = threading.Event()
 

@@ -25,6 +25,7 @@ def serving(
     kv_cache_gib: float,
     token: str | None,
     startup_s: float,
+    tls=None,
 ) -> Iterator:
     """A client of `server` (HOST:PORT, or several: a fleet), or of an embedded server child on `model_dir` (its
     output in `log_path`; its exports confined to a temporary directory: it never loads other weights). On exit the
@@ -40,6 +41,7 @@ def serving(
             dtype=dtype,
             kv_cache_gib=kv_cache_gib,
             token=token,
+            tls=tls,
             startup_s=startup_s,
         )
         try:

@@ -48,7 +48,7 @@ class Servers:
         return client
 
     def _connect(self, target: str) -> RolloutClient:
-        client = RolloutClient(target)
+        client = RolloutClient(target, token=self.spec.token, tls=self.spec.tls)
         client.wait_ready(self.spec.startup_s)
         return client
 

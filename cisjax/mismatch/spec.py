@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.rollout.tls import ClientTLS
 from cisjax.train import perturb as perturb_lib
 
 # pair -> (side p, side q): p is the training side, q the inference side (records.py). In vllm-transformers the
@@ -67,6 +68,8 @@ class MeasureSpec:
     transformers_server: str | None = None  # a running transformers rollout server (None: start one when needed)
     jax_server: str | None = None  # a running JAX rollout server (None: start one when needed)
     startup_s: float = 900.0  # seconds a child server may take to start
+    token: str | None = field(default=None, repr=False)  # the running servers' bearer token
+    tls: ClientTLS | None = None  # TLS to the running servers (None: plain text)
     progress: bool = True
 
     @property
@@ -101,6 +104,8 @@ def check(spec: MeasureSpec) -> dict:
     if spec.replay and spec.sampler != "vllm":
         raise errors.UserError("--replay replays vLLM's routing from its sampling: it needs --sampler vllm")
     perturb_lib.check(spec.perturb, spec.perturb_scale)
+    if spec.tls is not None and not any(spec.target(e) for e in ENGINES):
+        raise errors.UserError("--tls-ca is for running servers (--server, --jax-server, --transformers-server)")
     if spec.perturb != "none" and any(spec.target(e) for e in ENGINES):
         raise errors.UserError("--perturb serves a perturbed copy from the servers started here: drop --server")
     return json.loads((spec.model / "config.json").read_text())

@@ -14,6 +14,7 @@ import numpy as np
 
 from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout import protos
+from cisjax.rollout.tls import ClientTLS
 
 log = logging.getLogger("cisjax.rollout.client")
 
@@ -106,6 +107,7 @@ class RolloutClient:
         target: str,
         *,
         token: str | None = None,
+        tls: ClientTLS | None = None,
         timeout_s: float = 600.0,
         retry_s: float = 120.0,
         backoff_s: float = 0.1,
@@ -114,6 +116,11 @@ class RolloutClient:
     ):
         self.target = target
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tls = tls
+        self._credentials = tls.credentials() if tls is not None else None  # bad files fail here, once
+        host = target.rpartition(":")[0].strip("[]")
+        if token and tls is None and host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("sending the rollout token to %s in clear text (no TLS: rollout.tls_ca / --tls-ca)", target)
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.batch_size = batch_size
@@ -132,7 +139,11 @@ class RolloutClient:
 
     def _open(self):
         old = self._channel
-        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        if self._credentials is not None:
+            options = _CHANNEL_OPTIONS + self.tls.options()
+            self._channel = grpc.secure_channel(self.target, self._credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.stub = self.pb.rollout_pb2_grpc.RolloutStub(self._channel)
         self.health_stub = self.pb.health_pb2_grpc.HealthStub(self._channel)
         if old is not None:  # closed after the new one is in place: a call it cancels sees it replaced
@@ -178,13 +189,21 @@ class RolloutClient:
                     raise RolloutError(f"{what} on {self.target} failed: {code.name}: {err.details()}", code) from None
                 if time.monotonic() - start + delay > self.retry_s:
                     raise RolloutError(
-                        f"{what} on {self.target}: still {code.name} after {tries} tries in {time.monotonic() - start:.0f}s: {err.details()}",
+                        f"{what} on {self.target}: still {code.name} after {tries} tries in {time.monotonic() - start:.0f}s: "
+                        f"{err.details()}{self._transport_hint()}",
                         code,
                     ) from None
                 log.warning("%s: %s (%s), retrying in %.2fs", what, code.name, err.details(), delay)
                 time.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, self.max_backoff_s)
                 self._reopen(used)
+
+    def _transport_hint(self) -> str:
+        """What this client's transport is, for an unreachable server's error: a plain client to a TLS server (or the
+        reverse, or a certificate the CA did not sign) reads as UNAVAILABLE too."""
+        if self.tls is None:
+            return " (this client speaks plain text: a TLS server needs --tls-ca / rollout.tls_ca)"
+        return f" (this client speaks TLS, trusting {self.tls.ca}: a plain-text server, or a certificate that CA did not sign, fails so)"
 
     def _restore(self) -> None:
         """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
@@ -233,15 +252,15 @@ class RolloutClient:
         return hp.HealthCheckResponse.ServingStatus.Name(r.status)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline, last = time.monotonic() + timeout_s, ""
         while True:
             try:
                 if self.health() == "SERVING":
                     return
-            except grpc.RpcError:
-                pass
+            except grpc.RpcError as err:
+                last = f": {err.code().name}: {err.details()}{self._transport_hint()}"
             if time.monotonic() > deadline:
-                raise RolloutError(f"rollout server {self.target} not serving after {timeout_s:.0f}s")
+                raise RolloutError(f"rollout server {self.target} not serving after {timeout_s:.0f}s{last}")
             time.sleep(0.2)
 
     def generate(

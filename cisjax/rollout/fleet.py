@@ -79,9 +79,11 @@ class RolloutFleet:
         self._updates = futures.ThreadPoolExecutor(max_workers=len(clients) + 1, thread_name_prefix="fleet-update")
 
     @classmethod
-    def connect(cls, targets: list[str], *, token: str | None = None, timeout_s: float = 600.0, **kw) -> RolloutFleet:
+    def connect(
+        cls, targets: list[str], *, token: str | None = None, tls=None, timeout_s: float = 600.0, **kw
+    ) -> RolloutFleet:
         """A fleet of running servers HOST:PORT."""
-        return cls([RolloutClient(t, token=token, timeout_s=timeout_s) for t in targets], **kw)
+        return cls([RolloutClient(t, token=token, tls=tls, timeout_s=timeout_s) for t in targets], **kw)
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -109,8 +109,8 @@ def start(
     ]
     if export_root is not None:
         cmd += ["--export-root", str(export_root)]
-    if token:
-        cmd += ["--token", token]
+    if token:  # in the environment, not on the command line (which other local users can read)
+        env = {**(env or {}), "CISJAX_ROLLOUT_TOKEN": token}
     if own_session:
         cmd += ["--exit-with-parent"]  # a SIGKILLed parent leaves no server behind
     cmd += list(extra_args)
@@ -181,7 +181,9 @@ class ChildServer:
         grace_s: float = 10.0,
         extra_args: tuple = (),
         restart: bool = False,
+        client_tls=None,
     ):
+        self.client_tls = client_tls  # a cisjax.rollout.tls.ClientTLS when extra_args make it serve TLS
         self._lease = None if port else PortLease()  # held until stop(): restarts bind the same port
         self.port = port or self._lease.port
         self.target = f"127.0.0.1:{self.port}"
@@ -228,7 +230,7 @@ class ChildServer:
 
         if client is not None:
             return wait_serving(client, self.startup_s, failed=failed, tail=self.log_tail, poll_s=0.5)
-        with client_lib.RolloutClient(self.target) as own:
+        with client_lib.RolloutClient(self.target, tls=self.client_tls) as own:
             wait_serving(own, self.startup_s, failed=failed, tail=self.log_tail)
 
     def log_tail(self, lines: int = 40) -> str:

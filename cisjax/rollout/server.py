@@ -19,6 +19,7 @@ import numpy as np
 from cisjax import errors
 from cisjax.rollout import protos, weights
 from cisjax.rollout.backend import Backend, RequestError, check_generate, check_score
+from cisjax.rollout.tls import ServerTLS
 
 log = logging.getLogger("cisjax.serve")
 
@@ -308,12 +309,40 @@ class TokenAuth(grpc.ServerInterceptor):
 # ----------------------------------------------------------------------------- server
 
 
+def check_bind(host: str, *, token: str | None, tls: ServerTLS | None, insecure: bool) -> None:
+    """UserError unless a bind of `host` is safe: beyond localhost, a bearer token, and TLS unless `insecure` says
+    the network may read the token and the weights."""
+    if host in LOCALHOST:
+        return
+    if not token:
+        raise errors.UserError(
+            f"refusing to bind {host}: binding a non-localhost address requires a token (--token, or "
+            "$CISJAX_ROLLOUT_TOKEN)"
+        )
+    if tls is None and not insecure:
+        raise errors.UserError(
+            f"refusing to bind {host} without TLS: the bearer token and every weight update would cross the network "
+            "in clear text; give --tls-cert and --tls-key (docs/rollout.md makes a CA for a cluster), or --insecure "
+            "to accept that"
+        )
+    if tls is None:
+        log.warning("--insecure: serving %s in clear text (the token and the weights can be read on the network)", host)
+
+
 def build_server(
-    backend: Backend, *, host: str, port: int, token: str | None, export_root: str | None, workers: int = 64
+    backend: Backend,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    export_root: str | None,
+    workers: int = 64,
+    tls: ServerTLS | None = None,
+    insecure: bool = False,
 ):
-    """(grpc server started on host:port, health servicer, bound port)."""
-    if host not in LOCALHOST and not token:
-        raise errors.UserError(f"refusing to bind {host}: binding a non-localhost address requires --token")
+    """(grpc server started on host:port, health servicer, bound port); with `tls`, a TLS port (check_bind's rules)."""
+    check_bind(host, token=token, tls=tls, insecure=insecure)
+    credentials = tls.credentials() if tls is not None else None  # a bad file is reported before anything binds
     pb = protos.load()
     interceptors = [TokenAuth(token)] if token else []
     # each call in flight holds a thread while its work sits in the engine's batch: `workers` bounds
@@ -329,7 +358,7 @@ def build_server(
     pb.health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as err:
         raise errors.UserError(f"cannot bind {address}: {err}") from None
     if not bound:

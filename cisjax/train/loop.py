@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cisjax import config as config_lib
 from cisjax import distributed, sharding
 from cisjax.train import batching, validate
 from cisjax.train import metrics as metrics_lib
@@ -38,11 +39,14 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     spec = validate.check(
         cfg
     )  # every problem of the config at once, before the run directory, the model and the server
+    if spec.rollout.tls is not None:  # its files readable, before the model loads
+        spec.rollout.tls.check(("rollout.tls_ca", "rollout.tls_cert", "rollout.tls_key"))
     run_dir = Path(spec.run.dir or "runs/default").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0
     if lead:
-        (run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+        saved = config_lib.redacted(cfg)  # no token in a run directory
+        (run_dir / "config.json").write_text(saved.to_json_best_effort(indent=2) + "\n")
     run = build_run(spec)  # mesh, model, optimizer, state, the jitted step and rescoring
     with open_services(run, run_dir, resume=resume) as sv:
         state, last, ro, stopped = sv.state, {}, None, False

@@ -178,6 +178,7 @@ def _rollout_service(spec, run_dir: Path, model_dir):
         dtype=r.dtype,
         kv_cache_gib=r.kv_cache_gib,
         token=r.token,
+        tls=r.tls,
         timeout_s=r.timeout_s,
         retry_s=r.retry_s,
         startup_s=r.startup_s,

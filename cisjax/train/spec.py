@@ -12,6 +12,7 @@ from cisjax.evaluation.in_loop import EvalSpec
 from cisjax.rl.advantages import AdvantageSpec
 from cisjax.rl.corrections import CorrectionSpec
 from cisjax.rl.loss import LossSpec
+from cisjax.rollout.tls import ClientTLS
 from cisjax.train.optim import OptimSpec
 from cisjax.train.perturb import Perturbation
 from cisjax.train.publish import CanarySpec, PublishSpec
@@ -36,7 +37,8 @@ class RolloutSpec:
     replicas: int
     replica_cpus: str
     replica_gpus: str
-    token: str | None  # rollout.token, else $CISJAX_ROLLOUT_TOKEN, else None
+    token: str | None = dataclasses.field(repr=False)  # rollout.token, else $CISJAX_ROLLOUT_TOKEN, else None
+    tls: ClientTLS | None  # rollout.tls_*: None = plain text
     backend: str
     dtype: str
     kv_cache_gib: int | float  # 0 = the backend default; as configured (the engine takes whole GiB)
@@ -168,7 +170,12 @@ def from_config(cfg) -> TrainSpec:
             perturb=perturb,
         ),
         # the token: rollout.token, else $CISJAX_ROLLOUT_TOKEN
-        rollout=section(RolloutSpec, r, token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None),
+        rollout=section(
+            RolloutSpec,
+            r,
+            token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None,
+            tls=ClientTLS.of(r.tls_ca, r.tls_cert, r.tls_key, r.tls_server_name),
+        ),
         perturb=perturb,
         data=section(DataSpec, cfg.data),
         run=section(RunSpec, cfg.run, progress=None if cfg.run.progress == "auto" else cfg.run.progress == "on"),

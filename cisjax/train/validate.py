@@ -16,6 +16,7 @@ from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout import placement, service
 from cisjax.rollout.server import BACKENDS
+from cisjax.rollout.tls import ClientTLS
 from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train import perturb
@@ -309,6 +310,10 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.server={c.get('rollout.server')!r} and rollout.replicas={replicas}: embedded replicas are for "
             "rollout.server=''; list running servers in rollout.server instead"
         )
+    tls = [c.get(f"rollout.tls_{k}") for k in ("ca", "cert", "key", "server_name")]
+    c.raises("rollout.tls_ca", ClientTLS.of, *tls)  # the files are read by the run (loop.train), before the model
+    if any(tls) and not str(c.get("rollout.server")).strip():
+        c.add("rollout.tls_* is for running servers (rollout.server); the embedded ones bind localhost in plain text")
     for what in ("cpus", "gpus"):  # the syntax here; cores and GPUs are counted where the replicas start
         spec = str(c.get(f"rollout.replica_{what}")).strip()
         if spec not in ("", "none"):

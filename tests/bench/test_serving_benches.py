@@ -104,11 +104,12 @@ def test_bench_rollout_tiny(tmp_path):
             "--repeats",
             "1",
             "--jax",
+            "--tls",
         ],
         tmp_path,
     )
     rows = {r["key"]: r for r in res["rows"]}
-    assert set(rows) == {"inproc", "grpc", "grpc_concurrent", "grpc_jax"}
+    assert set(rows) == {"inproc", "grpc", "grpc_concurrent", "grpc_jax", "grpc_tls"}
     for r in rows.values():
         assert r["tokens"] == 4 * 2 * 8, r  # EOS ignored: every sample has max_new_tokens
         assert r["median_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio"] > 0, r
@@ -116,7 +117,9 @@ def test_bench_rollout_tiny(tmp_path):
     assert rows["grpc"]["server_prompts_in_flight"] > 0
     assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 0.9
     assert res["compared_samples"] == 8 and 0 <= res["identical_samples"] <= 8
-    assert res["server_exit_code"] == 0 and res["jax_server_exit_code"] == 0
+    assert res["server_exit_code"] == 0 and res["jax_server_exit_code"] == 0 and res["tls_server_exit_code"] == 0
+    assert res["ratio_tls_vs_plain"] == pytest.approx(rows["grpc_tls"]["tokens_per_s"] / rows["grpc"]["tokens_per_s"])
+    assert res["ratio_tls_vs_plain_paired"] > 0
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

@@ -213,15 +213,16 @@ def test_auth(server):
         assert anon.health() == "SERVING"  # probes need no token
 
 
-def test_non_localhost_bind_needs_token(dirs):
-    res = subprocess.run(
-        [sys.executable, "-m", "cisjax.commands.serve", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(os.environ, CISJAX_ROLLOUT_TOKEN=""),
-    )
-    assert res.returncode == 2 and "requires --token" in res.stderr
+def test_non_localhost_bind_needs_token_and_tls(dirs):
+    """Refused before the engine loads: no token; a token (from the environment) but no TLS, unless --insecure."""
+    argv = [sys.executable, "-m", "cisjax.commands.serve", "--model", str(dirs[0]), "--port", "0", "--host", "0.0.0.0"]
+    run = dict(capture_output=True, text=True, timeout=120)
+    res = subprocess.run(argv, env=dict(os.environ, CISJAX_ROLLOUT_TOKEN=""), **run)
+    assert res.returncode == 2 and "requires a token" in res.stderr, res.stderr
+    res = subprocess.run(argv, env=dict(os.environ, CISJAX_ROLLOUT_TOKEN="t0ken"), **run)
+    assert res.returncode == 2 and "without TLS" in res.stderr and "--insecure" in res.stderr, res.stderr
+    res = subprocess.run([*argv, "--tls-cert", os.path.join(dirs[0], "config.json")], env=os.environ, **run)
+    assert res.returncode == 2 and "both --tls-cert and --tls-key" in res.stderr, res.stderr
 
 
 def test_update_weights(client, dirs, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from cisjax import config as config_lib
 from cisjax import errors
+from cisjax.rollout.tls import ClientTLS
 from cisjax.train import validate
 
 INPUTS = ["--config.model.path=/m", "--config.data.source=/d.jsonl"]
@@ -75,6 +76,19 @@ def test_rollout_token_from_the_environment(monkeypatch):
     assert _spec("--config.rollout.token=from-config").rollout.token == "from-config"
     monkeypatch.delenv("CISJAX_ROLLOUT_TOKEN")
     assert _spec().rollout.token is None
+
+
+def test_rollout_tls_and_the_token_kept_out_of_reprs():
+    s = _spec("--config.rollout.server=h:1", "--config.rollout.token=very-secret")
+    assert s.rollout.tls is None and "very-secret" not in repr(s) and "very-secret" not in repr(s.rollout)
+    s = _spec(
+        "--config.rollout.server=h:1",
+        "--config.rollout.tls_ca=/pki/ca.pem",
+        "--config.rollout.tls_cert=/pki/c.pem",
+        "--config.rollout.tls_key=/pki/c.key",
+        "--config.rollout.tls_server_name=rollout.internal",
+    )
+    assert s.rollout.tls == ClientTLS("/pki/ca.pem", "/pki/c.pem", "/pki/c.key", "rollout.internal")
 
 
 def test_no_spec_for_a_bad_config():

@@ -102,6 +102,15 @@ RULES = [
         ["--config.rollout.server=a:1,b:2", "--config.rollout.replicas=2"],
         "rollout.server='a:1,b:2' and rollout.replicas=2: embedded replicas are for rollout.server=''",
     ),
+    (
+        ["--config.rollout.server=a:1", "--config.rollout.tls_cert=c.pem", "--config.rollout.tls_key=k.pem"],
+        "rollout.tls_ca='': a TLS client certificate or server name needs the CA",
+    ),
+    (
+        ["--config.rollout.server=a:1", "--config.rollout.tls_ca=ca.pem", "--config.rollout.tls_cert=c.pem"],
+        "needs its key",
+    ),
+    (["--config.rollout.tls_ca=ca.pem"], "rollout.tls_* is for running servers (rollout.server)"),
     (["--config.run.steps=-1"], "run.steps=-1"),
     (["--config.run.print_every=0"], "run.print_every=0"),
     (["--config.checkpoint.every=-1"], "checkpoint.every=-1"),
@@ -283,5 +292,17 @@ def test_train_checks_before_creating_anything(tmp_path):
     with pytest.raises(
         errors.UserError, match=r"2 problems in the config:(.|\n)*rollout.temperature=0.7(.|\n)*publish.mode"
     ):
+        loop.train(cfg)
+    assert not run_dir.exists()
+
+
+def test_train_reads_the_tls_files_before_the_run_directory(tmp_path):
+    from cisjax.train import loop
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(
+        f"--config.run.dir={run_dir}", "--config.rollout.server=h:1", f"--config.rollout.tls_ca={tmp_path}/no.pem"
+    )
+    with pytest.raises(errors.MissingInput, match="rollout.tls_ca .*no.pem: no such file"):
         loop.train(cfg)
     assert not run_dir.exists()
