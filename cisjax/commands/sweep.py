@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from cisjax import config as config_lib
 from cisjax import errors
 from cisjax.sweep import runs as runs_lib
 from cisjax.sweep import summary
@@ -39,6 +40,11 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     bad = [o for o in overrides if o.split("=", 1)[0] in runs_lib.OWN_OVERRIDES]
     if bad:
         raise errors.UserError(f"{bad[0]}: the sweep sets seeds and run directories itself")
+    if config_lib.secret_overrides(overrides):  # it would be saved in sweep.json and on each run's command line
+        raise errors.UserError(
+            "--config.rollout.token: a sweep writes its overrides into sweep.json and its runs' command lines; "
+            "set $CISJAX_ROLLOUT_TOKEN instead (the runs inherit it)"
+        )
     arms = [a for a in args.arms.split(",") if a]
     if not arms or len(set(arms)) != len(arms):
         raise errors.UserError(f"--arms {args.arms!r}: a comma-separated list of distinct arms")

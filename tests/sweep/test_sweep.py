@@ -101,3 +101,14 @@ def test_bad_arm_fails_before_anything_runs(tmp_path):
     )
     assert r.returncode == 2 and "bogus" in r.stderr, r.stderr
     assert not (out / "cis").exists()
+
+
+def test_a_token_override_is_refused_before_anything_is_written(tmp_path, capsys):
+    from cisjax import cli
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--config", str(looputil.DEMO_CONFIG), "--arms", "cis", "--out", str(out)]
+    assert cli.main([*argv, "--config.rollout.token=s3cret"]) == 2
+    err = capsys.readouterr().err
+    assert "CISJAX_ROLLOUT_TOKEN" in err and "s3cret" not in err
+    assert not (out / "sweep.json").exists()
