@@ -269,3 +269,19 @@ def test_generate_over_tls_end_to_end(pki, tiny_hf_dir, tmp_path, monkeypatch):
     finally:
         server.stop(0)
         backend.close()
+
+
+def test_tls_flags_without_a_running_server_are_refused(pki, tmp_path, capsys):
+    """Embedded servers bind 127.0.0.1 in plain text: a CA given to `cisjax eval` or `cisjax mismatch measure` with no
+    running server would go unused, and is refused."""
+    from cisjax import cli
+    from cisjax.mismatch import spec as spec_lib
+
+    argv = ["eval", "--model", str(tmp_path), "--out", str(tmp_path / "out"), "--tls-ca", pki.ca.cert]
+    assert cli.main(argv) == 2
+    assert "--tls-ca is for --server" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    spec = spec_lib.MeasureSpec(out=tmp_path, model=tmp_path, prompts=tmp_path, tls=ClientTLS(pki.ca.cert))
+    with pytest.raises(errors.UserError, match="--tls-ca is for running servers"):
+        spec_lib.check(spec)
+    spec_lib.check(spec_lib.MeasureSpec(out=tmp_path, model=tmp_path, prompts=tmp_path, jax_server="h:1", tls=spec.tls))
