@@ -285,3 +285,13 @@ def test_tls_flags_without_a_running_server_are_refused(pki, tmp_path, capsys):
     with pytest.raises(errors.UserError, match="--tls-ca is for running servers"):
         spec_lib.check(spec)
     spec_lib.check(spec_lib.MeasureSpec(out=tmp_path, model=tmp_path, prompts=tmp_path, jax_server="h:1", tls=spec.tls))
+
+
+def test_a_token_sent_off_this_machine_in_clear_text_is_warned_about(pki, caplog):
+    with caplog.at_level(logging.WARNING, logger="cisjax.rollout.client"):
+        RolloutClient("127.0.0.1:1", token=TOKEN).close()
+        RolloutClient("10.0.0.5:1").close()  # no token, nothing to leak
+        RolloutClient("10.0.0.5:1", token=TOKEN, tls=ClientTLS(pki.ca.cert)).close()
+        assert not caplog.records
+        RolloutClient("10.0.0.5:1", token=TOKEN).close()
+    assert "sending the rollout token to 10.0.0.5:1 in clear text" in caplog.text and TOKEN not in caplog.text
