@@ -20,7 +20,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from cisjax import config as config_lib  # noqa: E402
 from cisjax import errors  # noqa: E402
 from cisjax.plan import hardware, report  # noqa: E402
-from cisjax.plan.planner import PROGRAM_NAMES, plan  # noqa: E402
+from cisjax.plan.planner import DEFAULT_PROGRAMS, PROGRAM_NAMES, plan  # noqa: E402
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -64,8 +64,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=4096, help="--search rows: stop growing at this many rows")
     p.add_argument(
         "--programs",
-        default=",".join(PROGRAM_NAMES),
-        help=f"which of the loop's programs to compile (comma-separated from {','.join(PROGRAM_NAMES)})",
+        default=",".join(DEFAULT_PROGRAMS),
+        help=f"which of the loop's programs to compile (comma-separated from {','.join(PROGRAM_NAMES)}; default "
+        f"{','.join(DEFAULT_PROGRAMS)}); sampler: the JAX sampler's program for one step's rollouts "
+        "(data.prompts_per_step prompts x rollout.group_size samples) on the same mesh, and its KV cache",
     )
     p.add_argument(
         "--no-layer-costs", action="store_true", help="skip the per-layer-kind programs (no FLOP table, no roofline)"

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.sampler.engine import bucket
 
 
 def read_architecture(cfg, hf_config: str | None = None, num_layers: int = 0) -> tuple[dict, str]:
@@ -61,3 +62,22 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
         multiple = int(cfg.train.length_multiple)
         seq_len = -(-longest // multiple) * multiple
     return dict(micro_batches=m, rows=rows, seq_len=seq_len, rows_multiple=rows_multiple, samples_per_step=samples)
+
+
+def sampler_shape(cfg, prompt_bucket: int = 16, new_bucket: int = 16) -> dict:
+    """The JAX sampler's bucket for one step's rollouts: every prompt of the step in one call (data.prompts_per_step),
+    rollout.group_size samples each, the prompt length and new tokens rounded up as the sampler rounds them
+    (cisjax.sampler.engine.bucket: powers of two, at least 16)."""
+    if int(cfg.data.max_prompt_tokens) <= 0:
+        raise errors.UserError("data.max_prompt_tokens=0 (no limit) leaves the sampler's prompt length open: set it")
+    prompt_len, new = (
+        bucket(int(cfg.data.max_prompt_tokens), prompt_bucket),
+        bucket(int(cfg.rollout.max_new_tokens), new_bucket),
+    )
+    return dict(
+        batch=bucket(int(cfg.data.prompts_per_step), 1),
+        prompt_len=prompt_len,
+        n=int(cfg.rollout.group_size),
+        new_tokens=new,
+        slots=prompt_len + new,
+    )

@@ -15,7 +15,8 @@ from cisjax.plan import flops as flops_lib
 from cisjax.plan.programs import StepPrograms
 from cisjax.plan.search import search_rows
 
-PROGRAM_NAMES = ("train_step", "rescore", "canary")
+PROGRAM_NAMES = ("train_step", "rescore", "canary", "sampler")
+DEFAULT_PROGRAMS = ("train_step", "rescore", "canary")  # the sampler's (a colocated JAX sampler) on request
 
 NOTES = [
     "Memory: the compiler's buffer assignment per chip; total = arguments + outputs - aliased (donated) + "
@@ -42,7 +43,7 @@ def plan(
     num_layers: int = 0,
     rows: int = 0,
     seq_len: int = 0,
-    programs=PROGRAM_NAMES,
+    programs=DEFAULT_PROGRAMS,
     layer_costs: bool = True,
     search: str | None = None,
     max_rows: int = 4096,
@@ -116,16 +117,23 @@ def _compile_programs(out: dict, progs: StepPrograms, programs, shape: dict, usa
     out["programs"], each with its fit against `usable` bytes per chip; {name: Compiled}."""
     m, b, t = shape["micro_batches"], shape["rows"], shape["seq_len"]
     compiled = {}
+    if "sampler" in programs:
+        sampler = inputs.sampler_shape(progs.cfg)
+        sampler["kv_cache_bytes"] = progs.kv_cache_bytes(sampler["batch"] * sampler["n"], sampler["slots"])
+        out["sampler"] = sampler
     for name in programs:
         if name == "canary" and not int(progs.cfg.publish.canary.every):
             continue
-        log(
-            f"compiling {name} " + ("(canary batch)" if name == "canary" else f"({m} x {b} rows x {t} tokens)") + " ..."
-        )
+        if name == "sampler":
+            what = f"{out['sampler']['batch']} prompts x {out['sampler']['n']} samples, {out['sampler']['slots']} slots"
+        else:
+            what = "canary batch" if name == "canary" else f"{m} x {b} rows x {t} tokens"
+        log(f"compiling {name} ({what}) ...")
         c = {
             "train_step": lambda: progs.train_step(m, b, t),
             "rescore": lambda: progs.rescore(m, b, t),
             "canary": progs.canary,
+            "sampler": lambda: progs.sampler(*(out["sampler"][k] for k in ("batch", "prompt_len", "n", "new_tokens"))),
         }[name]()
         compiled[name] = c
         d = c.as_dict()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 
@@ -20,6 +21,7 @@ from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.models.layers import attention_mask
 from cisjax.records import TrainBatch
+from cisjax.sampler import programs as sampler_programs
 from cisjax.train import optim, validate
 from cisjax.train import publish as publish_lib
 from cisjax.train import state as state_lib
@@ -222,6 +224,21 @@ class StepPrograms:
         rows, length = publish_lib.canary_shape(self.spec.publish.canary, self.mesh, self.rules)
         fn = publish_lib.canary_logprobs_fn(self.graphdef, self.spec.publish, self.mesh, self.rules)
         return compile_program("canary", fn, self.params, self.batch(1, rows, length))
+
+    def sampler(self, batch: int, prompt_len: int, n: int, new_tokens: int) -> Compiled:
+        """The JAX sampler's program of one bucket (cisjax.sampler): `batch` prompts of `prompt_len` tokens, n samples
+        each, `new_tokens` new tokens; on this mesh, its params laid out as the trainer's (a colocated sampler)."""
+        fn = sampler_programs.sample_fn(
+            self.graphdef, n=n, max_new=new_tokens, top_n=0, mesh=self.mesh, rules=self.rules
+        )
+        return compile_program(
+            "sampler", jax.jit(fn), self.params, *sampler_programs.abstract_inputs(batch, prompt_len, n)
+        )
+
+    def kv_cache_bytes(self, rows: int, slots: int) -> int:
+        """Bytes of the sampler's KV cache for `rows` samples of `slots` positions, all chips together."""
+        cache = jax.eval_shape(lambda: self.model.init_cache(rows, slots))
+        return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache)))
 
     # ------------------------------------------------------------------ one layer kind at a time, no loops
 

@@ -40,6 +40,12 @@ def print_report(report: dict) -> None:
                 f"{program}: MFU estimate {100 * mfu:.1f}% (analytic FLOPs / (chips x peak x roofline time); "
                 "from the compiler's cost model, not a measurement)"
             )
+    if "sampler" in report:
+        sp = report["sampler"]
+        console.print(
+            f"sampler: {sp['batch']} prompts x {sp['n']} samples, prompt {sp['prompt_len']} + {sp['new_tokens']} new "
+            f"tokens (the bucket of one step's rollouts); KV cache {gib(sp['kv_cache_bytes'])} GiB over all chips"
+        )
     if "search" in report:
         s = report["search"]
         tried = ", ".join(f"{t['rows']}{'✓' if t['fits'] else '✗'}" for t in s["tried"])

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +17,7 @@ from cisjax.rollout.backend import Params, SampleResult, sample_seed
 from cisjax.sampler import programs
 from cisjax.sampler.sampling import key_data
 
-STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
+STOP_SLOTS = programs.STOP_SLOTS
 BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs")
 
 log = logging.getLogger(__name__)
@@ -60,14 +59,7 @@ class Engine:
         key = (b, p, n, max_new, top_n)
         with self._lock:
             if key not in self._programs:
-                graphdef = self.graphdef
-
-                def run(params, tokens_BxP, valid_BxP, rows):
-                    model = nnx.merge(graphdef, params)
-                    pre = programs.prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
-                    pre = programs.expand(pre, n)
-                    return programs.decode(model, pre, rows, max_new=max_new, top_n=top_n), pre.prompt_ids_XxBxPxK
-
+                run = programs.sample_fn(self.graphdef, n=n, max_new=max_new, top_n=top_n)
                 self._programs[key] = jax.jit(run)
                 log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
             return self._programs[key]

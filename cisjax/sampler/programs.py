@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
+from cisjax import sharding
 from cisjax.sampler.sampling import draw, sampling_logprobs
+
+STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
 
 
 class Prefilled(NamedTuple):
@@ -156,3 +161,37 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -
         )
 
     return jax.lax.while_loop(cond, body, init).out
+
+
+def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mesh=None, rules=None):
+    """One bucket's whole program, `(params, tokens_BxP, valid_BxP, rows) -> (Decoded, the prompt's routing ids)`:
+    prefill into a cache of P + max_new slots, expand to n samples per prompt, decode. With a `mesh` (and its
+    logical `rules`), traced under them, the activations laid out as the trainer's are (how `cisjax plan` compiles
+    it for a slice)."""
+
+    def run(params, tokens_BxP, valid_BxP, rows: Rows):
+        with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
+            model = nnx.merge(graphdef, params)
+            pre = prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
+            pre = expand(pre, n)
+            return decode(model, pre, rows, max_new=max_new, top_n=top_n), pre.prompt_ids_XxBxPxK
+
+    return run
+
+
+def abstract_inputs(batch: int, prompt_len: int, n: int) -> tuple:
+    """(tokens_BxP, valid_BxP, Rows) as ShapeDtypeStructs: what a bucket's program takes besides the params."""
+    r = batch * n
+    row = lambda dt, *shape: jax.ShapeDtypeStruct((r, *shape), dt)  # noqa: E731
+    rows = Rows(
+        prompt_len_B=row(jnp.int32),
+        temperature_B=row(jnp.float32),
+        top_k_B=row(jnp.int32),
+        top_p_B=row(jnp.float32),
+        greedy_B=row(jnp.bool_),
+        key_data_Bx2=row(jnp.uint32, 2),
+        max_new_B=row(jnp.int32),
+        stop_ids_BxT=row(jnp.int32, STOP_SLOTS),
+    )
+    tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    return tokens, jax.ShapeDtypeStruct((batch, prompt_len), jnp.bool_), rows

@@ -166,6 +166,34 @@ def test_narrow_full_report_on_v5p16(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen15_moe_a27b", "deepseek_v2_lite"])
+def test_narrow_sampler_on_v5p16(name, tmp_path):
+    """The JAX sampler's program for one step's rollouts, compiled for the slice on the trainer's mesh (GQA and MLA
+    caches): the bucket the config asks for, the KV cache by hand, and the program's memory per chip."""
+    overrides = [
+        "--config.data.prompts_per_step=6",  # bucketed up to 8
+        "--config.rollout.group_size=4",
+        "--config.data.max_prompt_tokens=100",  # 128
+        "--config.rollout.max_new_tokens=200",  # 256
+    ]
+    report = narrow_plan(name, tmp_path, overrides=overrides, programs=("sampler",), layer_costs=False)
+    sp = report["sampler"]
+    assert (sp["batch"], sp["n"], sp["prompt_len"], sp["new_tokens"], sp["slots"]) == (8, 4, 128, 256, 384)
+    hf = {
+        **json.loads(Path(config_lib.load(ROOT / "configs" / f"{name}.py").model.hf_config).read_text()),
+        **NARROW[name],
+    }
+    if name == "deepseek_v2_lite":  # MLA: the latent and the rotary key per position
+        per_position = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+    else:  # K and V of every key-value head
+        per_position = 2 * hf["num_key_value_heads"] * hf["hidden_size"] // hf["num_attention_heads"]
+    assert sp["kv_cache_bytes"] == 2 * 32 * 384 * per_position * 2  # 2 layers x 32 samples x 384 slots, bf16
+    assert set(report["programs"]) == {"sampler"}
+    p = report["programs"]["sampler"]
+    assert p["fits"] and p["memory"]["arguments"] > 0 and p["memory"]["temporaries"] > 0, p
+
+
+@pytest.mark.slow
 def test_narrow_deepseek_layer_costs_on_v5p16(tmp_path):
     """The per-layer-kind programs of DeepSeek-V2-Lite's narrow cut (MLA, a dense-MLP first layer, its MoE block): the
     FLOP tables and roofline of the train step and the rescoring."""
