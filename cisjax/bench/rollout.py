@@ -173,39 +173,21 @@ def bench(args) -> dict:
         res["model"] = workload.model_info(hf, MODEL_KEYS)
         res["requests"] = workload.requests(args, prompts)
         res["loadavg_before"] = os.getloadavg()
-        server = Server(
-            "vllm",
-            model_dir,
-            dtype=args.dtype,
-            log_path=tmp / "server.log",
-            env=env,
-            timeout_s=args.server_timeout,
-            wait=False,
-        )
-        servers = {"rollout": server}
+        start = partial(Server, model_dir=model_dir, dtype=args.dtype, timeout_s=args.server_timeout, wait=False)
+        servers = {"rollout": start("vllm", log_path=tmp / "server.log", env=env)}
         if args.jax:
-            servers["jax"] = Server(
-                "jax",
-                model_dir,
-                dtype=args.dtype,
-                log_path=tmp / "jax_server.log",
-                timeout_s=args.server_timeout,
-                wait=False,
-            )
+            servers["jax"] = start("jax", log_path=tmp / "jax_server.log")
         if args.tls:
             ca = LocalCA(tmp / "tls")
             cert = ca.issue("server")
-            servers["tls"] = Server(
+            servers["tls"] = start(
                 "vllm",
-                model_dir,
-                dtype=args.dtype,
                 log_path=tmp / "tls_server.log",
                 env=env,
-                timeout_s=args.server_timeout,
-                wait=False,
                 extra_args=("--tls-cert", cert.cert, "--tls-key", cert.key),
                 client_tls=ClientTLS(ca.cert),
             )
+        server = servers["rollout"]
         inproc = None
         try:
             inproc = InProcess(str(model_dir), args.dtype, max_model_len, args.inproc_thread)  # while the server starts
