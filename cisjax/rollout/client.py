@@ -14,7 +14,7 @@ import numpy as np
 
 from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout import protos
-from cisjax.rollout.tls import ClientTLS
+from cisjax.rollout.tls import LOCALHOST, ClientTLS
 
 log = logging.getLogger("cisjax.rollout.client")
 
@@ -119,7 +119,7 @@ class RolloutClient:
         self.tls = tls
         self._credentials = tls.credentials() if tls is not None else None  # bad files fail here, once
         host = target.rpartition(":")[0].strip("[]")
-        if token and tls is None and host not in ("127.0.0.1", "localhost", "::1"):
+        if token and tls is None and host not in LOCALHOST:
             log.warning("sending the rollout token to %s in clear text (no TLS: rollout.tls_ca / --tls-ca)", target)
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s

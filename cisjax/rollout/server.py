@@ -19,11 +19,10 @@ import numpy as np
 from cisjax import errors
 from cisjax.rollout import protos, weights
 from cisjax.rollout.backend import Backend, RequestError, check_generate, check_score
-from cisjax.rollout.tls import ServerTLS
+from cisjax.rollout.tls import LOCALHOST, ServerTLS
 
 log = logging.getLogger("cisjax.serve")
 
-LOCALHOST = {"127.0.0.1", "localhost", "::1", "[::1]"}
 DEVICES = ("auto", "cpu", "cuda", "tpu")
 BACKENDS = {  # name -> module defining Backend, imported only when chosen (the server runs without vllm installed)
     "transformers": "cisjax.rollout.transformers_backend",
@@ -325,8 +324,6 @@ def check_bind(host: str, *, token: str | None, tls: ServerTLS | None, insecure:
             "in clear text; give --tls-cert and --tls-key (docs/rollout.md makes a CA for a cluster), or --insecure "
             "to accept that"
         )
-    if tls is None:
-        log.warning("--insecure: serving %s in clear text (the token and the weights can be read on the network)", host)
 
 
 def build_server(
@@ -343,6 +340,8 @@ def build_server(
     """(grpc server started on host:port, health servicer, bound port); with `tls`, a TLS port (check_bind's rules)."""
     check_bind(host, token=token, tls=tls, insecure=insecure)
     credentials = tls.credentials() if tls is not None else None  # a bad file is reported before anything binds
+    if credentials is None and host not in LOCALHOST:
+        log.warning("--insecure: serving %s in clear text (the token and the weights can be read on the network)", host)
     pb = protos.load()
     interceptors = [TokenAuth(token)] if token else []
     # each call in flight holds a thread while its work sits in the engine's batch: `workers` bounds

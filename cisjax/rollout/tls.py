@@ -9,6 +9,7 @@ import grpc
 
 from cisjax import errors
 
+LOCALHOST = {"127.0.0.1", "localhost", "::1", "[::1]"}  # addresses whose traffic never leaves the machine
 _PEM_CERT = b"-----BEGIN CERTIFICATE-----"
 _PEM_KEY = b"PRIVATE KEY-----"  # "BEGIN PRIVATE KEY", "BEGIN RSA PRIVATE KEY", "BEGIN EC PRIVATE KEY", ...
 
