@@ -2,10 +2,12 @@
 
 import os
 
-# 8 fake CPU devices; and LLVM without its optimisation passes: the test models are tiny, so XLA's CPU compile is
-# most of a test's time, and -O0 code is correct code (the HLO passes all still run). A third off the fast tier.
+# 8 fake CPU devices, and the suite's cheaper compile (tests/xla_flags.py); subprocesses inherit them. Flags the
+# caller set win.
+from tests import xla_flags
+
 _xla_flags = os.environ.get("XLA_FLAGS", "").split()
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+for _flag in xla_flags.flags(8).split():
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _xla_flags):
         _xla_flags.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_xla_flags)

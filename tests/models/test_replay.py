@@ -79,9 +79,10 @@ def _value_and_grads(model, tokens, replay):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_replaying_the_routers_own_choice_is_bitwise_no_replay(tiny_hf_dir, family):
-    """Where trainer and engine agree on every route, replay changes nothing: logits, loss and every gradient are
-    bitwise equal (the gathered softmax is the top-k's values)."""
+def test_replaying_the_routers_own_choice_is_no_replay(tiny_hf_dir, family):
+    """Where trainer and engine agree on every route, replay changes nothing: logits and loss are bitwise equal (the
+    gathered softmax is the top-k's values), every gradient equal to fp32 rounding (XLA may sum the routing weights'
+    gradient in another order in the two programs; a route replayed wrong moves a gradient by its own size)."""
     model, cfg, _ = hf_io.load(tiny_hf_dir(family, **FAMILIES[family]))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 10)), jnp.int32)
     graphdef, params = nnx.split(model)
@@ -93,7 +94,8 @@ def test_replaying_the_routers_own_choice_is_bitwise_no_replay(tiny_hf_dir, fami
     value_r, grads_r = _value_and_grads(model, tokens, own)
     assert float(value_r) == float(value)
     for (name, g), (_, g_r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_r)):
-        np.testing.assert_array_equal(np.asarray(g_r[...]), np.asarray(g[...]), err_msg=".".join(map(str, name)))
+        g, g_r = np.asarray(g[...]), np.asarray(g_r[...])
+        np.testing.assert_allclose(g_r, g, rtol=1e-5, atol=1e-6 * np.abs(g).max(), err_msg=".".join(map(str, name)))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])

@@ -3,6 +3,8 @@
 import os
 import sys
 
+from tests import xla_flags
+
 
 def config(prepared: str, run_dir: str, steps: int):
     """configs/base.py on the demo's model and data, shrunk: the transformers engine (deterministic) in bf16 against the
@@ -133,8 +135,8 @@ def main(
 
 
 if __name__ == "__main__":
-    # DEVICES CPU devices in this process, set before jax is imported; LLVM -O0 halves the compile time of the step
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[4]} --xla_backend_optimization_level=0"
+    # DEVICES CPU devices in this process and the suite's compile flags, set before jax is imported
+    os.environ["XLA_FLAGS"] = xla_flags.flags(int(sys.argv[4]))
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         code = main(*sys.argv[1:])

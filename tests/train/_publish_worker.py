@@ -5,10 +5,12 @@ Process 0 holds a fake rollout client (no server); both processes publish and mu
 import os
 import sys
 
+from tests import xla_flags
 from tests.helpers import spec_of
 
-# 4 CPU devices per process, gloo collectives between the processes; set before jax is imported.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# 4 CPU devices per process (and the suite's compile flags), gloo collectives between the processes; set before jax
+# is imported.
+os.environ["XLA_FLAGS"] = xla_flags.flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 

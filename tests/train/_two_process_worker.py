@@ -3,8 +3,11 @@
 import os
 import sys
 
-# 4 CPU devices per process, gloo collectives between the processes; set before jax is imported.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from tests import xla_flags
+
+# 4 CPU devices per process (and the suite's compile flags), gloo collectives between the processes; set before jax
+# is imported.
+os.environ["XLA_FLAGS"] = xla_flags.flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 
