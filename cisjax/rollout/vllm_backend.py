@@ -150,6 +150,10 @@ class Backend(backend_lib.Backend):
         engine loads `weights_dir` itself, an HF directory with its config.json, as it has no in-place reload)."""
         import vllm  # lazy: vllm
 
+        # vLLM's start runs full garbage collections (its loader, the engine core), each over every object the imports
+        # of torch and vLLM made; those live as long as the process: frozen first, the collections skip them
+        gc.collect()
+        gc.freeze()
         llm = vllm.LLM(
             model=str(weights_dir) if self.platform == "tpu" else self.model,
             skip_tokenizer_init=True,

@@ -389,8 +389,9 @@ def test_model_runtime_carries_every_runtime_field():
 
 
 def test_step_replaying_the_routers_own_choice_is_the_plain_step():
-    """Routing replay in the step: the routers' own ids replayed give bitwise the step without replay (loss, metrics,
-    updated params); other ids give another update."""
+    """Routing replay in the step: the routers' own ids replayed give the step without replay (rescoring and metrics
+    bitwise; the updated params to float rounding: XLA may sum the routing weights' gradient in another order, and
+    Adam's first step, g / |g|, magnifies that on near-zero entries); other ids give another update."""
     import jax.numpy as jnp
 
     from cisjax import forward
@@ -417,7 +418,7 @@ def test_step_replaying_the_routers_own_choice_is_the_plain_step():
     replayed = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=own))
     np.testing.assert_array_equal(replayed["prox"], plain["prox"])
     assert replayed["metrics"] == plain["metrics"]
-    np.testing.assert_array_equal(replayed["sums"], plain["sums"])
+    np.testing.assert_allclose(replayed["sums"], plain["sums"], rtol=1e-5, atol=1e-5)
     other = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=(own + 1) % 8))
     assert other["metrics"][0]["loss"] != plain["metrics"][0]["loss"]
-    assert not np.array_equal(other["sums"], plain["sums"])
+    assert np.abs(other["sums"] - plain["sums"]).max() > 1e-2  # 2.1 here, against 1.3e-6 for the replayed own ids
