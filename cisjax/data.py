@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cisjax import errors
+from cisjax import tokenizer as tokenizer_lib
 from cisjax.rl.rewards import last_boxed, normalize_reference
 
 log = logging.getLogger(__name__)
@@ -217,9 +218,7 @@ class PromptFormatter:
         enable_thinking: bool = False,
         system: str = "",
     ):
-        from transformers import AutoTokenizer  # lazy: transformers (heavy: only where prompts are built)
-
-        self.tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir))
+        self.tokenizer = tokenizer_lib.load(tokenizer_dir)
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise errors.UserError(
                 f"tokenizer {tokenizer_dir} has no chat template; pass chat_template=False for a plain prompt"

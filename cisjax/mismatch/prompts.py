@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
-from cisjax import data, errors
+from cisjax import data, errors, tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +38,7 @@ def _token_ids(path: Path, rows) -> list[list[int]]:
 
 def _texts(path: Path, rows, model_dir) -> list[list[int]]:
     """{"prompt": "text"} rows, encoded as they are."""
-    from transformers import AutoTokenizer  # lazy: transformers (the tokenizer library, only for text prompts)
-
-    tok = AutoTokenizer.from_pretrained(os.fspath(model_dir))
+    tok = tokenizer.load(model_dir)
     texts = [r.get("prompt") if isinstance(r, dict) else None for r in rows]
     bad = [i + 1 for i, t in enumerate(texts) if not isinstance(t, str) or not t]
     if bad:

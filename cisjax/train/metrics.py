@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from tensorboardX import SummaryWriter
 
 from cisjax.rl import corrections
 from cisjax.rl.rewards import last_boxed
@@ -157,6 +156,8 @@ class MetricsLog:
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
+            from tensorboardX import SummaryWriter  # lazy: it imports torch (3-5 s), only for runs that write events
+
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step)
         self.total = total_steps
         self._progress = None

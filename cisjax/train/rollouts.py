@@ -36,7 +36,8 @@ class RolloutProducer:
 
     `generate(problems, index) -> (samples, texts)` and `reward(samples, texts, problems) -> groups of Rollout`
     are the loop's callables (Sampler's); `stream` is a cisjax.data.PromptStream. An error on the thread is raised
-    by the next `get`."""
+    by the next `get`. With `end`, batches `end` and later are never generated (the run's last step consumes
+    batch end - 1: a batch past it would be sampled for nothing and cut off by the shutdown)."""
 
     def __init__(
         self,
@@ -48,13 +49,14 @@ class RolloutProducer:
         first_index: int,
         published_version: int,
         server_version=None,
+        end: int | None = None,
     ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.stream, self._generate, self._reward = stream, generate, reward
         self.max_staleness = int(max_staleness)
         self._server_version = server_version or (lambda: self._published)
-        self._next = first_index
+        self._next, self._end = first_index, end
         self._published = published_version
         self._ready: dict[int, StepRollouts] = {}
         self._error: BaseException | None = None
@@ -107,6 +109,10 @@ class RolloutProducer:
                     if self._stop:
                         return
                     index = self._next
+                    if self._end is not None and index >= self._end:  # the run needs no more batches
+                        self._stop = True
+                        self._cv.notify_all()
+                        return
                 try:
                     problems = self.stream.next_batch()
                 except StopIteration:

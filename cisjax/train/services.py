@@ -101,6 +101,7 @@ def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
                 first_index=start,
                 published_version=start,  # the params of step s are weights version s
                 server_version=lambda: client.expected_version,
+                end=total,
             )
             stack.callback(producer.close)
             metrics_log = MetricsLog(

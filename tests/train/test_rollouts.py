@@ -22,7 +22,7 @@ class _Stream:
         return {"pos": self.pos}
 
 
-def _producer(max_staleness, batches=10, fail_at=None):
+def _producer(max_staleness, batches=10, fail_at=None, end=None):
     started = []
     lock = threading.Lock()
 
@@ -37,7 +37,7 @@ def _producer(max_staleness, batches=10, fail_at=None):
         return groups
 
     p = RolloutProducer(
-        _Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0
+        _Stream(batches), generate, reward, max_staleness=max_staleness, first_index=0, published_version=0, end=end
     )
     return p, started
 
@@ -84,6 +84,22 @@ def test_end_of_data():
         p.published(2)
         with pytest.raises(RuntimeError, match="stopped"):
             p.get(2, timeout_s=5)
+    finally:
+        p.close()
+
+
+def test_no_batch_past_the_runs_last_step():
+    """The run's steps end at batch 2 (end=3): batches 3 and 4, which the staleness bound would allow once version 3
+    is out, are never generated; a get past the end is refused at once."""
+    p, started = _producer(2, end=3)
+    try:
+        for s in range(3):
+            assert p.get(s, timeout_s=5).index == s
+            p.published(s + 1)
+        _settle(started, 5)
+        assert started == ["problem0", "problem1", "problem2"]
+        with pytest.raises(RuntimeError, match="stopped"):
+            p.get(3, timeout_s=5)
     finally:
         p.close()
 
