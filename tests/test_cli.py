@@ -129,7 +129,12 @@ def test_bench_runs_tiny_and_writes_json(argv, tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     assert cli.main(argv + ["--json", str(out)]) == 0
-    assert json.loads(out.read_text())
+    res = json.loads(out.read_text())
+    assert res
+    if argv[1] == "step":  # the loop's trainer time per step under both train.proximal settings, both trained
+        p = res["proximal"]
+        assert p["rescore_s"] > 0 and p["step_s"] > 0 and p["ratio"] == p["step_s"] / p["rescore_s"], p
+        assert isinstance(res["meets_proximal_target"], bool)
 
 
 def test_command_imports_only_its_own_module():

@@ -10,6 +10,7 @@ import tempfile
 
 import flax.nnx as nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cisjax import config as config_lib
@@ -25,6 +26,7 @@ from cisjax.train.step import make_loss_fn
 TARGET_CIS_OVERHEAD = 0.01  # median step time with CIS / without - 1
 TARGET_JAX_VS_TORCH = 1.0  # JAX fwd+bwd+loss time / torch's
 TARGET_REPLAY_OVERHEAD = 0.03  # median step time with CIS + routing replay / CIS alone - 1
+TARGET_PROXIMAL_STEP = 0.9  # the loop's trainer time per step, train.proximal=step / rescore (rescoring + step)
 STEPS = ("cis", "none", "cis+replay")  # the optimizer steps timed, interleaved call by call
 MODEL = tiny_model.Sizes(256, 4, 8, 4, 8, 2, 256, 256, 2048)
 
@@ -111,6 +113,8 @@ def bench(args) -> dict:
         res["jax_moe_impl"] = moe_lib.default_impl() if model_cfg.moe_impl == "auto" else model_cfg.moe_impl
         host, batches = _batches(args, run, params, model_cfg.vocab_size)
         res["replay_rescore"] = _rescore_overhead(runs, params, batches, args.repeats)
+        own = build(_arm(cfg, "cis", proximal="step"), model_dir=model_dir, mesh=mesh, inputs=False)
+        res["proximal"] = _proximal(runs["cis"], own, batches["cis"], args.repeats)  # before _steps donates states
         steps = _steps(args, runs, batches)
         # the loss of the fwd+bwd: the config's correction (cis)
         fwd_bwd = _fwd_bwd(args, runs["cis"], params, batches["cis"], host, model_dir)
@@ -120,15 +124,44 @@ def bench(args) -> dict:
     res["meets_cis_target"] = res["cis_overhead"] <= TARGET_CIS_OVERHEAD
     res["meets_torch_target"] = res["jax_vs_torch"] <= TARGET_JAX_VS_TORCH
     res["meets_replay_target"] = res["replay_overhead"] <= TARGET_REPLAY_OVERHEAD
+    res["meets_proximal_target"] = res["proximal"]["ratio"] <= TARGET_PROXIMAL_STEP
     return res
 
 
-def _arm(cfg, method: str):
-    """The config of one of STEPS: its correction.method, and routing replay with "+replay"."""
+def _arm(cfg, method: str, proximal: str = "rescore"):
+    """The config of one of STEPS: its correction.method, and routing replay with "+replay"; train.proximal."""
     arm = copy.deepcopy(cfg)
     arm.correction.method = method.split("+")[0]
     arm.routing.replay = "rollout" if method.endswith("+replay") else "none"
+    arm.train.proximal = proximal
     return arm
+
+
+def _proximal(rescored: Run, own: Run, batch, repeats: int) -> dict:
+    """The loop's trainer time per step, interleaved call by call (CIS, no replay): the rescoring pass then the step
+    (train.proximal=rescore) against the step taking p_prox from its own forward (train.proximal=step). Each side
+    trains its own copy of the initial state, as a run does."""
+    states = {"rescore": jax.tree.map(jnp.copy, rescored.state), "step": jax.tree.map(jnp.copy, own.state)}
+
+    def rescore_then_step():
+        b = batch._replace(prox_logprobs_MxBxT=rescored.rescore(states["rescore"].params, batch))
+        states["rescore"], met = rescored.train_step(states["rescore"], b)
+        return jax.block_until_ready(met)
+
+    def step_alone():
+        states["step"], met = own.train_step(states["step"], batch)
+        return jax.block_until_ready(met)
+
+    calls = {"rescore": rescore_then_step, "step": step_alone}
+    first = {m: harness.timed(calls[m])[0] for m in calls}
+    times = harness.interleave(calls, repeats)
+    return dict(
+        rescore_s=times.median("rescore"),
+        step_s=times.median("step"),
+        ratio=times.median("step") / times.median("rescore"),
+        ratio_paired=times.paired("step", "rescore"),
+        first_call_s=first,
+    )
 
 
 def _batches(args, run: Run, params, vocab: int) -> tuple[TrainBatch, dict]:
@@ -296,6 +329,12 @@ def _print(res: dict) -> None:
         f"target <= {TARGET_REPLAY_OVERHEAD:.0%}: {ok(res['meets_replay_target'])}; the rescoring "
         f"{res['replay_rescore']['overhead']:+.2%} ({res['replay_rescore']['replay_s']:.4f} s vs "
         f"{res['replay_rescore']['plain_s']:.4f} s)"
+    )
+    p = res["proximal"]
+    console.print(
+        f"the loop's trainer time per step, train.proximal=step / rescore (rescoring + step): {p['ratio']:.2f}x "
+        f"({p['step_s']:.4f} s vs {p['rescore_s']:.4f} s; median of paired ratios {p['ratio_paired']:.2f}x); target "
+        f"<= {TARGET_PROXIMAL_STEP:.1f}x: {ok(res['meets_proximal_target'])}"
     )
     console.print(
         f"JAX / torch fwd+bwd+loss time: {res['jax_vs_torch']:.2f}x (median of paired ratios "

@@ -34,6 +34,7 @@ def warmup_config(config_file: str | None = None, overrides: Sequence[str] = (),
     cfg.train.total_steps = max(steps, 1)
     cfg.train.final_lr_ratio = 0.1
     cfg.train.micro_batches = 1
+    cfg.train.proximal = "rescore"  # train_steps rescores: its prox is also the batch's q (weight 1) and the curve
     cfg.logprobs.temperature = 1.0
     return config_lib.apply_overrides(cfg, overrides)
 

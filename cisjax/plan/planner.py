@@ -124,6 +124,8 @@ def _compile_programs(out: dict, progs: StepPrograms, programs, shape: dict, usa
     for name in programs:
         if name == "canary" and not int(progs.cfg.publish.canary.every):
             continue
+        if name == "rescore" and progs.spec.step.proximal == "step":  # the step computes p_prox: no such program
+            continue
         if name == "sampler":
             what = f"{out['sampler']['batch']} prompts x {out['sampler']['n']} samples, {out['sampler']['slots']} slots"
         else:

@@ -30,7 +30,9 @@ class Run:
     tx: Any  # the optax optimizer
     state: Any  # TrainState
     train_step: TrainStep  # (state, batch) -> (state, metrics), state donated
-    rescore: Callable  # (params, batch) -> logprobs_MxBxT: the proximal rescoring; (logprobs, forward.Flips) if replay
+    # (params, batch) -> logprobs_MxBxT: the proximal rescoring; (logprobs, forward.Flips) if replay. None under
+    # train.proximal=step (the step computes p_prox itself)
+    rescore: Callable | None
     rows_multiple: int  # a batch's rows must be a multiple of this (the "batch" mesh axes)
     replay: bool = (
         False  # routing replay: routing.replay = "rollout" on a model with MoE layers (a dense one ignores it)
@@ -64,7 +66,11 @@ def build_run(spec: TrainSpec, *, model_dir=None, mesh=None) -> Run:
         tx=tx,
         state=state,
         train_step=step_lib.make_train_step(graphdef, tx, spec.step, mesh, rules, state_sh),
-        rescore=step_lib.make_rescore(graphdef, spec.step, mesh, rules, state_sh.params, flips=replay),
+        rescore=(
+            step_lib.make_rescore(graphdef, spec.step, mesh, rules, state_sh.params, flips=replay)
+            if spec.step.proximal == "rescore"
+            else None
+        ),
         rows_multiple=sharding.axis_multiple(mesh, rules, "batch"),
         replay=replay,
     )

@@ -29,8 +29,10 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       1. rollouts of batch s (generated ahead by the producer, from weights at most
          rollout.max_staleness versions old) with their rewards;
       2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages;
-      3. proximal rescoring: p of every token under the current params (the step's own forward);
-      4. the jitted step: correction weights from p and q, the clipped loss, AdamW;
+      3. proximal rescoring: p of every token under the current params (the step's own forward; train.proximal=step:
+         none, the step takes p_prox from its forward, stop-gradient);
+      4. the jitted step: correction weights from p and q, the clipped loss, AdamW; then the dump of every
+         run.dump_every steps;
       5. publish version s + 1 (export or stream, reload, canary; rollout.lag: version s + 1 - lag; rollout.perturb:
          a perturbed copy, cisjax.train.perturb; the last step's weights are sent as they are);
       6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
@@ -61,11 +63,13 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             ro = clock.time("rollout_wait", sv.producer.get, s) if lead else None  # 1. rollouts + rewards
             host, versions, roll = _host_batch(ro, s, run, lead)  # 2. the batch (every process holds the host copy)
             batch = sharding.place(host, run.mesh, run.rules, sharding.BATCH_AXES)
-            batch, flips = clock.time("rescore", _rescore, run, state.params, batch)  # 3. proximal rescoring
+            flips = None
+            if run.rescore is not None:  # 3. proximal rescoring (train.proximal=rescore; "step": the step's forward)
+                batch, flips = clock.time("rescore", _rescore, run, state.params, batch)
+            state, step_m, batch, flips = clock.time("train", _update, run, state, batch, flips)  # 4. the update
             flips = None if flips is None else type(flips)(*map(distributed.to_host, flips))  # collective
-            if spec.run.dump_every and s % spec.run.dump_every == 0:  # before the step donates the params
+            if spec.run.dump_every and s % spec.run.dump_every == 0:
                 _dump(run_dir, s, spec, host, batch, versions, flips, lead)
-            state, step_m = clock.time("train", _update, run, state, batch)  # 4. the update
             report = clock.time("publish", publish, state.params, s)  # 5. version s + 1 (or s + 1 - lag)
             state = state_lib.with_counters(state, policy_version=s + 1, data_position=int(roll["data/position"]))
             if lead and report is not None:
@@ -143,10 +147,13 @@ def _rescore(run: Run, params, batch):
     return batch._replace(prox_logprobs_MxBxT=prox), flips
 
 
-def _update(run: Run, state, batch):
-    """(the state after the optimizer step, its metrics as floats)."""
-    state, m = run.train_step(state, batch)
-    return state, {k: float(v) for k, v in jax.device_get(m).items()}
+def _update(run: Run, state, batch, flips):
+    """(the state after the optimizer step, its metrics as floats, the batch with p_prox, the routing flips or None):
+    under train.proximal=step, the p_prox and flips the step's own forward computed."""
+    state, m, out = run.train_step.with_outputs(state, batch)
+    if out.prox_logprobs_MxBxT is not None:
+        batch, flips = batch._replace(prox_logprobs_MxBxT=out.prox_logprobs_MxBxT), out.flips
+    return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, flips
 
 
 def _dump(run_dir, step: int, spec, host, batch, versions, flips, lead: bool) -> None:

@@ -146,6 +146,7 @@ def from_config(cfg) -> TrainSpec:
         loss=section(LossSpec, cfg.loss, gspo=cfg.correction.method == "gspo"),
         optim=section(OptimSpec, cfg.train),
         loss_scale=float(cfg.train.loss_scale) if runtime.precision == "fp16" else 1.0,
+        proximal=str(cfg.train.proximal),
     )
     canary = section(CanarySpec, cfg.publish.canary, seed=int(cfg.seed))
     return TrainSpec(

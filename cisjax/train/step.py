@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ from cisjax.rl import loss as loss_lib
 from cisjax.train import optim
 from cisjax.train.state import TrainState
 
+PROXIMAL = ("rescore", "step")  # train.proximal
+
 
 @dataclass(frozen=True)
 class StepSpec:
@@ -32,20 +35,36 @@ class StepSpec:
     loss: loss_lib.LossSpec
     optim: optim.OptimSpec
     loss_scale: float = 1.0  # fp16 precision's static loss scale (train.loss_scale); 1 in the other precisions
+    # train.proximal: "rescore" = p_prox from the batch (the rescoring pass before the step fills it); "step" = p_prox
+    # is the step's own forward, stop-gradient (the step's params are the proximal policy when it takes one optimizer
+    # step per rollout batch): no rescoring program, and the step returns p_prox (and the routing flips) itself
+    proximal: str = "rescore"
 
     def forward_kwargs(self) -> dict:
         """The step's forward (forward.make_forward / make_batch_logprobs): precision, temperature, chunking."""
         return dict(precision=self.runtime.precision, temperature=self.temperature, chunk_size=self.chunk_size)
 
 
+class StepOutputs(NamedTuple):
+    """What a train.proximal=step step computed on the way that the rescoring would have (None otherwise)."""
+
+    prox_logprobs_MxBxT: jax.Array | None  # fp32 p_prox of every token: the step's own forward
+    flips: forward.Flips | None  # routing replay: where the routers' own choice differs from the replayed one
+
+
 @dataclass
 class TrainStep:
-    """The jitted step; call it as `step(state, batch) -> (state, metrics)`."""
+    """The jitted step; call it as `step(state, batch) -> (state, metrics)`, or `step.with_outputs(state, batch) ->
+    (state, metrics, StepOutputs)`."""
 
-    jitted: Callable  # the jax.jit of the pure step (state donated)
+    jitted: Callable  # the jax.jit of the pure step (state donated): (state, batch) -> (state, metrics, StepOutputs)
     traces: int = 0  # how many times the step was traced (1 for any number of calls with the same shapes)
 
     def __call__(self, state: TrainState, batch: TrainBatch):
+        state, metrics, _ = self.jitted(state, batch)
+        return state, metrics
+
+    def with_outputs(self, state: TrainState, batch: TrainBatch):
         return self.jitted(state, batch)
 
 
@@ -67,19 +86,23 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
     scale = float(spec.loss_scale)
     fwd = forward.make_forward(graphdef, mesh, rules, **spec.forward_kwargs())
 
+    own_prox = spec.proximal == "step"
+
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
-        stats = fwd(
+        out = fwd(
             params, mb.tokens_MxBxT, mb.positions_MxBxT, mb.segment_ids_MxBxT, mb.targets_MxBxT, mb.routing_MxBxTxXxK
-        ).stats
-        logp_BxT, entropy_BxT = stats.logprobs_N, stats.entropy_N
+        )
+        logp_BxT, entropy_BxT = out.stats.logprobs_N, out.stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT
+        # p_prox: the step's own logprobs, stop-gradient (train.proximal=step), else the rescoring's in the batch
+        prox_BxT = lax.stop_gradient(logp_BxT.astype(jnp.float32)) if own_prox else mb.prox_logprobs_MxBxT
         weights_BxT, corr_metrics = corrections.correction_weights(
-            method, mb.prox_logprobs_MxBxT, mb.infer_logprobs_MxBxT, mask_BxT, **corr_kw
+            method, prox_BxT, mb.infer_logprobs_MxBxT, mask_BxT, **corr_kw
         )
         loss, loss_metrics = loss_lib.policy_loss(
             logp_BxT,
-            mb.prox_logprobs_MxBxT,
+            prox_BxT,
             weights_BxT,
             mb.advantages_MxBxT,
             mask_BxT,
@@ -94,6 +117,14 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
             corr=corr_metrics,
             loss_metrics=loss_metrics,
         )
+        if own_prox:  # what the rescoring would have returned: p_prox and, under replay, the routing flips
+            aux["prox_BxT"] = prox_BxT
+            if mb.routing_MxBxTxXxK is not None and out.expert_ids_XxBxTxK is not None:
+                aux["flips"] = forward.routing_flips(
+                    lax.stop_gradient(out.expert_ids_XxBxTxK),
+                    jnp.moveaxis(mb.routing_MxBxTxXxK, 2, 0),
+                    mb.segment_ids_MxBxT > 0,
+                )
         return loss.astype(jnp.float32) * scale, aux
 
     return loss_fn
@@ -115,6 +146,10 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     metrics (replicated fp32 scalars): loss, grad_norm (before clipping), clip_frac, entropy (mean over valid
     tokens), lr (the learning rate of this update), tokens, skipped, and every correction and loss metric combined
     over micro-batches (token-weighted means; keys ending "_max" by max).
+
+    outputs (with_outputs): under spec.proximal="step", p_prox of every token [M, B, T] (the step's own forward,
+    stop-gradient: what the rescoring would give, to float rounding) and, for a batch with routing, the Flips; None
+    fields under "rescore" (the batch carries p_prox).
 
     spec: correction.method picks the operator (low/high None = the method's default); "gspo" switches the loss to
     the sequence surrogate; "fp16" has weight 1 and forces precision fp16 (runtime.make_runtime). The model's
@@ -173,11 +208,17 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
             skipped=(~ok).astype(jnp.float32),
         )
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return new_state, metrics
+        flips = aux.get("flips")
+        if flips is not None:  # layers [M, B, T]; per_layer summed over micro-batches, as the rescoring's
+            flips = forward.Flips(flips.layers_BxT, jnp.sum(flips.per_layer_X, axis=0))
+        return new_state, metrics, StepOutputs(aux.get("prox_BxT"), flips)
 
     batch_sh = TrainBatch(*([bsh] * len(TrainBatch._fields)))
-    jitted = jax.jit(
-        step, in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, replicated), donate_argnums=0
+    jitted = jax.jit(  # the StepOutputs' shardings (None: no constraint) follow the batch's
+        step,
+        in_shardings=(state_shardings, batch_sh),
+        out_shardings=(state_shardings, replicated, None),
+        donate_argnums=0,
     )
 
     out = TrainStep(jitted)

@@ -23,6 +23,7 @@ from cisjax.train import perturb
 from cisjax.train import spec as spec_lib
 from cisjax.train.optim import SCHEDULES
 from cisjax.train.publish import MODES as PUBLISH_MODES
+from cisjax.train.step import PROXIMAL
 
 __all__ = ["ENGINE_DTYPES", "PROGRESS", "REPLAY", "check", "problems"]
 
@@ -254,6 +255,7 @@ def _train(c: _Checker) -> None:
             "train.final_lr_ratio=0: the steps past the horizon train at learning rate 0"
         )
     c.number("train.micro_batches", low=1, integer=True)
+    c.one_of("train.proximal", PROXIMAL)
     c.number("train.length_multiple", low=1, integer=True)
     c.one_of("train.precision", PRECISIONS)
     if c.get("train.precision") == "fp16" or c.get("correction.method") == "fp16":

@@ -196,15 +196,21 @@ def test_perturbed_and_lagged_engine(prepared, tmp_path):
     copy, which the tight canary checks against the engine (so the engine serves exactly the copy, not the params);
     the exported matrices lie on the int4 grid; the engine trails by one version (staleness exactly 1 after step 0)
     and the last step publishes the final weights as they are (the canary passes against the unperturbed params:
-    the run's final export and evaluation are the trained model)."""
+    the run's final export and evaluation are the trained model). With train.proximal=step: no rescoring pass, the
+    dumps' p_prox from the step's own forward."""
     from safetensors.numpy import load_file
 
     run_dir = tmp_path / "run"
     over = {"run.steps": 3, "rollout.perturb": "int4", "rollout.lag": 1, "publish.canary.mean_abs": 1e-3}
+    over["train.proximal"] = "step"
     loop.train(_cfg(prepared, run_dir, **{**over, "publish.canary.max_abs": 1e-2, "checkpoint.every": 0}))
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("time/rescore_s" not in r and r["time/train_s"] > 0 and r["train/acted_frac"] >= 0 for r in rows)
+    dump = np.load(run_dir / "dumps" / "step_0000002.npz")  # p_prox from the step, q from the int4 engine
+    assert len(dump["logp_prox"]) > 0 and np.all(dump["logp_prox"] <= 0) and np.all(np.isfinite(dump["logp_prox"]))
+    assert np.abs(dump["logp_prox"] - dump["logp_infer"]).max() > 1e-3  # the perturbed engine's q is not p
     start = load_file(str(run_dir / "engine_start" / "v000000" / "model.safetensors"))  # version 0: perturbed too
     w0 = start["model.layers.0.self_attn.q_proj.weight"].astype(np.float64)
     np.testing.assert_allclose(w0 / (np.abs(w0).max() / 7), np.round(w0 / (np.abs(w0).max() / 7)), atol=1e-4)
@@ -253,9 +259,11 @@ def _train_killing_a_server(cfg, run_dir, which: int) -> list:
 @pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
-    the current weights, and the run completes every step."""
+    the current weights, and the run completes every step. The transformers engine (the recovery is the service's,
+    whatever the engine; a vLLM replica's restart is the fleet test's), which starts in half the time."""
     run_dir = tmp_path / "run"
-    servers = _train_killing_a_server(_cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300}), run_dir, 0)
+    over = {"run.steps": 3, "rollout.retry_s": 300, "rollout.backend": "transformers"}
+    servers = _train_killing_a_server(_cfg(prepared, run_dir, **over), run_dir, 0)
     assert servers and servers[0].restarts >= 1
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
 

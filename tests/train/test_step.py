@@ -422,3 +422,53 @@ def test_step_replaying_the_routers_own_choice_is_the_plain_step():
     other = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=(own + 1) % 8))
     assert other["metrics"][0]["loss"] != plain["metrics"][0]["loss"]
     assert np.abs(other["sums"] - plain["sums"]).max() > 1e-2  # 2.1 here, against 1.3e-6 for the replayed own ids
+
+
+def test_proximal_step_is_the_rescored_step():
+    """train.proximal=step: p_prox from the step's own forward (stop-gradient), no rescoring pass. On the same state
+    and batch (routing replayed, some of it not the routers' choice) the step gives the rescoring's p_prox and routing
+    flips, and the same loss, correction metrics and update to float rounding; it never reads the batch's p_prox."""
+    cfg, mesh = U.make_cfg(), U.mesh_for("single")
+    graphdef, _, rules, state = U.build(cfg, mesh)
+    batch = U.host_batch()
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
+    own = np.stack(
+        [
+            np.moveaxis(
+                np.asarray(
+                    fwd(
+                        state.params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])
+                    ).expert_ids_XxBxTxK
+                ),
+                0,
+                2,
+            )
+            for i in range(U.M)
+        ]
+    ).astype(np.uint8)
+    routing = own.copy()
+    routing[:, ::3] = (own[:, ::3] + 1) % 8  # every third row: another expert set in every layer
+    batch = batch._replace(routing_MxBxTxXxK=routing)
+    rescored = U.run_steps(cfg, mesh, steps=1, batch=batch)  # the rescoring pass, then the step
+    placed = sharding.place(rescored["batch"], mesh, rules, sharding.BATCH_AXES)
+    want_flips = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules, flips=True)(state.params, placed)[1]
+
+    cfg_step = U.make_cfg(proximal="step")
+    graphdef, tx, rules, state = U.build(cfg_step, mesh)
+    train_step = step_lib.make_train_step(graphdef, tx, spec_of(cfg_step).step, mesh, rules, state_lib.shardings(state))
+    blank = rescored["batch"]._replace(prox_logprobs_MxBxT=np.full((U.M, U.B, U.T), -50.0, np.float32))  # unread
+    state, met, out = train_step.with_outputs(state, sharding.place(blank, mesh, rules, sharding.BATCH_AXES))
+    mask = rescored["batch"].loss_mask_MxBxT
+    np.testing.assert_allclose(np.asarray(out.prox_logprobs_MxBxT)[mask], rescored["prox"][mask], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.flips.layers_BxT), np.asarray(want_flips.layers_BxT))
+    np.testing.assert_array_equal(np.asarray(out.flips.per_layer_X), np.asarray(want_flips.per_layer_X))
+    assert int(np.asarray(out.flips.per_layer_X).min()) > 0  # the rows whose routing was changed flip
+    got = {k: float(v) for k, v in met.items()}
+    assert got.keys() == rescored["metrics"][0].keys()
+    for k, v in rescored["metrics"][0].items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+    assert got["acted_frac"] > 0  # CIS acted: the weights came from p_prox and q
+    np.testing.assert_allclose(U.replicated_sums(state.params), rescored["sums"][0], rtol=1e-5, atol=1e-5)
+    # and under "rescore" the step computes none of it
+    _, _, out = rescored["step"].with_outputs(rescored["state"], placed)
+    assert out == step_lib.StepOutputs(None, None)
