@@ -26,7 +26,7 @@ print(f"\n{'step':>4} {'reward':>7} {'boxed':>6} {'acted':>7} {'max|logk|':>9} {
 for r in rows:
     print(f"{r['step']:>4} {r['reward_mean']:>7.3f} {r.get('rollout/boxed_frac', 0):>6.3f} {r.get('train/acted_frac') or 0:>7.4f} {r.get('train/abs_logk_max') or 0:>9.3f} "
           f"{r['rollout/staleness_mean']:>5.2f} {r.get('time/generate_s') or 0:>6.2f} {r.get('time/reward_s') or 0:>6.2f} "
-          f"{r['time/rescore_s']:>7.2f} {r['time/train_s']:>7.2f} {r['time/publish_s']:>7.2f}")
+          f"{r.get('time/rescore_s') or 0:>7.2f} {r['time/train_s']:>7.2f} {r['time/publish_s']:>7.2f}")
 k = max(1, len(rows) // 4)
 first, last = sum(r["reward_mean"] for r in rows[:k]) / k, sum(r["reward_mean"] for r in rows[-k:]) / k
 print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; {len(rows)} steps; "

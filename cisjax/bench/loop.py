@@ -39,12 +39,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def phase_times(rows: list[dict]) -> dict:
     """Medians over metrics.jsonl rows: the step, its rollout side (generate + reward of its batch) and its train side
-    (rescore + update + publish), and how long the trainer waited for rollouts."""
+    (rescore + update + publish; no rescore under train.proximal=step), and how long the trainer waited for rollouts."""
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     return {
         "step_s": med([r["time/step_s"] for r in rows]),
         "rollout_s": med([r["time/generate_s"] + r["time/reward_s"] for r in rows]),
-        "train_s": med([r["time/rescore_s"] + r["time/train_s"] + r["time/publish_s"] for r in rows]),
+        "train_s": med([r.get("time/rescore_s", 0.0) + r["time/train_s"] + r["time/publish_s"] for r in rows]),
         "wait_s": med([r["time/rollout_wait_s"] for r in rows]),
         "staleness_mean": med([r["staleness_mean"] for r in rows]),
         "steps": len(rows),

@@ -29,8 +29,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       1. rollouts of batch s (generated ahead by the producer, from weights at most
          rollout.max_staleness versions old) with their rewards;
       2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages;
-      3. proximal rescoring: p of every token under the current params (the step's own forward; train.proximal=step:
-         none, the step takes p_prox from its forward, stop-gradient);
+      3. p_prox, p of every token under the current params: the step's own forward, stop-gradient (train.proximal=
+         step: nothing runs here), or a rescoring pass through the same forward (rescore);
       4. the jitted step: correction weights from p and q, the clipped loss, AdamW; then the dump of every
          run.dump_every steps;
       5. publish version s + 1 (export or stream, reload, canary; rollout.lag: version s + 1 - lag; rollout.perturb:
@@ -64,7 +64,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             host, versions, roll = _host_batch(ro, s, run, lead)  # 2. the batch (every process holds the host copy)
             batch = sharding.place(host, run.mesh, run.rules, sharding.BATCH_AXES)
             flips = None
-            if run.rescore is not None:  # 3. proximal rescoring (train.proximal=rescore; "step": the step's forward)
+            if run.rescore is not None:  # 3. p_prox by a rescoring pass (train.proximal=rescore; step: in the step)
                 batch, flips = clock.time("rescore", _rescore, run, state.params, batch)
             state, step_m, batch, flips = clock.time("train", _update, run, state, batch, flips)  # 4. the update
             flips = None if flips is None else type(flips)(*map(distributed.to_host, flips))  # collective

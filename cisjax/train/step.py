@@ -38,7 +38,7 @@ class StepSpec:
     # train.proximal: "rescore" = p_prox from the batch (the rescoring pass before the step fills it); "step" = p_prox
     # is the step's own forward, stop-gradient (the step's params are the proximal policy when it takes one optimizer
     # step per rollout batch): no rescoring program, and the step returns p_prox (and the routing flips) itself
-    proximal: str = "rescore"
+    proximal: str = "step"
 
     def forward_kwargs(self) -> dict:
         """The step's forward (forward.make_forward / make_batch_logprobs): precision, temperature, chunking."""

@@ -34,6 +34,9 @@ def test_summary_against_hand_values():
     contended = bench_loop.summarize(dict(t, train_s=1.0, rollout_s=2.0), dict(t, step_s=3.3, train_s=3.2))
     assert contended["meets_target"] and contended["async_over_bound"] == pytest.approx(3.3 / 3.2)
     assert contended["async_over_sync_bound"] == pytest.approx(3.3 / 2.0)  # reported, not the target's ratio
+    # train.proximal=step: no rescoring pass, no time/rescore_s; the train side is the update and the publish
+    own = [{k: v for k, v in r.items() if k != "time/rescore_s"} for r in rows]
+    assert bench_loop.phase_times(own)["train_s"] == 0.75
 
 
 @pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs

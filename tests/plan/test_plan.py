@@ -159,9 +159,9 @@ def test_paper_model_cut_on_v5p16():
 
 @pytest.mark.slow
 def test_narrow_full_report_on_v5p16(tmp_path):
-    """The whole report on Qwen1.5-MoE's narrow cut: the three programs, the per-layer-kind FLOP tables, the roofline
-    of each program."""
-    report = narrow_plan(PAPER_WIDTHS, tmp_path, rows=8, seq_len=256)
+    """The whole report on Qwen1.5-MoE's narrow cut: the three programs (the rescoring's under train.proximal=rescore),
+    the per-layer-kind FLOP tables, the roofline of each program."""
+    report = narrow_plan(PAPER_WIDTHS, tmp_path, rows=8, seq_len=256, overrides=["--config.train.proximal=rescore"])
     _check_target_and_shape(report)
     _check_programs(report, layer_costs=True)
     _check_layer_costs(report, PAPER_WIDTHS)

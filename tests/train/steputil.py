@@ -25,8 +25,11 @@ M, B, T = 2, 8, 16
 def make_cfg(**train):
     """The base config in fp32 with a learning rate that moves a tiny model in a few steps. AdamW's eps is 1e-6, not
     1e-8: Adam's first update is lr * g / (|g| + eps), and with eps far below the fp32 noise of near-zero gradient
-    entries, sharded and unsharded runs would differ by up to lr on those entries."""
+    entries, sharded and unsharded runs would differ by up to lr on those entries. train.proximal=rescore: the step
+    tests hand the step a p_prox (and take several steps on one batch, whose ratios then leave 1); the step's own
+    p_prox (train.proximal=step) is test_step.py's test_proximal_step_is_the_rescored_step."""
     cfg = config_lib.load(None)
+    cfg.train.proximal = "rescore"
     cfg.train.precision = "fp32"
     cfg.train.lr = 1e-2
     cfg.train.eps = 1e-6

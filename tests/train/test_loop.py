@@ -124,8 +124,11 @@ def _check_evals(run_dir, rows, steps):
 
 @pytest.mark.slow
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
+    """Three steps, the metrics, dumps, TensorBoard, exports, checkpoints and in-loop evals, then a resumed fourth; the
+    proximal rescoring pass (train.proximal=rescore; the other runs of this module take p_prox from the step)."""
     run_dir = tmp_path / "run"
-    last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **_eval_cfg(prepared)}))
+    over = {"train.proximal": "rescore", **_eval_cfg(prepared)}
+    last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **over}))
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -163,7 +166,7 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     _check_evals(run_dir, rows, [1, 2])
 
     # resume: continue to step 4 from the last checkpoint (the state after step 3), same data order and versions
-    loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, **_eval_cfg(prepared)}), resume=True)
+    loop.train(_cfg(prepared, run_dir, **{"run.steps": 4, **over}), resume=True)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["publish/version"] == 4 and rows[3]["data/position"] == 32
@@ -259,11 +262,9 @@ def _train_killing_a_server(cfg, run_dir, which: int) -> list:
 @pytest.mark.slow
 def test_server_killed_mid_run_is_recovered(prepared, tmp_path):
     """The embedded server dies during the run: the watchdog restarts it, the client reconnects and re-sends
-    the current weights, and the run completes every step. The transformers engine (the recovery is the service's,
-    whatever the engine; a vLLM replica's restart is the fleet test's), which starts in half the time."""
+    the current weights, and the run completes every step."""
     run_dir = tmp_path / "run"
-    over = {"run.steps": 3, "rollout.retry_s": 300, "rollout.backend": "transformers"}
-    servers = _train_killing_a_server(_cfg(prepared, run_dir, **over), run_dir, 0)
+    servers = _train_killing_a_server(_cfg(prepared, run_dir, **{"run.steps": 3, "rollout.retry_s": 300}), run_dir, 0)
     assert servers and servers[0].restarts >= 1
     assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
 

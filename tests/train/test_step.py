@@ -428,7 +428,7 @@ def test_proximal_step_is_the_rescored_step():
     """train.proximal=step: p_prox from the step's own forward (stop-gradient), no rescoring pass. On the same state
     and batch (routing replayed, some of it not the routers' choice) the step gives the rescoring's p_prox and routing
     flips, and the same loss, correction metrics and update to float rounding; it never reads the batch's p_prox."""
-    cfg, mesh = U.make_cfg(), U.mesh_for("single")
+    cfg, mesh = U.make_cfg(proximal="rescore"), U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
     batch = U.host_batch()
     fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
