@@ -388,32 +388,25 @@ def test_model_runtime_carries_every_runtime_field():
         assert getattr(mcfg, name) == want, name
 
 
+def _own_routing(graphdef, mesh, rules, params, batch) -> np.ndarray:
+    """The routers' own expert ids of every position of the host batch, [M, B, T, X, k] uint8 (a rollout engine's
+    routing that agrees with the trainer)."""
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
+    ids = [
+        fwd(params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])).expert_ids_XxBxTxK
+        for i in range(batch.tokens_MxBxT.shape[0])
+    ]
+    return np.stack([np.moveaxis(np.asarray(x), 0, 2) for x in ids]).astype(np.uint8)
+
+
 def test_step_replaying_the_routers_own_choice_is_the_plain_step():
     """Routing replay in the step: the routers' own ids replayed give the step without replay (rescoring and metrics
     bitwise; the updated params to float rounding: XLA may sum the routing weights' gradient in another order, and
     Adam's first step, g / |g|, magnifies that on near-zero entries); other ids give another update."""
-    import jax.numpy as jnp
-
-    from cisjax import forward
-
     cfg, mesh = U.make_cfg(), U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
     batch = U.host_batch()
-    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
-    own = np.stack(
-        [
-            np.moveaxis(
-                np.asarray(
-                    fwd(
-                        state.params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])
-                    ).expert_ids_XxBxTxK
-                ),
-                0,
-                2,
-            )
-            for i in range(U.M)
-        ]
-    ).astype(np.uint8)
+    own = _own_routing(graphdef, mesh, rules, state.params, batch)
     plain = U.run_steps(cfg, mesh, steps=1, batch=batch)
     replayed = U.run_steps(cfg, mesh, steps=1, batch=batch._replace(routing_MxBxTxXxK=own))
     np.testing.assert_array_equal(replayed["prox"], plain["prox"])
@@ -431,21 +424,7 @@ def test_proximal_step_is_the_rescored_step():
     cfg, mesh = U.make_cfg(proximal="rescore"), U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
     batch = U.host_batch()
-    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=64))
-    own = np.stack(
-        [
-            np.moveaxis(
-                np.asarray(
-                    fwd(
-                        state.params, *(jnp.asarray(getattr(batch, f)[i]) for f in batch._fields[:4])
-                    ).expert_ids_XxBxTxK
-                ),
-                0,
-                2,
-            )
-            for i in range(U.M)
-        ]
-    ).astype(np.uint8)
+    own = _own_routing(graphdef, mesh, rules, state.params, batch)
     routing = own.copy()
     routing[:, ::3] = (own[:, ::3] + 1) % 8  # every third row: another expert set in every layer
     batch = batch._replace(routing_MxBxTxXxK=routing)
