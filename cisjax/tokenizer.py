@@ -22,8 +22,10 @@ REGISTERED = {
     "qwen3_moe": ("Qwen2Tokenizer", False),
     "deepseek_v2": ("TokenizersBackend", True),
 }
-# classes that stand for "the tokenizer.json as it is" (AutoTokenizer's generic backends)
+# classes that stand for "the tokenizer.json as it is" (AutoTokenizer's generic backends); a hub class found under
+# one of the first three gives way to TokenizersBackend (AutoTokenizer keeps MistralCommonBackend)
 GENERIC = ("TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast", "MistralCommonBackend")
+REPLACED = GENERIC[:3]
 # repositories AutoTokenizer loads with TokenizersBackend whatever they name (its MODEL_IDS_TO_TOKENIZERS_BACKEND)
 BACKEND_REPOS = (
     "deepseek-ai/deepseek-r1-distill-llama-*",
@@ -76,7 +78,7 @@ def tokenizer_class(model_dir: str | os.PathLike):
         cls = _find(registered if hub_is_wrong else hub)
         if cls is None:
             return None
-        return cls if cls.__name__ not in GENERIC else _find("TokenizersBackend")
+        return cls if cls.__name__ not in REPLACED else _find("TokenizersBackend")
     cls = _find(hub.removesuffix("Fast")) or _find(hub.removesuffix("Fast") + "Fast")
     if cls is None:
         return None
