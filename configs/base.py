@@ -88,10 +88,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.total_steps = 1000  # horizon of the decaying schedules
     c.train.final_lr_ratio = 0.0  # end of the decaying schedules, as a fraction of lr
     c.train.micro_batches = 1  # gradient accumulation: M micro-batches per optimizer step
-    # step: the step's own forward, stop-gradient (the run takes one optimizer step per rollout batch, so the step's
-    # params are the proximal policy; no rescoring program: ~18-21% of the trainer's time on a MoE model). rescore: a
-    # rescoring pass over the batch before each step. The same loss, gradients and weights to float rounding
-    c.train.proximal = "step"  # where p_prox (the proximal policy's logprobs) comes from: step | rescore
+    # PPO mini-batch updates on one rollout batch: its rows split into U mini-batches (M micro-batches each), one
+    # optimizer step each, in order; p_prox is the params before the first (a rescoring pass). train.total_steps and
+    # the learning-rate schedule count optimizer updates (U per rollout batch); run.steps counts rollout batches
+    c.train.updates_per_batch = 1
+    # step: the step's own forward, stop-gradient (one optimizer step per rollout batch, so the step's params are the
+    # proximal policy; no rescoring program: ~18-21% of the trainer's time on a MoE model). rescore: a rescoring pass
+    # over the batch before its first update (the same loss, gradients and weights to float rounding); required with
+    # train.updates_per_batch > 1. auto: step with one update per rollout batch, else rescore
+    c.train.proximal = "auto"  # where p_prox (the proximal policy's logprobs) comes from: auto | step | rescore
     c.train.length_multiple = 128  # batch rows padded to a multiple of this many tokens (few shapes, few recompiles)
     c.train.precision = "bf16"  # bf16 (bf16 compute, fp32 master weights + optimizer) | fp32 | fp16 (static loss scale)
     c.train.loss_scale = 1024.0  # fp16 precision: static loss scale

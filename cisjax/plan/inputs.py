@@ -45,11 +45,12 @@ def mesh_shape(cfg, text: str) -> dict:
 
 
 def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict:
-    """The train batch the loop builds for this config at its largest: M micro-batches of `rows` rows of `seq_len`
-    tokens (cisjax.train.batching.build_batch's rounding)."""
+    """One optimizer update's batch the loop builds for this config at its largest: M micro-batches of `rows` rows of
+    `seq_len` tokens (cisjax.train.batching.build_batch's rounding; a rollout batch is train.updates_per_batch such
+    mini-batches)."""
     m = int(cfg.train.micro_batches)
     samples = int(cfg.data.prompts_per_step) * int(cfg.rollout.group_size)
-    per_micro_batch = -(-samples // m)  # ceil
+    per_micro_batch = -(-samples // (m * int(cfg.train.updates_per_batch)))  # ceil
     rows = rows or -(-per_micro_batch // rows_multiple) * rows_multiple
     if rows % rows_multiple:
         raise errors.UserError(f"--rows {rows}: must be a multiple of the mesh's batch shards ({rows_multiple})")

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax import config as config_lib
-from cisjax import distributed, sharding
-from cisjax.train import batching, validate
+from cisjax import distributed
+from cisjax.train import batching, updates, validate
 from cisjax.train import metrics as metrics_lib
 from cisjax.train import state as state_lib
 from cisjax.train.build import Run, build_run
@@ -28,11 +28,12 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
     Order of one step s (weights version s is served when it starts):
       1. rollouts of batch s (generated ahead by the producer, from weights at most
          rollout.max_staleness versions old) with their rewards;
-      2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages;
+      2. the TrainBatch: rows, loss mask, q from the sampling step, GRPO advantages; split into
+         train.updates_per_batch mini-batches (cisjax.train.updates);
       3. p_prox, p of every token under the current params: the step's own forward, stop-gradient (train.proximal=
-         step: nothing runs here), or a rescoring pass through the same forward (rescore);
-      4. the jitted step: correction weights from p and q, the clipped loss, AdamW; then the dump of every
-         run.dump_every steps;
+         step: nothing runs here), or a rescoring pass through the same forward (rescore) of every mini-batch;
+      4. the jitted step once per mini-batch: correction weights from p and q, the clipped loss, AdamW; then the
+         dump of every run.dump_every steps;
       5. publish version s + 1 (export or stream, reload, canary; rollout.lag: version s + 1 - lag; rollout.perturb:
          a perturbed copy, cisjax.train.perturb; the last step's weights are sent as they are);
       6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
@@ -62,14 +63,14 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             clock = _Clock()
             ro = clock.time("rollout_wait", sv.producer.get, s) if lead else None  # 1. rollouts + rewards
             host, versions, roll = _host_batch(ro, s, run, lead)  # 2. the batch (every process holds the host copy)
-            batch = sharding.place(host, run.mesh, run.rules, sharding.BATCH_AXES)
+            batches = updates.place(updates.split(host, spec.updates_per_batch), run)  # one mini-batch per update
             flips = None
             if run.rescore is not None:  # 3. p_prox by a rescoring pass (train.proximal=rescore; step: in the step)
-                batch, flips = clock.time("rescore", _rescore, run, state.params, batch)
-            state, step_m, batch, flips = clock.time("train", _update, run, state, batch, flips)  # 4. the update
-            flips = None if flips is None else type(flips)(*map(distributed.to_host, flips))  # collective
+                batches, flips = clock.time("rescore", updates.rescore, run, state.params, batches)
+            state, step_m, batches, flips = clock.time("train", updates.update, run, state, batches, flips)  # 4.
+            flips = updates.host_flips(flips)  # collective
             if spec.run.dump_every and s % spec.run.dump_every == 0:
-                _dump(run_dir, s, spec, host, batch, versions, flips, lead)
+                _dump(run_dir, s, spec, host, batches, versions, flips, lead)
             report = clock.time("publish", publish, state.params, s)  # 5. version s + 1 (or s + 1 - lag)
             state = state_lib.with_counters(state, policy_version=s + 1, data_position=int(roll["data/position"]))
             if lead and report is not None:
@@ -89,11 +90,13 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
             if lead:
                 sv.log.log(s, last)
             if sv.checkpointer.should_save(s + 1) or s + 1 == sv.total:  # the state after step s, data after batch s
-                sv.checkpointer.save(state, metadata={"data_state": ro.data_state if lead else None, "version": s + 1})
+                meta = {"data_state": ro.data_state if lead else None, "version": s + 1}
+                sv.checkpointer.save(state, step=s + 1, metadata=meta)
         sv.checkpointer.wait()
         if stopped and last:
-            meta = {"data_state": ro.data_state if lead else None, "version": int(state.step)}
-            sv.checkpointer.save(state, metadata=meta)
+            version = int(state.policy_version)  # rollout batches trained on (state.step counts optimizer updates)
+            meta = {"data_state": ro.data_state if lead else None, "version": version}
+            sv.checkpointer.save(state, step=version, metadata=meta)
             sv.checkpointer.wait()
         return last
 
@@ -125,7 +128,7 @@ def _host_batch(ro, step: int, run: Run, lead: bool):
     spec = run.spec
     host, info = batching.build_batch(
         ro.groups,
-        micro_batches=spec.micro_batches,
+        micro_batches=spec.micro_batches * spec.updates_per_batch,
         rows_multiple=run.rows_multiple,
         length_multiple=spec.length_multiple,
         advantages=spec.advantages,
@@ -140,24 +143,8 @@ def _host_batch(ro, step: int, run: Run, lead: bool):
     return distributed.broadcast((host, versions, metrics_lib.rollout_metrics(ro, step)))
 
 
-def _rescore(run: Run, params, batch):
-    """(the batch with p_prox of every token under `params`, the routing flips or None): the proximal rescoring."""
-    prox, flips = run.rescore(params, batch) if run.replay else (run.rescore(params, batch), None)
-    jax.block_until_ready(prox)
-    return batch._replace(prox_logprobs_MxBxT=prox), flips
-
-
-def _update(run: Run, state, batch, flips):
-    """(the state after the optimizer step, its metrics as floats, the batch with p_prox, the routing flips or None):
-    under train.proximal=step, the p_prox and flips the step's own forward computed."""
-    state, m, out = run.train_step.with_outputs(state, batch)
-    if out.prox_logprobs_MxBxT is not None:
-        batch, flips = batch._replace(prox_logprobs_MxBxT=out.prox_logprobs_MxBxT), out.flips
-    return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, flips
-
-
-def _dump(run_dir, step: int, spec, host, batch, versions, flips, lead: bool) -> None:
-    prox = distributed.to_host(batch.prox_logprobs_MxBxT)  # collective when prox spans processes
+def _dump(run_dir, step: int, spec, host, batches, versions, flips, lead: bool) -> None:
+    prox = updates.host_prox(batches)  # collective when prox spans processes
     if lead:
         metrics_lib.dump_step(
             run_dir,

@@ -69,7 +69,7 @@ def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
         )
         stack.callback(ckpt.close)
         state, data_state = _start_state(run.state, ckpt, resume)
-        start = int(state.step)
+        start = int(state.policy_version)  # rollout batches trained on (state.step counts optimizer updates)
         # rollout.perturb: version 0 is what the engine starts on, so it starts on the perturbed copy (collective)
         engine_model = spec.model_path
         if spec.perturb.on and start == 0:

@@ -111,6 +111,7 @@ class TrainSpec:
     step: StepSpec
     advantages: AdvantageSpec
     micro_batches: int
+    updates_per_batch: int  # optimizer updates (mini-batches) per rollout batch
     length_multiple: int
     publish: PublishSpec
     rollout: RolloutSpec
@@ -146,7 +147,7 @@ def from_config(cfg) -> TrainSpec:
         loss=section(LossSpec, cfg.loss, gspo=cfg.correction.method == "gspo"),
         optim=section(OptimSpec, cfg.train),
         loss_scale=float(cfg.train.loss_scale) if runtime.precision == "fp16" else 1.0,
-        proximal=str(cfg.train.proximal),
+        proximal=proximal(cfg.train.proximal, int(cfg.train.updates_per_batch)),
     )
     canary = section(CanarySpec, cfg.publish.canary, seed=int(cfg.seed))
     return TrainSpec(
@@ -160,6 +161,7 @@ def from_config(cfg) -> TrainSpec:
         step=step,
         advantages=section(AdvantageSpec, cfg.advantages),
         micro_batches=int(cfg.train.micro_batches),
+        updates_per_batch=int(cfg.train.updates_per_batch),
         length_multiple=int(cfg.train.length_multiple),
         publish=section(
             PublishSpec,
@@ -188,6 +190,13 @@ def from_config(cfg) -> TrainSpec:
         if cfg.eval.sets
         else None,
     )
+
+
+def proximal(value: str, updates_per_batch: int) -> str:
+    """train.proximal resolved: "auto" is "step" with one optimizer update per rollout batch, else "rescore"."""
+    if value == "auto":
+        return "step" if updates_per_batch == 1 else "rescore"
+    return str(value)
 
 
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}

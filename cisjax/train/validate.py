@@ -76,10 +76,13 @@ class _Checker:
     def add(self, message: str) -> None:
         self.problems.append(message)
 
-    def one_of(self, path: str, choices) -> None:
+    def one_of(self, path: str, choices):
+        """The field's value if it is one of `choices`, else None and a problem."""
         value = self.get(path)
         if value not in tuple(choices):
             self.add(f"{path}={value!r}: one of {', '.join(map(str, choices))}")
+            return None
+        return value
 
     def raises(self, path: str, fn, *args) -> None:
         """The code's own parser of a field: its UserError becomes a problem of `path`."""
@@ -255,7 +258,13 @@ def _train(c: _Checker) -> None:
             "train.final_lr_ratio=0: the steps past the horizon train at learning rate 0"
         )
     c.number("train.micro_batches", low=1, integer=True)
-    c.one_of("train.proximal", PROXIMAL)
+    updates = c.number("train.updates_per_batch", low=1, integer=True)
+    if c.one_of("train.proximal", ("auto", *PROXIMAL)) == "step" and updates is not None and updates > 1:
+        c.add(
+            f"train.proximal=step with train.updates_per_batch={updates}: the step's own forward is the proximal "
+            "policy only for a rollout batch's first update (the later ones start from params it has moved); set "
+            "train.proximal=rescore (or auto)"
+        )
     c.number("train.length_multiple", low=1, integer=True)
     c.one_of("train.precision", PRECISIONS)
     if c.get("train.precision") == "fp16" or c.get("correction.method") == "fp16":

@@ -124,10 +124,11 @@ def _check_evals(run_dir, rows, steps):
 
 @pytest.mark.slow
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
-    """Three steps, the metrics, dumps, TensorBoard, exports, checkpoints and in-loop evals, then a resumed fourth; the
-    proximal rescoring pass (train.proximal=rescore; the other runs of this module take p_prox from the step)."""
+    """Three steps, the metrics, dumps, TensorBoard, exports, checkpoints and in-loop evals, then a resumed fourth;
+    two optimizer updates per rollout batch (train.updates_per_batch=2) after one proximal rescoring pass (auto:
+    rescore; the other runs of this module take one update and p_prox from the step)."""
     run_dir = tmp_path / "run"
-    over = {"train.proximal": "rescore", **_eval_cfg(prepared)}
+    over = {"train.updates_per_batch": 2, **_eval_cfg(prepared)}
     last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **over}))
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -155,13 +156,15 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     dump = np.load(run_dir / "dumps" / "step_0000002.npz")
     for k in ("logp_infer", "logp_prox", "rollout_version", "current_version", "loss_mask", "weight", "acted"):
         assert k in dump.files
+    assert dump["logp_prox"].shape == dump["logp_infer"].shape  # both mini-batches' p_prox
     assert len(dump["logp_infer"]) > 0 and np.all(dump["current_version"] == 2) and np.all(dump["rollout_version"] >= 1)
     assert np.all(dump["logp_infer"] <= 0) and np.all(dump["logp_prox"] <= 0)
     assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir())
     assert (run_dir / "exports" / "LATEST").read_text().strip() == "v000003"
     # the train state's counters advance with the loop and are in the checkpoint (what cisjax export reports)
     assert [r["data/position"] for r in rows] == [8, 16, 24]
-    assert _checkpoint_counters(prepared, run_dir) == {"step": 3, "policy_version": 3, "data_position": 24}
+    # (step: optimizer updates, two per rollout batch; the checkpoint is named after the rollout batches)
+    assert _checkpoint_counters(prepared, run_dir) == {"step": 6, "policy_version": 3, "data_position": 24}
     # in-loop eval: after step 1 (eval.every=2) and the final weights after step 2
     _check_evals(run_dir, rows, [1, 2])
 
@@ -170,7 +173,7 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["publish/version"] == 4 and rows[3]["data/position"] == 32
-    assert _checkpoint_counters(prepared, run_dir) == {"step": 4, "policy_version": 4, "data_position": 32}
+    assert _checkpoint_counters(prepared, run_dir) == {"step": 8, "policy_version": 4, "data_position": 32}
     _check_evals(run_dir, rows, [1, 2, 3])
 
 

@@ -91,6 +91,15 @@ def test_rollout_tls_and_the_token_kept_out_of_reprs():
     assert s.rollout.tls == ClientTLS("/pki/ca.pem", "/pki/c.pem", "/pki/c.key", "rollout.internal")
 
 
+@pytest.mark.parametrize(
+    "proximal, updates, want",
+    [("auto", 1, "step"), ("auto", 2, "rescore"), ("rescore", 1, "rescore"), ("step", 1, "step")],
+)
+def test_proximal_resolved_from_the_updates_per_batch(proximal, updates, want):
+    s = _spec(f"--config.train.proximal={proximal}", f"--config.train.updates_per_batch={updates}")
+    assert (s.step.proximal, s.updates_per_batch) == (want, updates)
+
+
 def test_no_spec_for_a_bad_config():
     with pytest.raises(errors.UserError, match="correction.kappa"):
         _spec("--config.correction.kappa=2")

@@ -70,6 +70,12 @@ RULES = [
     (["--config.train.b2=1.0"], "train.b2=1.0 must be >= 0 and < 1"),
     (["--config.train.eps=0"], "train.eps=0.0"),
     (["--config.train.micro_batches=0"], "train.micro_batches=0"),
+    (["--config.train.updates_per_batch=0"], "train.updates_per_batch=0"),
+    (["--config.train.proximal=both"], "train.proximal='both': one of auto, rescore, step"),
+    (
+        ["--config.train.updates_per_batch=2", "--config.train.proximal=step"],
+        "train.proximal=step with train.updates_per_batch=2: the step's own forward is the proximal policy only",
+    ),
     (["--config.train.precision=fp16", "--config.train.loss_scale=0"], "train.loss_scale=0.0"),
     (["--config.correction.method=fp16", "--config.train.loss_scale=-1"], "train.loss_scale=-1.0"),
     (["--config.loss.clip_low=1.0"], "loss.clip_low=1.0"),
