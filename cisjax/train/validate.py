@@ -29,6 +29,7 @@ __all__ = ["ENGINE_DTYPES", "PROGRESS", "REPLAY", "check", "problems"]
 
 # routing.replay: none | rollout (the rollout engine's expert ids replayed in every MoE layer of the trainer).
 REPLAY = ("none", "rollout")
+UNWEIGHTED = ("none", "fp16")  # correction.method whose weights are 1 (no q in them): truncated sampling is allowed
 # run.progress as the loop reads it: auto (a terminal decides) | on | off.
 PROGRESS = ("auto", "on", "off")
 # The embedded rollout server's engine dtypes (cisjax.rollout.server's --dtype choices).
@@ -307,8 +308,17 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.one_of("rollout.backend", BACKENDS)
     c.one_of("rollout.dtype", ENGINE_DTYPES)
     c.number("rollout.kv_cache_gib", low=0)
-    c.number("rollout.top_p", low=0, high=1, low_open=True)
-    c.number("rollout.top_k", low=0, integer=True, why=" (0 = off)")
+    top_p = c.number("rollout.top_p", low=0, high=1, low_open=True)
+    top_k = c.number("rollout.top_k", low=0, integer=True, why=" (0 = off)")
+    method = c.get("correction.method")
+    if ((top_p is not None and top_p < 1) or (top_k is not None and top_k > 0)) and method not in UNWEIGHTED:
+        c.add(
+            f"rollout.top_p={top_p} / rollout.top_k={top_k} with correction.method={method}: the engine returns q "
+            "after the truncation while the trainer's p spans the whole vocabulary, so k = p/q is biased low on every "
+            "token and the correction would act on that bias; cisjax does not yet carry the engine's sampling "
+            "support to renormalise p over it. Sample with rollout.top_p=1 and rollout.top_k=0, or train with "
+            f"correction.method in {', '.join(UNWEIGHTED)}"
+        )
     c.number("rollout.max_new_tokens", low=1, integer=True)
     c.number("rollout.max_staleness", low=0, integer=True, why=" (0 = synchronous)")
     c.number("rollout.seed", low=-1, integer=True, why=" (-1 = fresh randomness)")

@@ -97,6 +97,8 @@ RULES = [
     (["--config.data.epochs=0"], "data.epochs=0"),
     (["--config.rollout.group_size=0", "--config.advantages.group_norm=false"], "rollout.group_size=0"),
     (["--config.rollout.top_p=0"], "rollout.top_p=0.0"),
+    (["--config.rollout.top_p=0.8"], "rollout.top_p=0.8 / rollout.top_k=0 with correction.method=cis: the engine"),
+    (["--config.rollout.top_k=20"], "rollout.top_p=1.0 / rollout.top_k=20 with correction.method=cis"),
     (["--config.rollout.max_new_tokens=0"], "rollout.max_new_tokens=0"),
     (["--config.rollout.max_staleness=-1"], "rollout.max_staleness=-1"),
     (["--config.rollout.seed=-2"], "rollout.seed=-2"),
@@ -228,6 +230,15 @@ def test_every_config_file_is_valid(path):
 
 def _hparams(cfg) -> dict:
     return validate.check(cfg).correction.hparams()
+
+
+@pytest.mark.parametrize("method", ["none", "fp16"])
+def test_truncated_sampling_trains_without_weights(method):
+    """top-p / top-k rollouts: refused with a q-weighted correction (above), allowed where the weights are 1."""
+    assert (
+        _problems(f"--config.correction.method={method}", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20")
+        == []
+    )
 
 
 def test_correction_bounds_none_is_the_default_and_zero_is_a_bound():
