@@ -42,14 +42,18 @@ def routing_flips(own_XxBxTxK, replayed_XxBxTxK, valid_BxT) -> Flips:
 
 
 def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):
-    """`(params, tokens, positions, segments, targets[, routing]) [B, T] -> Output`: the model's hidden states, then
-    the chunked token_logprobs at `temperature` (never a [B, T, V] logits tensor). `routing_BxTxXxK` (the rollout's
-    expert ids per position and MoE layer) replays the engine's routing in every MoE layer. Refuses a model whose
-    compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
+    """`(params, tokens, positions, segments, targets[, routing[, support]]) [B, T] -> Output`: the model's hidden
+    states, then the chunked token_logprobs at `temperature` (never a [B, T, V] logits tensor). `routing_BxTxXxK` (the
+    rollout's expert ids per position and MoE layer) replays the engine's routing in every MoE layer.
+    `support_BxTxS` (each target's sampling support, -1 padded) renormalises: the stats' logprobs_N is then log p
+    over the support, log p(target) - log sum_{v in S} p(v), and support_logmass_N the subtracted log mass. Refuses
+    a model whose compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
     temperature, chunk_size, top_k = float(temperature), int(chunk_size), int(top_k)
     rules = dict(rules)
 
-    def forward(params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT, routing_BxTxXxK=None) -> Output:
+    def forward(
+        params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT, routing_BxTxXxK=None, support_BxTxS=None
+    ) -> Output:
         with sharding.use_mesh(mesh, rules):
             model = nnx.merge(graphdef, params)
             runtime.check_compute_dtype(model, precision)
@@ -62,7 +66,10 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
                 temperature=temperature,
                 chunk_size=chunk_size,
                 top_k=top_k,
+                support=support_BxTxS,
             )
+            if support_BxTxS is not None:  # mask replay: p renormalised over the engine's sampling support
+                stats = stats._replace(logprobs_N=stats.logprobs_N - stats.support_logmass_N)
         return Output(stats, out.expert_ids_XxBxLxK)
 
     return forward
@@ -108,6 +115,7 @@ def make_batch_logprobs(
                 mb.segment_ids_MxBxT,
                 mb.targets_MxBxT,
                 mb.routing_MxBxTxXxK,
+                mb.support_MxBxTxS,
             )
             if not flips:
                 return out.stats.logprobs_N

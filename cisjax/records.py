@@ -5,6 +5,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
+
+
+class SamplingSupport(NamedTuple):
+    """The sampling support of a sample's response tokens (what an engine's top-k / top-p kept at each step), in CSR
+    form: token i's kept ids are ids[sum(counts[:i]) : sum(counts[:i + 1])]; a count of 0 means nothing was cut."""
+
+    ids: np.ndarray  # int32 [sum(counts)]
+    counts: np.ndarray  # int32 [response tokens]
 
 
 class TrainBatch(NamedTuple):
@@ -26,3 +35,7 @@ class TrainBatch(NamedTuple):
     # Routing replay (routing.replay = "rollout"): the rollout engine's expert ids of every input position and MoE
     # layer, uint8 (uint16 past 256 experts), prompt and response alike; None without replay.
     routing_MxBxTxXxK: jax.Array | None = None
+    # Truncated sampling (rollout.top_p < 1 or rollout.top_k > 0): each target's sampling support, the token ids the
+    # engine's top-k / top-p kept at that step, int32 padded with -1 (a row of -1: nothing truncated); p is then
+    # renormalised over it (mask replay, cisjax.logprobs.token_logprobs' support). None: no truncation.
+    support_MxBxTxS: jax.Array | None = None

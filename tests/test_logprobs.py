@@ -247,3 +247,91 @@ def test_batch_sharded_input_stays_sharded():
 def _plain_loss(h_NxD, w_DxV, t_N, k):
     st = naive_token_logprobs(h_NxD, w_DxV, t_N, top_k=k)
     return jnp.sum(st.logprobs_N) + jnp.sum(st.entropy_N) + jnp.sum(st.topk_logprobs_NxK)
+
+
+# The sampling support (mask replay): a vocabulary of four tokens with p = (0.5, 0.3, 0.15, 0.05), logits = hidden
+# (unembed = identity), temperature 1.
+_P4 = np.array([0.5, 0.3, 0.15, 0.05])
+
+
+def _support_case():
+    h = np.log(np.tile(_P4, (4, 1))).astype(np.float32)
+    w = np.eye(4, dtype=np.float32)
+    t = np.array([1, 2, 3, 0], np.int32)
+    s = np.array(
+        [
+            [0, 1, -1],  # top-k 2: {0, 1}, mass 0.8
+            [0, 1, 2],  # top-p 0.9: 0.5 + 0.3 < 0.9, so 0.15 joins; mass 0.95
+            [-1, -1, -1],  # nothing truncated: the whole vocabulary
+            [1, -1, 0],  # order and padding anywhere; mass 0.8
+        ],
+        np.int32,
+    )
+    return h, w, t, s
+
+
+@pytest.mark.parametrize("fn", [token_logprobs, naive_token_logprobs])
+def test_support_renormalises_by_hand(fn):
+    h, w, t, s = _support_case()
+    got = fn(h, w, t, support=s, chunk_size=3)
+    np.testing.assert_allclose(got.support_logmass_N, np.log([0.8, 0.95, 1.0, 0.8]), rtol=0, atol=1e-6)
+    renorm = np.asarray(got.logprobs_N) - np.asarray(got.support_logmass_N)
+    np.testing.assert_allclose(renorm, np.log([0.3 / 0.8, 0.15 / 0.95, 0.05, 0.5 / 0.8]), rtol=0, atol=1e-6)
+    assert fn(h, w, t).support_logmass_N is None
+
+
+@pytest.mark.parametrize("fn", [token_logprobs, naive_token_logprobs])
+def test_support_gradient_by_hand(fn):
+    """d(log p(t) - log mass(S)) / dz = onehot(t) - q_S, q_S = p renormalised on S (0 off S); logits = hidden."""
+    h, w, t, s = _support_case()
+
+    def renormalised_sum(h_NxD):
+        out = fn(h_NxD, w, t, support=s, chunk_size=3)
+        return jnp.sum(out.logprobs_N - out.support_logmass_N)
+
+    got = np.asarray(jax.grad(renormalised_sum)(h))
+    want = np.array(
+        [
+            [-0.5 / 0.8, 1 - 0.3 / 0.8, 0, 0],
+            [-0.5 / 0.95, -0.3 / 0.95, 1 - 0.15 / 0.95, 0],
+            [-0.5, -0.3, -0.15, 1 - 0.05],  # no support: d log p(t)/dz = onehot - p
+            [1 - 0.5 / 0.8, -0.3 / 0.8, 0, 0],
+        ]
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,chunk,k", [(37, 8, 0), (50, 16, 3)])
+def test_support_chunked_equals_naive_values_and_gradients(n, chunk, k):
+    d, v, temp, width = 24, 211, 0.8, 9
+    h, w, t = _inputs(n, d, v, seed=7 + n)
+    rng = np.random.default_rng(n)
+    s = np.stack([rng.permutation(v)[:width] for _ in range(n)]).astype(np.int32)
+    s[rng.random((n, width)) < 0.3] = -1  # padding, and some rows empty
+    s[::5] = -1
+    cts = rng.normal(size=(3, n)).astype(np.float32)
+
+    def objective(fn, **kw):
+        def f(h_NxD, w_DxV):
+            o = fn(h_NxD, w_DxV, t, temperature=temp, top_k=k, support=s, **kw)
+            out = jnp.sum(o.logprobs_N * cts[0]) + jnp.sum(o.entropy_N * cts[1])
+            return out + jnp.sum(o.support_logmass_N * cts[2]) + (jnp.sum(o.topk_logprobs_NxK) if k else 0.0)
+
+        return f
+
+    a = token_logprobs(h, w, t, temperature=temp, chunk_size=chunk, top_k=k, support=s)
+    b = naive_token_logprobs(h, w, t, temperature=temp, top_k=k, support=s)
+    np.testing.assert_allclose(a.support_logmass_N, b.support_logmass_N, rtol=1e-6, atol=2e-6)
+    assert np.all(np.asarray(a.support_logmass_N)[::5] == 0) and np.all(np.asarray(a.support_logmass_N) <= 0)
+    ga = jax.jit(jax.grad(objective(token_logprobs, chunk_size=chunk), argnums=(0, 1)))(h, w)
+    gb = jax.jit(jax.grad(objective(naive_token_logprobs), argnums=(0, 1)))(h, w)
+    for x, y in zip(ga, gb, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(y))))
+
+
+def test_support_of_another_shape_is_refused():
+    h, w, t, s = _support_case()
+    with pytest.raises(ValueError, match=r"support shape \(3, 3\) != targets shape \(4,\) \+ \(S,\)"):
+        token_logprobs(h, w, t, support=s[:3])
+    with pytest.raises(TypeError, match="support must be integer ids"):
+        token_logprobs(h, w, t, support=s.astype(np.float32))

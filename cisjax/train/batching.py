@@ -8,7 +8,7 @@ import numpy as np
 
 from cisjax import errors
 from cisjax import rows as rows_lib
-from cisjax.records import TrainBatch
+from cisjax.records import SamplingSupport, TrainBatch
 from cisjax.rl import advantages as adv_lib
 from cisjax.rl.advantages import AdvantageSpec
 
@@ -26,6 +26,8 @@ class Rollout:
     problem_id: str = ""
     # the engine's routed expert ids of every input position (prompt, then response): [P + R - 1, layers, k], or None
     routing: np.ndarray | None = None
+    # truncated sampling: each response token's sampling support (the ids top-k / top-p kept), or None
+    support: SamplingSupport | None = None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,6 +52,9 @@ def build_batch(
     `length_multiple` (few distinct shapes, few recompiles). Advantages follow the recipe
     (cisjax.rl.advantages.compute_advantages with `advantages`, default its defaults) over the real rows only.
     replay: also the rollouts' routing (routing_MxBxTxXxK); a rollout without it is an error naming it.
+
+    Rollouts with a sampling support (all or none of them) give support_MxBxTxS: each response token's kept ids at
+    the position that predicts it, -1 elsewhere, S the largest support rounded up to a power of two (at least 8).
 
     Returns (batch, info) with info: rows (real), tokens (response tokens), length T, and
     `index` [(group, sample)] of each real row in order."""
@@ -88,6 +93,7 @@ def build_batch(
         infer[i, mask[i]] = r.logprobs  # q of the response tokens, at the positions that predict them
 
     adv_RxT = _advantages(groups, mask, advantages)
+    support_RxTxS = _support(rows, total, t)
 
     shape = (micro_batches, b, t)
     routing = built.routing_RxTxXxK.reshape(*shape, *built.routing_RxTxXxK.shape[2:]) if replay else None
@@ -101,6 +107,7 @@ def build_batch(
         prox_logprobs_MxBxT=np.zeros(shape, np.float32),
         advantages_MxBxT=adv_RxT.reshape(shape),
         routing_MxBxTxXxK=routing,
+        support_MxBxTxS=None if support_RxTxS is None else support_RxTxS.reshape(*shape, -1),
     )
     info = dict(
         rows=len(rows),
@@ -109,6 +116,35 @@ def build_batch(
         index=[(gi, si) for gi in range(len(groups)) for si in range(n)],
     )
     return batch, info
+
+
+def _support(rows: list[Rollout], total: int, t: int) -> np.ndarray | None:
+    """The rows' sampling supports as [total, T, S] ids (-1 padded), token i of a response at position P - 1 + i;
+    None when no rollout has one."""
+    have = [r.support is not None for r in rows]
+    if not any(have):
+        return None
+    if not all(have):
+        raise errors.UserError(
+            f"{have.count(False)} of {len(rows)} rollouts came without their sampling support while the others have "
+            "one: every sample of a truncated (top-k / top-p) rollout batch needs it"
+        )
+    for i, r in enumerate(rows):
+        counts = np.asarray(r.support.counts)
+        if len(counts) != len(r.response_ids) or int(counts.sum()) != len(r.support.ids) or np.any(counts < 0):
+            raise errors.UserError(
+                f"rollout {i} (problem {r.problem_id!r}): a sampling support of {len(counts)} counts summing to "
+                f"{int(counts.sum())} for {len(r.response_ids)} response tokens and {len(r.support.ids)} ids"
+            )
+    widest = max(int(np.max(r.support.counts, initial=0)) for r in rows)
+    s = max(8, 1 << (widest - 1).bit_length())
+    out = np.full((total, t, s), -1, np.int32)
+    for i, r in enumerate(rows):
+        p, ids = len(r.prompt_ids), np.asarray(r.support.ids, np.int32)
+        ends = np.cumsum(r.support.counts)
+        for j, (end, n) in enumerate(zip(ends, r.support.counts, strict=True)):
+            out[i, p - 1 + j, :n] = ids[end - n : end]
+    return out
 
 
 def _advantages(groups, mask_RxT, spec: AdvantageSpec | None):

@@ -91,7 +91,13 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
         out = fwd(
-            params, mb.tokens_MxBxT, mb.positions_MxBxT, mb.segment_ids_MxBxT, mb.targets_MxBxT, mb.routing_MxBxTxXxK
+            params,
+            mb.tokens_MxBxT,
+            mb.positions_MxBxT,
+            mb.segment_ids_MxBxT,
+            mb.targets_MxBxT,
+            mb.routing_MxBxTxXxK,
+            mb.support_MxBxTxS,  # truncated sampling: p renormalised over each token's sampling support
         )
         logp_BxT, entropy_BxT = out.stats.logprobs_N, out.stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT

@@ -5,6 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from cisjax import errors
+from cisjax.records import SamplingSupport
 from cisjax.rl.advantages import AdvantageSpec
 from cisjax.train.batching import Rollout, build_batch
 
@@ -131,3 +133,43 @@ def test_replay_without_routing_names_the_rollout():
     groups[0][1] = dataclasses.replace(groups[0][1], routing=groups[0][1].routing[:-1])
     with pytest.raises(errors.UserError, match=r"rollout 1 .*routing \(2, 3, 2\) for 3 input positions"):
         build_batch(groups, micro_batches=1, rows_multiple=1, replay=True)
+
+
+def _with_support(groups):
+    """Each response token's support: its own id and id + 100, except where a count of 0 says nothing was cut."""
+    out = []
+    for g in groups:
+        row = []
+        for r in g:
+            counts = np.array([0 if j == 1 else 2 for j in range(len(r.response_ids))], np.int32)
+            ids = np.array([x for j, t in enumerate(r.response_ids) if counts[j] for x in (t, t + 100)], np.int32)
+            row.append(dataclasses.replace(r, support=SamplingSupport(ids, counts)))
+        out.append(row)
+    return out
+
+
+def test_sampling_support_at_the_positions_that_predict_the_tokens():
+    batch, _ = build_batch(_with_support(_groups()), micro_batches=1, rows_multiple=1, length_multiple=4)
+    s = batch.support_MxBxTxS[0]
+    assert s.shape == (4, 4, 8)  # 4 rows, T = 4 (longest 4 + ... - 1, rounded up to 4), S = 8 (at least 8)
+    # row 0: prompt [1, 2, 3], response [4, 5]: token 4 predicted at position 2, token 5 (count 0) at 3
+    np.testing.assert_array_equal(s[0, 2], [4, 104, -1, -1, -1, -1, -1, -1])
+    assert np.all(s[0, 3] == -1) and np.all(s[0, :2] == -1)
+    # row 2: prompt [7], response [8, 9, 10] at positions 0, 1 (count 0), 2
+    np.testing.assert_array_equal(s[2, 0, :3], [8, 108, -1])
+    assert np.all(s[2, 1] == -1)
+    np.testing.assert_array_equal(s[2, 2, :3], [10, 110, -1])
+    # without supports, none
+    assert build_batch(_groups(), micro_batches=1, rows_multiple=1)[0].support_MxBxTxS is None
+
+
+def test_sampling_support_of_some_rollouts_only_or_misshapen_is_named():
+    groups = _with_support(_groups())
+    groups[1][1] = dataclasses.replace(groups[1][1], support=None)
+    with pytest.raises(errors.UserError, match="1 of 4 rollouts came without their sampling support"):
+        build_batch(groups, micro_batches=1, rows_multiple=1)
+    groups = _with_support(_groups())
+    bad = groups[0][0].support
+    groups[0][0] = dataclasses.replace(groups[0][0], support=SamplingSupport(bad.ids[:1], bad.counts))
+    with pytest.raises(errors.UserError, match="rollout 0 .*2 counts summing to 2 for 2 response tokens and 1 ids"):
+        build_batch(groups, micro_batches=1, rows_multiple=1)

@@ -451,3 +451,45 @@ def test_proximal_step_is_the_rescored_step():
     # and under "rescore" the step computes none of it
     _, _, out = rescored["step"].with_outputs(rescored["state"], placed)
     assert out == step_lib.StepOutputs(None, None)
+
+
+def test_truncated_sampling_renormalises_p_over_the_support():
+    """Mask replay through the step: each response token carries a support of 4 ids (its target and 3 others); the
+    engine's q is p renormalised over it. With the support the step's p is renormalised too, so k = 1 everywhere and
+    CIS does not act; without it, log k is the log of the support's probability mass, computed here in numpy from
+    the model's full distribution (vocabulary 128, every id's logprob)."""
+    cfg, mesh = U.make_cfg(proximal="step"), U.mesh_for("single")
+    spec = spec_of(cfg)
+    graphdef, tx, rules, state = U.build(cfg, mesh)
+    host = U.host_batch()
+    vocab = U.TINY_HF["vocab_size"]
+    full = forward.make_forward(graphdef, mesh, rules, top_k=vocab, **spec.step.forward_kwargs())
+    stats = jax.jit(lambda p, *xs: [full(p, *(x[i] for x in xs)).stats for i in range(U.M)])(
+        state.params, host.tokens_MxBxT, host.positions_MxBxT, host.segment_ids_MxBxT, host.targets_MxBxT
+    )
+    logp_MxBxTxV = np.full((U.M, U.B, U.T, vocab), np.nan)
+    for i, s in enumerate(stats):
+        np.put_along_axis(logp_MxBxTxV[i], np.asarray(s.topk_ids_NxK), np.asarray(s.topk_logprobs_NxK), axis=-1)
+    rng = np.random.default_rng(0)
+    support = np.full((U.M, U.B, U.T, 4), -1, np.int32)
+    mass = np.zeros((U.M, U.B, U.T))
+    for idx in zip(*np.nonzero(host.loss_mask_MxBxT), strict=True):
+        others = rng.permutation(np.setdiff1d(np.arange(vocab), [host.targets_MxBxT[idx]]))[:3]
+        support[idx] = np.concatenate([[host.targets_MxBxT[idx]], others])
+        mass[idx] = np.log(np.sum(np.exp(logp_MxBxTxV[idx][support[idx]])))
+    target = np.take_along_axis(logp_MxBxTxV, host.targets_MxBxT[..., None], axis=-1)[..., 0]
+    q = np.where(host.loss_mask_MxBxT, target - mass, 0.0).astype(np.float32)  # an engine that agrees with p
+    batch = host._replace(infer_logprobs_MxBxT=q, support_MxBxTxS=support)
+    step = step_lib.make_train_step(graphdef, tx, spec.step, mesh, rules, state_lib.shardings(state))
+    place = lambda b: sharding.place(b, mesh, rules, sharding.BATCH_AXES)  # noqa: E731
+    state2 = jax.tree.map(jnp.copy, state)  # the step donates its state
+    _, with_support, out = step.with_outputs(state, place(batch))
+    np.testing.assert_allclose(
+        np.asarray(out.prox_logprobs_MxBxT)[host.loss_mask_MxBxT], q[host.loss_mask_MxBxT], atol=2e-5
+    )
+    assert float(with_support["abs_logk_max"]) < 5e-5 and float(with_support["acted_frac"]) == 0.0
+    _, without, _ = step.with_outputs(state2, place(batch._replace(support_MxBxTxS=None)))
+    want = mass[host.loss_mask_MxBxT].mean()  # log k = log p - (log p - log mass) = log mass, below 0
+    assert want < -0.5
+    np.testing.assert_allclose(float(without["logk_mean"]), want, rtol=1e-4)
+    assert float(without["k3"]) > 0.05 > float(with_support["k3"])  # the bias k3 = E[k - 1 - log k] measures
