@@ -14,6 +14,7 @@ import grpc
 MAX_N = 1024
 MAX_NEW_TOKENS = 1 << 16
 MAX_TOP_LOGPROBS = 100
+MAX_MASK_TOP_K = 1024  # return_sampling_mask of a truncated distribution: top_k bounds the support (ties aside)
 
 
 class RequestError(ValueError):
@@ -38,6 +39,12 @@ class Params:
     greedy: bool
     logprobs: int
     return_routing: bool
+    return_sampling_mask: bool = False
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the distribution sampled from is cut (top-k or top-p on a non-greedy sample)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 @dataclass
@@ -53,6 +60,7 @@ class SampleResult:
     top_logprobs: list | None = None
     routing: object = None  # ndarray [tokens, layers, k]: the passes that produced the tokens; or None
     prompt_routing: object = None  # ndarray [prompt positions - 1, layers, k]: the prefill's other positions; or None
+    support: tuple | None = None  # return_sampling_mask: (kept ids, a count per token) as rollout.proto SamplingMask
     timing: dict = field(default_factory=dict)
 
 
@@ -83,6 +91,8 @@ class Backend:
     version = 0
     supports_routing = False  # can return routed expert ids per token
     routing_unsupported = ""  # why not, when the engine cannot (said in the refusal)
+    supports_sampling_mask = False  # can return each token's sampling support (return_sampling_mask)
+    sampling_mask_unsupported = "not implemented for this engine"  # why not (said in the refusal)
     config_json: dict = {}  # the model's HF config.json (its expert count sets the width of routing ids)
 
     # --- what a serial backend implements (called on the one worker thread)
@@ -156,6 +166,21 @@ def check_routing(b: Backend) -> None:
         raise RequestError(f"the {b.engine} backend does not return routing{why}", grpc.StatusCode.UNIMPLEMENTED)
 
 
+def check_sampling_mask(b: Backend, params: Params) -> None:
+    """RequestError when return_sampling_mask cannot be served: UNIMPLEMENTED by the engine, or a truncated
+    distribution whose support top_k does not bound."""
+    if not b.supports_sampling_mask:
+        raise RequestError(
+            f"the {b.engine} backend does not return sampling masks: {b.sampling_mask_unsupported}",
+            grpc.StatusCode.UNIMPLEMENTED,
+        )
+    if params.truncates and not 0 < params.top_k <= MAX_MASK_TOP_K:
+        raise RequestError(
+            f"return_sampling_mask with top_p={params.top_p:.6g} needs top_k in [1, {MAX_MASK_TOP_K}] to bound each "
+            f"token's support (top_p alone may keep the whole vocabulary); got top_k={params.top_k}"
+        )
+
+
 def check_params(p, vocab_size: int) -> Params:
     """A request's SamplingParams message as Params; RequestError when a field is out of range."""
     if p.n <= 0 or p.n > MAX_N:
@@ -185,6 +210,7 @@ def check_params(p, vocab_size: int) -> Params:
         greedy=bool(p.greedy),
         logprobs=int(p.logprobs),
         return_routing=bool(p.return_routing),
+        return_sampling_mask=bool(p.return_sampling_mask),
     )
 
 
@@ -205,6 +231,8 @@ def check_generate(request, b: Backend) -> tuple[Params, list[list[int]]]:
     params = check_params(request.params, b.vocab_size)
     if params.return_routing:
         check_routing(b)
+    if params.return_sampling_mask:
+        check_sampling_mask(b, params)
     prompts = [check_ids(p.token_ids, f"prompt {i}", b.vocab_size) for i, p in enumerate(request.prompts)]
     for i, ids in enumerate(prompts):
         if len(ids) + params.max_new_tokens > b.max_model_len:

@@ -49,6 +49,7 @@ class SamplingParams:
     greedy: bool = False
     logprobs: int = 0
     return_routing: bool = False
+    return_sampling_mask: bool = False  # each response token's sampling support (Sample.support)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Sample:
     routing: np.ndarray | None = None
     prompt_routing: np.ndarray | None = None
     timing: dict | None = None
+    # return_sampling_mask (rollout.proto SamplingMask): (kept ids int32, a count per response token int32)
+    support: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def version(self) -> int:
@@ -92,6 +95,8 @@ class Sample:
             out["prompt_routing"] = self.prompt_routing.tolist()
         if self.timing:
             out["timing"] = self.timing
+        if self.support is not None:
+            out["sampling_mask"] = {"token_ids": self.support[0].tolist(), "counts": self.support[1].tolist()}
         return out
 
 
@@ -286,6 +291,7 @@ class RolloutClient:
             greedy=params.greedy,
             logprobs=params.logprobs,
             return_routing=params.return_routing,
+            return_sampling_mask=params.return_sampling_mask,
         )
         if params.seed is not None:
             p.seed = params.seed
@@ -459,6 +465,15 @@ def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:
         out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
     if s.HasField("routing"):
         out.prompt_routing, out.routing = decode_routing(s.routing, len(prompt_ids), len(out.response_ids))
+    if s.HasField("sampling_mask"):
+        m = s.sampling_mask
+        ids, counts = np.asarray(m.token_ids, np.int32), np.asarray(m.counts, np.int32)
+        if len(counts) != len(out.response_ids) or int(counts.sum()) != len(ids):
+            raise RolloutError(
+                f"sampling mask: {len(counts)} counts summing to {int(counts.sum())} for {len(out.response_ids)} "
+                f"tokens and {len(ids)} ids"
+            )
+        out.support = (ids, counts)
     return out
 
 

@@ -129,6 +129,15 @@ class RolloutServicer:
                     )
                 if s.routing is not None:
                     out.routing.CopyFrom(self._routing(context, s.prompt_routing, s.routing))
+                if params.return_sampling_mask:
+                    ids, counts = s.support if s.support is not None else ([], [0] * len(s.token_ids))
+                    if len(counts) != len(s.token_ids) or sum(counts) != len(ids):
+                        context.abort(
+                            grpc.StatusCode.INTERNAL,
+                            f"engine sampling mask: {len(counts)} counts summing to {sum(counts)} for "
+                            f"{len(s.token_ids)} tokens and {len(ids)} ids",
+                        )
+                    out.sampling_mask.CopyFrom(self.pb.SamplingMask(token_ids=ids, counts=counts))
                 yield self.pb.GenerateResponse(sample=out)
 
     def _routing(self, context, prompt_rows, response_rows):

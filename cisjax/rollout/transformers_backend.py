@@ -51,6 +51,7 @@ class Backend(backend_lib.Backend):
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         self.version = 0
         self.supports_routing = bool(self._routers())
+        self.supports_sampling_mask = True
 
     def _routers(self) -> list:
         """The MoE routers in model order (transformers' `*TopKRouter` modules return (logits, weights, ids))."""
@@ -111,6 +112,8 @@ class Backend(backend_lib.Backend):
         tokens = [[] for _ in range(n)]
         lps = [[] for _ in range(n)]
         tops = [[] for _ in range(n)] if params.logprobs else None
+        mask = params.return_sampling_mask and params.truncates
+        kept = [([], []) for _ in range(n)]  # return_sampling_mask: (ids, counts) per sample
         finish = [None] * n
         for step in range(params.max_new_tokens):
             lp = sampling_logprobs(out.logits[:, -1, :].float(), params)
@@ -136,6 +139,12 @@ class Backend(backend_lib.Backend):
                 if tops is not None:
                     keep = torch.isfinite(top_v[j])
                     tops[j].append((top_i[j][keep].tolist(), top_v[j][keep].tolist()))
+                if mask:  # the support: the tokens the filters left finite
+                    ids = torch.nonzero(torch.isfinite(lp[j])).flatten().tolist()
+                    kept[j][0].extend(ids)
+                    kept[j][1].append(len(ids))
+                elif params.return_sampling_mask:
+                    kept[j][1].append(0)  # nothing cut
                 if t in params.stop_token_ids:
                     finish[j] = "stop"
             if all(finish) or step + 1 == params.max_new_tokens:
@@ -150,6 +159,7 @@ class Backend(backend_lib.Backend):
                 versions=[version] * len(tokens[j]),
                 top_ids=[a for a, _ in tops[j]] if tops else None,
                 top_logprobs=[b for _, b in tops[j]] if tops else None,
+                support=kept[j] if params.return_sampling_mask else None,
             )
             for j in range(n)
         ]

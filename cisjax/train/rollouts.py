@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from cisjax.records import SamplingSupport
 from cisjax.rollout.client import SamplingParams
 from cisjax.train.batching import Rollout
 
@@ -187,6 +188,7 @@ def rollouts_from_samples(samples, problems, rewards) -> list:
                 finish_reason=s.finish_reason,
                 problem_id=str(getattr(p, "id", i)),
                 routing=_all_positions(s),
+                support=None if getattr(s, "support", None) is None else SamplingSupport(*s.support),
             )
             for s, r in zip(per, rs)
         ]

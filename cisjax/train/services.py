@@ -163,6 +163,7 @@ def _sampling(spec, formatter, replay: bool) -> SamplingParams:
         stop_token_ids=list(formatter.stop_token_ids),
         seed=None,
         return_routing=replay,  # every position's expert ids, replayed by the rescoring and the update
+        return_sampling_mask=r.sampling_mask,  # truncated sampling: each token's support, for mask replay
     )
 
 

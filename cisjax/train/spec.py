@@ -53,6 +53,24 @@ class RolloutSpec:
     retry_s: float
     startup_s: float
     lag: int  # the engine gets the weights of `lag` steps ago
+    # truncated sampling (top_p < 1 or top_k > 0) renormalised by mask replay: ask the engine for each token's
+    # sampling support (sampling_mask below says when)
+    sampling_mask: bool = False
+
+
+# The engines that return each token's sampling support (rollout.proto SamplingMask); for a running server
+# (rollout.server) the server says, refusing the request where its engine cannot.
+MASK_BACKENDS = ("transformers",)
+# correction.method whose weights are 1 (no q in them): these may train on truncated samples without the support
+UNWEIGHTED = ("none", "fp16")
+
+
+def sampling_mask(top_p: float, top_k: int, method: str, backend: str, server: str) -> bool:
+    """Whether a run asks its engine for the sampling support: it truncates, and either corrects with q or runs an
+    engine that returns it (a running server is asked whenever the method weighs with q)."""
+    if top_p >= 1.0 and top_k <= 0:
+        return False
+    return method not in UNWEIGHTED or (not server.strip() and backend in MASK_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -177,6 +195,9 @@ def from_config(cfg) -> TrainSpec:
             RolloutSpec,
             r,
             token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None,
+            sampling_mask=sampling_mask(
+                float(r.top_p), int(r.top_k), str(cfg.correction.method), str(r.backend), str(r.server)
+            ),
             tls=ClientTLS.of(r.tls_ca, r.tls_cert, r.tls_key, r.tls_server_name),
         ),
         perturb=perturb,

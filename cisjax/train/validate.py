@@ -15,6 +15,7 @@ from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
 from cisjax.rl.loss import AGGREGATIONS
 from cisjax.rollout import placement, service
+from cisjax.rollout.backend import MAX_MASK_TOP_K
 from cisjax.rollout.server import BACKENDS
 from cisjax.rollout.tls import ClientTLS
 from cisjax.runtime import PRECISIONS
@@ -29,7 +30,6 @@ __all__ = ["ENGINE_DTYPES", "PROGRESS", "REPLAY", "check", "problems"]
 
 # routing.replay: none | rollout (the rollout engine's expert ids replayed in every MoE layer of the trainer).
 REPLAY = ("none", "rollout")
-UNWEIGHTED = ("none", "fp16")  # correction.method whose weights are 1 (no q in them): truncated sampling is allowed
 # run.progress as the loop reads it: auto (a terminal decides) | on | off.
 PROGRESS = ("auto", "on", "off")
 # The embedded rollout server's engine dtypes (cisjax.rollout.server's --dtype choices).
@@ -274,6 +274,31 @@ def _train(c: _Checker) -> None:
     c.number("checkpoint.keep", low=0, integer=True, why=" (0 = keep all)")
 
 
+def _truncation(c: _Checker, top_p, top_k) -> None:
+    """Truncated sampling is corrected by mask replay: the engine must return each token's support, bounded by
+    top_k; a method without q in its weights may train on an engine that cannot."""
+    if top_p is None or top_k is None or (top_p >= 1 and top_k <= 0):
+        return
+    method, backend, server = c.get("correction.method"), c.get("rollout.backend"), str(c.get("rollout.server"))
+    if not spec_lib.sampling_mask(top_p, top_k, str(method), str(backend), server):
+        return  # an unweighted method on an engine without the support: trained as sampled
+    if not 0 < top_k <= MAX_MASK_TOP_K:
+        c.add(
+            f"rollout.top_p={top_p} / rollout.top_k={top_k}: truncated sampling is corrected by replaying each token's "
+            f"sampling support, which needs rollout.top_k in [1, {MAX_MASK_TOP_K}] to bound it (top_p alone may keep "
+            "the whole vocabulary)"
+        )
+    if not server.strip() and backend not in spec_lib.MASK_BACKENDS:
+        c.add(
+            f"rollout.top_p={top_p} / rollout.top_k={top_k} with rollout.backend={backend} and "
+            f"correction.method={method}: the engine returns q after the truncation while the trainer's p spans the "
+            "whole vocabulary (k = p/q biased low on every token); correcting it needs each token's sampling "
+            f"support, which the {backend} engine does not return yet. Use rollout.backend in "
+            f"{', '.join(spec_lib.MASK_BACKENDS)}, sample with rollout.top_p=1 and rollout.top_k=0, or train with "
+            f"correction.method in {', '.join(spec_lib.UNWEIGHTED)}"
+        )
+
+
 def _publish(c: _Checker) -> None:
     c.one_of("publish.mode", PUBLISH_MODES)
     if c.get("publish.dtype"):
@@ -310,15 +335,7 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.number("rollout.kv_cache_gib", low=0)
     top_p = c.number("rollout.top_p", low=0, high=1, low_open=True)
     top_k = c.number("rollout.top_k", low=0, integer=True, why=" (0 = off)")
-    method = c.get("correction.method")
-    if ((top_p is not None and top_p < 1) or (top_k is not None and top_k > 0)) and method not in UNWEIGHTED:
-        c.add(
-            f"rollout.top_p={top_p} / rollout.top_k={top_k} with correction.method={method}: the engine returns q "
-            "after the truncation while the trainer's p spans the whole vocabulary, so k = p/q is biased low on every "
-            "token and the correction would act on that bias; cisjax does not yet carry the engine's sampling "
-            "support to renormalise p over it. Sample with rollout.top_p=1 and rollout.top_k=0, or train with "
-            f"correction.method in {', '.join(UNWEIGHTED)}"
-        )
+    _truncation(c, top_p, top_k)
     c.number("rollout.max_new_tokens", low=1, integer=True)
     c.number("rollout.max_staleness", low=0, integer=True, why=" (0 = synchronous)")
     c.number("rollout.seed", low=-1, integer=True, why=" (-1 = fresh randomness)")

@@ -1,5 +1,6 @@
 """Rollout service end to end: a transformers-backend server subprocess, checked against `cisjax score`."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -101,6 +102,38 @@ def test_generate_logprobs_are_the_sampling_distribution(client, dirs, tmp_path,
         assert all(t in ids for t, ids in zip(s.response_ids, r["topk_ids"]))
         want = np.array(r["logprobs"]) - np.log(np.exp(top).sum(-1))
         np.testing.assert_allclose(s.logprobs, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampling_mask_is_the_support_sampled_from(client, dirs, tmp_path, top_p):
+    """return_sampling_mask: each token's support is what top-k 5 (then top-p on the renormalised five) kept, by
+    cisjax score's logprobs of the same tokens; the sampled token is in it and q is p renormalised over it."""
+    model_dir, _ = dirs
+    params = SamplingParams(n=2, temperature=0.8, top_k=5, top_p=top_p, max_new_tokens=6, seed=5)
+    got = client.generate(PROMPTS, dataclasses.replace(params, return_sampling_mask=True))
+    assert [[s.response_ids for s in per] for per in got] == [
+        [s.response_ids for s in per] for per in client.generate(PROMPTS, params)
+    ]  # asking for the mask changes no sample
+    ref = rescore(model_dir, _items(got), tmp_path, temperature=0.8, top_k=5)
+    for s, r in zip((s for per in got for s in per), ref, strict=True):
+        ids, counts = s.support
+        assert len(counts) == len(s.response_ids) and counts.sum() == len(ids)
+        kept = np.split(ids, np.cumsum(counts)[:-1])
+        for t, (tok, support) in enumerate(zip(s.response_ids, kept, strict=True)):
+            lp5 = np.array(r["topk_logprobs"][t], np.float64)  # the five best, best first
+            p5 = np.exp(lp5 - np.logaddexp.reduce(lp5))
+            keep = (np.cumsum(p5) - p5) < top_p  # the mass strictly above each token
+            assert sorted(support.tolist()) == sorted(np.array(r["topk_ids"][t])[keep].tolist())
+            assert tok in support
+            np.testing.assert_allclose(s.logprobs[t], r["logprobs"][t] - np.logaddexp.reduce(lp5[keep]), atol=1e-5)
+    # greedy and untruncated samples: counts of 0, nothing cut
+    plain = client.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=3, return_sampling_mask=True))[0][0]
+    assert plain.support[1].tolist() == [0] * len(plain.response_ids) and len(plain.support[0]) == 0
+
+
+def test_sampling_mask_of_an_unbounded_support_is_refused(client):
+    with pytest.raises(RolloutError, match=r"return_sampling_mask with top_p=0.9 needs top_k in \[1, 1024\]"):
+        client.generate(PROMPTS[:1], SamplingParams(n=1, top_p=0.9, max_new_tokens=2, return_sampling_mask=True))
 
 
 def test_seeds_reproduce(client):

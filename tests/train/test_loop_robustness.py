@@ -209,7 +209,10 @@ def test_sigkilled_trainer_leaves_no_server(prepared, env, tmp_path):
 @pytest.mark.slow
 def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, tmp_path):
     """SIGKILL every math-verify worker after the first step: the pool replaces them, re-runs what they held, and
-    every step of the run is scored (reference_reward: 1.0 for each sample unless a score was lost)."""
+    every step of the run is scored (reference_reward: 1.0 for each sample unless a score was lost). The run samples
+    with top-k 8 and top-p 0.9 (truncated), corrected by mask replay: the engine returns each token's support, the
+    trainer renormalises p over it, so k stays at 1 (fp32 engine and trainer), where p over the whole vocabulary
+    would put log k at the support's log mass."""
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     steps, workers = 6, 2
     argv = [
@@ -220,6 +223,8 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
         "--config",
         str(looputil.DEMO_CONFIG),
         *_overrides(prepared, run_dir, **{"run.steps": steps, "reward.workers": workers, "checkpoint.every": 0}),
+        "--config.rollout.top_k=8",
+        "--config.rollout.top_p=0.9",
     ]
     proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env)
     try:
@@ -235,6 +240,7 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
     rows = looputil.metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["reward_mean"] == 1.0 for r in rows), [r["reward_mean"] for r in rows]
+    assert max(r["train/abs_logk_max"] for r in rows) < 1e-3, [r["train/abs_logk_max"] for r in rows]
     last = rows[-1]
     assert (
         last["reward/pool_restarts"] >= workers

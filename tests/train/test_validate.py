@@ -97,8 +97,12 @@ RULES = [
     (["--config.data.epochs=0"], "data.epochs=0"),
     (["--config.rollout.group_size=0", "--config.advantages.group_norm=false"], "rollout.group_size=0"),
     (["--config.rollout.top_p=0"], "rollout.top_p=0.0"),
-    (["--config.rollout.top_p=0.8"], "rollout.top_p=0.8 / rollout.top_k=0 with correction.method=cis: the engine"),
-    (["--config.rollout.top_k=20"], "rollout.top_p=1.0 / rollout.top_k=20 with correction.method=cis"),
+    (["--config.rollout.top_k=20"], "rollout.top_p=1.0 / rollout.top_k=20 with rollout.backend=vllm and correction"),
+    (
+        ["--config.rollout.top_p=0.8", "--config.rollout.backend=transformers"],
+        "rollout.top_p=0.8 / rollout.top_k=0: truncated sampling is corrected by replaying each token's sampling "
+        "support, which needs rollout.top_k in [1, 1024]",
+    ),
     (["--config.rollout.max_new_tokens=0"], "rollout.max_new_tokens=0"),
     (["--config.rollout.max_staleness=-1"], "rollout.max_staleness=-1"),
     (["--config.rollout.seed=-2"], "rollout.seed=-2"),
@@ -234,11 +238,31 @@ def _hparams(cfg) -> dict:
 
 @pytest.mark.parametrize("method", ["none", "fp16"])
 def test_truncated_sampling_trains_without_weights(method):
-    """top-p / top-k rollouts: refused with a q-weighted correction (above), allowed where the weights are 1."""
-    assert (
-        _problems(f"--config.correction.method={method}", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20")
-        == []
-    )
+    """top-p / top-k rollouts on an engine without the sampling support: refused with a q-weighted correction
+    (above), allowed where the weights are 1 (trained as sampled, no support asked for)."""
+    over = (f"--config.correction.method={method}", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20")
+    assert _problems(*over) == []
+    assert not validate.check(_cfg(*over)).rollout.sampling_mask
+
+
+@pytest.mark.parametrize(
+    "over, mask",
+    [
+        (("--config.rollout.backend=transformers", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20"), True),
+        (
+            ("--config.rollout.backend=transformers", "--config.correction.method=none", "--config.rollout.top_k=5"),
+            True,
+        ),
+        (("--config.rollout.server=h:1", "--config.rollout.top_p=0.9", "--config.rollout.top_k=64"), True),
+        (("--config.rollout.server=h:1", "--config.correction.method=none", "--config.rollout.top_k=64"), False),
+        (("--config.rollout.backend=transformers",), False),
+    ],
+)
+def test_truncated_sampling_asks_for_the_support(over, mask):
+    """Mask replay: the engines that return the support (or a running server, which refuses when its engine cannot)
+    are asked for it whenever the distribution is cut."""
+    assert _problems(*over) == []
+    assert validate.check(_cfg(*over)).rollout.sampling_mask is mask
 
 
 def test_correction_bounds_none_is_the_default_and_zero_is_a_bound():
