@@ -47,6 +47,7 @@ class Backend(backend_lib.Backend):
         self.max_model_len = int(cfg.max_position_embeddings)
         self.supports_routing = bool(model.moe_layers)
         self.routing_unsupported = "" if self.supports_routing else "the model has no MoE layer"
+        self.supports_sampling_mask = True
         self.version = 0
         self.sampler = Engine(*nnx.split(model), max_len=self.max_model_len)
         self.score_shapes: set[tuple[int, int]] = set()  # (length bucket, top_n): one compiled Score program each

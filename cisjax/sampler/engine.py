@@ -18,7 +18,7 @@ from cisjax.sampler import programs
 from cisjax.sampler.sampling import key_data
 
 STOP_SLOTS = programs.STOP_SLOTS
-BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs")
+BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs", "support")
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ class Engine:
     def compiled(self) -> int:
         return len(self._programs)
 
-    def _program(self, b: int, p: int, n: int, max_new: int, top_n: int):
-        key = (b, p, n, max_new, top_n)
+    def _program(self, b: int, p: int, n: int, max_new: int, top_n: int, mask_n: int):
+        key = (b, p, n, max_new, top_n, mask_n)
         with self._lock:
             if key not in self._programs:
-                run = programs.sample_fn(self.graphdef, n=n, max_new=max_new, top_n=top_n)
+                run = programs.sample_fn(self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n)
                 self._programs[key] = jax.jit(run)
                 log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
             return self._programs[key]
@@ -90,6 +90,10 @@ class Engine:
         b = bucket(len(requests), 1)
         new = bucket(max(r.params.max_new_tokens for r in requests), self.new_bucket)
         top_n = max(r.params.logprobs for r in requests)
+        # return_sampling_mask of a truncated request: its support lies in the top_k best ids (ties aside)
+        mask_n = max(
+            (r.params.top_k for r in requests if r.params.return_sampling_mask and r.params.truncates), default=0
+        )
         tokens_BxP = np.zeros((b, p), np.int32)
         valid_BxP = np.zeros((b, p), bool)
         per_row = dict(
@@ -120,7 +124,7 @@ class Engine:
         )
         version = self.version
         params_now = self.params
-        out, prompt_routing = self._program(b, p, n, new, top_n)(
+        out, prompt_routing = self._program(b, p, n, new, top_n, mask_n)(
             params_now, jnp.asarray(tokens_BxP), jnp.asarray(valid_BxP), rows
         )
         out = jax.tree.map(np.asarray, out)
@@ -143,9 +147,25 @@ class Engine:
                 top_ids=out.top_ids_BxNxT[i, :m, :top].tolist() if top else None,
                 top_logprobs=out.top_logprobs_BxNxT[i, :m, :top].tolist() if top else None,
             )
+            if r.params.return_sampling_mask:
+                s.support = Engine._support(out, i, m, r.params)
             if r.params.return_routing and out.routing_BxNxXxK is not None:
                 s.routing = out.routing_BxNxXxK[i, :m]
                 # [X, B*n, P, k] -> the real prompt's positions but its last: [len - 1, X, k]
                 s.prompt_routing = np.moveaxis(prompt_routing[:, i, p - len(r.prompt) : p - 1], 0, 1)
             samples.append(s)
         return samples
+
+    @staticmethod
+    def _support(out: programs.Decoded, i: int, m: int, params: Params) -> tuple[list, list]:
+        """(kept ids, a count per token) of row i's m tokens: counts of 0 when the distribution was not cut."""
+        if not params.truncates:
+            return [], [0] * m
+        counts = out.support_counts_BxN[i, :m]
+        wide = int(counts.max(initial=0))
+        if wide > out.support_ids_BxNxS.shape[-1]:  # ties at the k-th value kept more than top_k tokens
+            raise ValueError(
+                f"a sampling support of {wide} tokens exceeds the top_k={params.top_k} bound (ties at the k-th value)"
+            )
+        ids = [tok for t in range(m) for tok in out.support_ids_BxNxS[i, t, : counts[t]].tolist()]
+        return ids, counts.tolist()

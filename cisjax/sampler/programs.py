@@ -45,6 +45,10 @@ class Decoded(NamedTuple):
     top_ids_BxNxT: jax.Array | None  # the T most likely tokens of each step's distribution
     top_logprobs_BxNxT: jax.Array | None
     routing_BxNxXxK: jax.Array | None  # expert ids of the forward that produced each token
+    # return_sampling_mask: the S most likely ids of each step's distribution, and how many tokens it kept (the
+    # support is the first count of the S when count <= S; a larger count: ties past the top-k bound)
+    support_ids_BxNxS: jax.Array | None = None
+    support_counts_BxN: jax.Array | None = None
 
 
 def _last_logits(model, hidden_BxD) -> jax.Array:
@@ -81,12 +85,13 @@ def expand(pre: Prefilled, n: int) -> Prefilled:
     )
 
 
-def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -> Decoded:
+def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
     """Up to `max_new` tokens per row: each step draws from the rows' sampling distributions, records the token and
-    its logprob (and the `top_n` best of the distribution), and feeds the tokens back through the cache at the next
-    slot. A row ends on one of its stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no
+    its logprob (and the `top_n` best of the distribution; with `mask_n`, the support: its `mask_n` best ids and the
+    count of tokens it kept), and feeds the tokens back through the cache at the next slot. A row ends on one of its stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no
     row is active. The cache's slots: the prompt's P, then max_new."""
     b = pre.logits_BxV.shape[0]
+    mask_n = min(mask_n, pre.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
     p = pre.valid_BxS.shape[1] - max_new
     keys_B = jax.random.wrap_key_data(rows.key_data_Bx2)
     routed = pre.ids_XxBxK is not None
@@ -116,6 +121,8 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -
             jnp.zeros((b, max_new, top_n), jnp.int32) if top_n else None,
             jnp.zeros((b, max_new, top_n), jnp.float32) if top_n else None,
             jnp.zeros((b, max_new, x, k), pre.ids_XxBxK.dtype) if routed else None,
+            jnp.zeros((b, max_new, mask_n), jnp.int32) if mask_n else None,
+            jnp.zeros((b, max_new), jnp.int32) if mask_n else None,
         ),
     )
 
@@ -135,6 +142,11 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -
         if top_n:
             top_v, top_i = jax.lax.top_k(lp_BxV, top_n)
             top = (put(o.top_ids_BxNxT, top_i.astype(jnp.int32)), put(o.top_logprobs_BxNxT, top_v))
+        support = (None, None)
+        if mask_n:  # the support: the tokens the filters left finite (at most mask_n of them when top_k bounds it)
+            _, mask_i = jax.lax.top_k(lp_BxV, mask_n)
+            kept_B = jnp.sum(jnp.isfinite(lp_BxV), axis=-1).astype(jnp.int32)
+            support = (put(o.support_ids_BxNxS, mask_i.astype(jnp.int32)), put(o.support_counts_BxN, kept_B))
         out = Decoded(
             put(o.tokens_BxN, tok_B),
             put(o.logprobs_BxN, lp_B),
@@ -142,6 +154,7 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -
             o.stopped_B | stop_B,
             *top,
             put(o.routing_BxNxXxK, jnp.moveaxis(c.ids_XxBxK, 1, 0)) if routed else None,
+            *support,
         )
         active_B = on_B & ~stop_B & (t + 1 < rows.max_new_B)
         # the tokens back through the model at slot p + t (a finished row's too: its results are not read)
@@ -163,7 +176,7 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0) -
     return jax.lax.while_loop(cond, body, init).out
 
 
-def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mesh=None, rules=None):
+def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, mesh=None, rules=None):
     """One bucket's whole program, `(params, tokens_BxP, valid_BxP, rows) -> (Decoded, the prompt's routing ids)`:
     prefill into a cache of P + max_new slots, expand to n samples per prompt, decode. With a `mesh` (and its
     logical `rules`), traced under them, the activations laid out as the trainer's are (how `cisjax plan` compiles
@@ -174,7 +187,8 @@ def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mesh=None, rules=No
             model = nnx.merge(graphdef, params)
             pre = prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
             pre = expand(pre, n)
-            return decode(model, pre, rows, max_new=max_new, top_n=top_n), pre.prompt_ids_XxBxPxK
+            decoded = decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n)
+            return decoded, pre.prompt_ids_XxBxPxK
 
     return run
 

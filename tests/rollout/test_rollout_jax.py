@@ -78,6 +78,18 @@ def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, t
         np.testing.assert_allclose(g["logprobs"], s.logprobs, atol=1e-4)
 
 
+def test_sampling_masks_travel(client):
+    """return_sampling_mask through the server: each token's support (top-k 4) holds the token sampled; the exact
+    support is tests/sampler/test_engine.py's."""
+    params = SamplingParams(n=2, temperature=0.9, top_k=4, max_new_tokens=5, seed=2, return_sampling_mask=True)
+    for per in client.generate(PROMPTS, params):
+        for s in per:
+            ids, counts = s.support
+            assert len(counts) == len(s.response_ids) and all(1 <= c <= 4 for c in counts)
+            for tok, support in zip(s.response_ids, np.split(ids, np.cumsum(counts)[:-1]), strict=True):
+                assert tok in support and len(set(support.tolist())) == len(support)
+
+
 def test_weights_update_whole_or_not_at_all(client, dirs):
     model_dir, export_root = dirs
     v0 = client.info()["version"]

@@ -93,6 +93,33 @@ def test_top_logprobs_and_one_program_per_bucket(loaded):
     np.testing.assert_allclose([v[0] for v in a.top_logprobs], a.logprobs, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_sampling_mask_is_the_support_sampled_from(loaded, top_p):
+    """return_sampling_mask: each token's support is what top-k 5 (then top-p on the renormalised five) kept of the
+    model's own distribution at temperature 0.8; the sampled token is in it, its logprob is p renormalised over it,
+    and asking for it changes no sample. An untruncated request: counts of 0."""
+    _, model, engine = loaded("qwen2_moe")
+    params = engine_params(n=2, seed=5, temperature=0.8, top_k=5, top_p=top_p, max_new_tokens=6)
+    got = engine.generate(PROMPTS, [0, 1], dataclasses.replace(params, return_sampling_mask=True))
+    plain = engine.generate(PROMPTS, [0, 1], params)
+    assert [[s.token_ids for s in per] for per in got] == [[s.token_ids for s in per] for per in plain]
+    for prompt, per in zip(PROMPTS, got, strict=True):
+        for s in per:
+            ids, counts = s.support
+            assert len(counts) == len(s.token_ids) and sum(counts) == len(ids)
+            seq = np.array([prompt + s.token_ids])
+            lp = log_softmax(parity.run(model, seq)[0][0, len(prompt) - 1 : -1].astype(np.float64) / 0.8)
+            for t, (tok, support) in enumerate(zip(s.token_ids, np.split(ids, np.cumsum(counts)[:-1]), strict=True)):
+                best = np.argsort(-lp[t], kind="stable")[:5]
+                p5 = np.exp(lp[t, best] - np.logaddexp.reduce(lp[t, best]))
+                keep = best[(np.cumsum(p5) - p5) < top_p]
+                assert sorted(support.tolist()) == sorted(keep.tolist()) and tok in keep
+                np.testing.assert_allclose(s.logprobs[t], lp[t, tok] - np.logaddexp.reduce(lp[t, keep]), atol=1e-4)
+    untruncated = dataclasses.replace(params, top_k=0, top_p=1.0, return_sampling_mask=True)
+    (one,) = engine.generate([PROMPTS[0]], [0], untruncated)[0][:1]
+    assert one.support == ([], [0] * len(one.token_ids))
+
+
 def test_bad_input_is_named(loaded):
     _, _, engine = loaded("qwen2")
     with pytest.raises(ValueError, match="> 64"):

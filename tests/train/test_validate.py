@@ -249,6 +249,7 @@ def test_truncated_sampling_trains_without_weights(method):
     "over, mask",
     [
         (("--config.rollout.backend=transformers", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20"), True),
+        (("--config.rollout.backend=jax", "--config.rollout.top_p=0.8", "--config.rollout.top_k=20"), True),
         (
             ("--config.rollout.backend=transformers", "--config.correction.method=none", "--config.rollout.top_k=5"),
             True,
