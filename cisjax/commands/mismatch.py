@@ -46,7 +46,16 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
         default="xla-vllm",
         help=f"comma-separated engine pairs: {', '.join(spec_lib.PAIRS)} (default xla-vllm)",
     )
-    add("--n", type=int, default=8, help="samples per prompt (temperature 1, top-p 1)")
+    add("--n", type=int, default=8, help="samples per prompt (temperature 1)")
+    add(
+        "--top-k",
+        type=int,
+        default=0,
+        help="truncated sampling: the sampler's top-k (0 = off; with --top-p, in [1, 1024]); the XLA side is then p "
+        "renormalised over each token's sampling support (mask replay), and meta.json also reports k with p over the "
+        "whole vocabulary (control_mean_k_full_vocabulary). Needs --sampler jax and pairs xla*-jax",
+    )
+    add("--top-p", type=float, default=1.0, help="truncated sampling: the sampler's top-p (1 = off; needs --top-k)")
     add("--max-new-tokens", type=int, default=1024)
     add("--seed", type=int, default=0, help="seed of the sampling, the prompt sample and the probe positions")
     add(
@@ -171,7 +180,9 @@ def _measure(args: argparse.Namespace, overrides) -> int:
         written.append(records.save(Path(args.out) / "train-dump", dumps.read_dumps(args.dump)))
     for d in written:
         m = records.load(d)
-        print(f"{m.meta['pair']}: {m.n_tokens} tokens, mean k {m.meta.get('mean_k')} -> {d}")
+        full = m.meta.get("control_mean_k_full_vocabulary")
+        also = "" if full is None else f" (p over the whole vocabulary: {full})"
+        print(f"{m.meta['pair']}: {m.n_tokens} tokens, mean k {m.meta.get('mean_k')}{also} -> {d}")
     return 0
 
 

@@ -27,6 +27,8 @@ def _engine_sides(servers: engines.Servers, prompt_ids, spec: MeasureSpec, vocab
         routing=(spec.routing and spec.sampler in wanted) or "xla_replay" in wanted,
         vocab_size=vocab_size,
         engine=spec.sampler,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
     )
     probes = sample_lib.choose_probes(sampled, spec.probe_positions, seed=spec.seed + 1, topk=bool(spec.topk))
     out = {}
@@ -37,7 +39,7 @@ def _engine_sides(servers: engines.Servers, prompt_ids, spec: MeasureSpec, vocab
     return sampled, probes, out
 
 
-def _xla_sides(sampled, probes, spec: MeasureSpec, score_spec: score_lib.ScoreSpec):
+def _xla_sides(sampled, probes, spec: MeasureSpec, score_spec: score_lib.ScoreSpec, vocab_size: int):
     """2. Rescoring by the trainer (XLA), teacher forcing on the same ids and weights, once per dtype the XLA sides
     need: ([XlaScores of each dtype], {side name: Side})."""
     wanted = spec.sides
@@ -59,6 +61,8 @@ def _xla_sides(sampled, probes, spec: MeasureSpec, score_spec: score_lib.ScoreSp
                 top_k=spec.topk,
                 twice=True,
                 progress=spec.progress,
+                # truncated sampling: the best 2 x top_k of every token, a margin over the support (within top_k)
+                support_k=min(2 * spec.top_k, vocab_size) if spec.truncates else 0,
             )
         out[name] = sides.xla_side(scored[dtype], sampled, probes, spec)
     return list(scored.values()), out
@@ -83,7 +87,7 @@ def measure(spec: MeasureSpec, score_spec: score_lib.ScoreSpec) -> list[Path]:
     try:
         sampled, probes, by_name = _engine_sides(servers, prompt_ids, spec, vocab_size)
         servers.close()  # the XLA side gets the machine to itself (and its memory)
-        xla, xla_by_name = _xla_sides(sampled, probes, spec, score_spec)
+        xla, xla_by_name = _xla_sides(sampled, probes, spec, score_spec, vocab_size)
     finally:
         servers.close()
     by_name.update(xla_by_name)

@@ -5,8 +5,9 @@ A measurement directory holds:
                fields describing the run; "pair", "side_p" and "side_q" are required. Side p is the training side
                (the paper's p, log p), side q the inference side (q): log k = log p - log q.
   tokens.npz   per sampled response token, flat [N]: logp, logq (float32), seq_id, position (int32: index of the token
-               within its response), token_id (int32); optional `phase` (int8: 0 early, 1 middle, 2 late, for the
-               trainer's token dumps).
+               within its response), token_id (int32); optional `logp_full` (float32: under truncated sampling, logp
+               is renormalised over each token's sampling support and this is p over the whole vocabulary) and
+               `phase` (int8: 0 early, 1 middle, 2 late, for the trainer's token dumps).
   topk.npz     optional, per probed position [T]: token_index (int64, into tokens), ids_p/logp_p and ids_q/logp_q [T, K]
                (each engine's top-K token ids and logprobs at the same prefix).
   routing.npz  optional, per probed position [T]: token_index (int64), experts_p/experts_q [L, T, k] (the top-k expert
@@ -24,6 +25,7 @@ import numpy as np
 from cisjax import errors
 
 TOKEN_FIELDS = {"logp": np.float32, "logq": np.float32, "seq_id": np.int32, "position": np.int32, "token_id": np.int32}
+OPTIONAL_TOKEN_FIELDS = {"logp_full": np.float32, "phase": np.int8}
 TOPK_FIELDS = ("token_index", "ids_p", "logp_p", "ids_q", "logp_q")
 ROUTING_FIELDS = ("token_index", "experts_p", "experts_q")
 META_REQUIRED = ("pair", "side_p", "side_q")
@@ -34,7 +36,7 @@ class Measurement:
     """One engine pair's per-token data (see the module docstring)."""
 
     meta: dict
-    tokens: dict  # TOKEN_FIELDS (+ optional "phase"), flat [N]
+    tokens: dict  # TOKEN_FIELDS (+ OPTIONAL_TOKEN_FIELDS), flat [N]
     topk: dict | None = None  # TOPK_FIELDS
     routing: dict | None = None  # ROUTING_FIELDS
     path: Path | None = field(default=None, compare=False)
@@ -89,7 +91,8 @@ def save(directory, m: Measurement) -> Path:
     m.validate()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tokens = {k: np.asarray(v, TOKEN_FIELDS.get(k, np.int8)) for k, v in m.tokens.items()}
+    dtypes = {**TOKEN_FIELDS, **OPTIONAL_TOKEN_FIELDS}
+    tokens = {k: np.asarray(v, dtypes.get(k, np.int8)) for k, v in m.tokens.items()}
     np.savez(d / "tokens.npz", **tokens)
     if m.topk is not None:
         np.savez(d / "topk.npz", **{k: np.asarray(v) for k, v in m.topk.items()})

@@ -31,6 +31,7 @@ class Sampled:
     position_N: np.ndarray  # the token's index within its response
     logq_N: np.ndarray  # the engine's logprob of the token at the sampling step
     generate_s: float
+    support: list | None = None  # truncated sampling: per sample, (kept ids, a count per token) (Sample.support)
 
     @property
     def n_tokens(self) -> int:
@@ -48,17 +49,22 @@ def sample(
     routing: bool,
     vocab_size: int,
     engine: str = "vllm",
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Sampled:
-    """`n` samples per prompt at temperature 1, top-p 1 (with the engine's routing when `routing`) on `engine`."""
+    """`n` samples per prompt at temperature 1 (with the engine's routing when `routing`) on `engine`; with `top_k` /
+    `top_p`, truncated, and each token's sampling support returned."""
+    truncated = top_k > 0 or top_p < 1.0
     params = SamplingParams(
         n=n,
         temperature=1.0,
-        top_p=1.0,
-        top_k=0,
+        top_p=top_p,
+        top_k=top_k,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_ids,
         seed=seed,
         return_routing=routing,
+        return_sampling_mask=truncated,
     )
     t0 = time.monotonic()
     samples = [s for per_prompt in client.generate(prompts, params) for s in per_prompt]
@@ -81,6 +87,7 @@ def sample(
         position_N=np.concatenate([np.arange(k) for k in lengths]),
         logq_N=flat_logprobs([s.logprobs for s in samples], n_tokens, f"{engine} sampling"),
         generate_s=generate_s,
+        support=[s.support for s in samples] if truncated else None,
     )
 
 

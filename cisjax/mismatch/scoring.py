@@ -40,21 +40,32 @@ def _max_abs_diff(a_results, b_results) -> float:
 
 
 def xla_scores(
-    model_dir, dtype: str, items, probe_items, spec: score_lib.ScoreSpec, *, top_k: int, twice: bool, progress: bool
+    model_dir,
+    dtype: str,
+    items,
+    probe_items,
+    spec: score_lib.ScoreSpec,
+    *,
+    top_k: int,
+    twice: bool,
+    progress: bool,
+    support_k: int = 0,
 ) -> XlaScores:
     """cisjax score's engine on `items` (and top-K on the truncated `probe_items`): logprobs, routing, timings. The
     Scorer is compiled once and run over the same rows once, or `twice` (the second pass: the control and the
-    steady-state throughput)."""
+    steady-state throughput). `support_k`: also every token's `support_k` best ids and logprobs (the full
+    distribution's, for renormalising over a sampling support)."""
     t0 = time.monotonic()
     loaded = score_lib.load_for_scoring(model_dir, dtype, spec)
     load_s = time.monotonic() - t0
     kw = dict(temperature=1.0, chunk_size=spec.chunk_size, row_tokens=spec.row_tokens, rows_per_call=spec.rows)
-    scorer = score_lib.Scorer(loaded.model, loaded.mesh, loaded.rules, top_k=0, **kw)
+    scorer = score_lib.Scorer(loaded.model, loaded.mesh, loaded.rules, top_k=support_k, **kw)
     prepared = scorer.prepare(items)
     passes, times = [], []
     for _ in range(2 if twice else 1):
         results, seconds = scorer.run_timed(items, prepared)
-        passes.append([{k: r[k] for k in ("logprobs", "routing") if k in r} for r in results])
+        keys = ("logprobs", "routing", "topk_ids", "topk_logprobs")
+        passes.append([{k: r[k] for k in keys if k in r} for r in results])
         times.append(seconds)
     probe = None
     if top_k and probe_items:

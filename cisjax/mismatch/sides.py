@@ -30,6 +30,8 @@ class Side:
     control: float | None = None  # ... and its max |logp| difference
     router_flip_frac: float | None = None  # the replay side: where the XLA routers' own choice differs from vLLM's
     timings: Mapping[str, float] = field(default_factory=dict)  # meta.json timings this side took
+    # truncated sampling: logp_N is renormalised over each token's sampling support; this is p over the vocabulary
+    logp_full_N: np.ndarray | None = None
 
 
 def routing_array(per_seq, token_index: np.ndarray, n_tokens: int, what: str) -> np.ndarray:
@@ -43,6 +45,31 @@ def routing_array(per_seq, token_index: np.ndarray, n_tokens: int, what: str) ->
     return np.ascontiguousarray(np.transpose(arr, (1, 0, 2))).astype(
         np.int16 if arr.size == 0 or arr.max() < 32768 else np.int32
     )
+
+
+def support_log_mass(results: list[dict], support: list, n_tokens: int, what: str) -> np.ndarray:
+    """log sum_{v in S_t} p(v) of every sampled token [N]: its sampling support S_t (a sample's (ids, counts)) looked up
+    in the side's best ids and logprobs of that token ("topk_ids", "topk_logprobs"); 0 where nothing was cut. A
+    support id outside those best ids is an error naming the token (the margin was too small)."""
+    out = np.zeros(n_tokens, np.float64)
+    t = 0
+    for s, (res, (ids, counts)) in enumerate(zip(results, support, strict=True)):
+        ends = np.cumsum(counts)
+        for j, (end, c) in enumerate(zip(ends, counts, strict=True)):
+            if c:
+                best = dict(zip(res["topk_ids"][j], res["topk_logprobs"][j], strict=True))
+                kept = ids[end - c : end]
+                missing = [int(v) for v in kept if int(v) not in best]
+                if missing:
+                    raise RuntimeError(
+                        f"{what}: token {j} of sample {s}: support ids {missing[:5]} are not among the side's "
+                        f"{len(best)} most likely tokens"
+                    )
+                out[t + j] = np.logaddexp.reduce(np.array([best[int(v)] for v in kept], np.float64))
+        t += len(counts)
+    if t != n_tokens:
+        raise RuntimeError(f"{what}: sampling supports of {t} tokens for {n_tokens} response tokens")
+    return out
 
 
 def _pairs(items) -> list[tuple]:
@@ -87,6 +114,10 @@ def xla_side(scores: scoring.XlaScores, sampled: Sampled, probes: Probes, spec: 
     """The trainer's rescoring in one dtype (two passes: the control)."""
     res, dtype = scores.results, scores.dtype
     logp = flat_logprobs([x["logprobs"] for x in res], sampled.n_tokens, f"XLA {dtype}")
+    full = None
+    if sampled.support is not None:  # mask replay: p renormalised over the sampler's support of each token
+        full = logp
+        logp = full - support_log_mass(res, sampled.support, sampled.n_tokens, f"XLA {dtype}")
     topk = probes.topk_at(scores.probe) if spec.topk else None
     routing = None
     if spec.routing:
@@ -103,6 +134,7 @@ def xla_side(scores: scoring.XlaScores, sampled: Sampled, probes: Probes, spec: 
         routing_LxTxK=routing,
         control_dtype=dtype,
         control=scores.control_max_abs_diff,
+        logp_full_N=full,
     )
 
 

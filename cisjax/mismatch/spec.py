@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cisjax import errors
+from cisjax.rollout.backend import MAX_MASK_TOP_K
 from cisjax.rollout.tls import ClientTLS
 from cisjax.train import perturb as perturb_lib
 
@@ -28,6 +29,7 @@ PAIRS = {
 REPLAY_PAIR = "xla_replay-vllm"
 ENGINES = ("vllm", "jax", "transformers")  # the sides served by a rollout server (cisjax serve --backend NAME)
 SAMPLERS = ("vllm", "jax")  # the engines that may sample the measured tokens
+MASK_SAMPLERS = ("jax",)  # ... and those that return each token's sampling support (--top-k / --top-p)
 # The XLA sides rescoring in a fixed dtype (the side "xla" rescores in MeasureSpec.dtype).
 XLA_DTYPES = {"xla_bf16": "bfloat16", "xla_fp32": "float32"}
 
@@ -51,7 +53,9 @@ class MeasureSpec:
     pairs: tuple[str, ...] = ("xla-vllm",)
     kind: str = "dapo_math_17k"  # row layout of problem rows (cisjax.data.KINDS)
     num_prompts: int = 0  # a seeded random sample of this many prompts (0 = all)
-    n: int = 8  # samples per prompt (temperature 1, top-p 1)
+    n: int = 8  # samples per prompt (temperature 1)
+    top_k: int = 0  # truncated sampling: top-k of the sampler (0 = off); the XLA side renormalises over the support
+    top_p: float = 1.0  # ... and top-p (1 = off)
     max_new_tokens: int = 1024
     seed: int = 0  # of the sampling, the prompt sample and the probe positions
     dtype: str = "bfloat16"  # XLA rescoring dtype (float32 is the control)
@@ -71,6 +75,11 @@ class MeasureSpec:
     token: str | None = field(default=None, repr=False)  # the running servers' bearer token
     tls: ClientTLS | None = None  # TLS to the running servers (None: plain text)
     progress: bool = True
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampler samples a cut distribution (top-k or top-p): mask replay on the XLA side."""
+        return self.top_k > 0 or self.top_p < 1.0
 
     @property
     def measured_pairs(self) -> tuple[str, ...]:
@@ -103,6 +112,23 @@ def check(spec: MeasureSpec) -> dict:
         raise errors.UserError(f"--sampler {spec.sampler!r}: one of {', '.join(SAMPLERS)}")
     if spec.replay and spec.sampler != "vllm":
         raise errors.UserError("--replay replays vLLM's routing from its sampling: it needs --sampler vllm")
+    if spec.truncates:
+        if not 0 < spec.top_k <= MAX_MASK_TOP_K or not 0 < spec.top_p <= 1:
+            raise errors.UserError(
+                f"--top-k {spec.top_k} --top-p {spec.top_p}: truncated sampling needs --top-k in [1, {MAX_MASK_TOP_K}] "
+                "(it bounds each token's sampling support) and --top-p in (0, 1]"
+            )
+        if spec.sampler not in MASK_SAMPLERS:
+            raise errors.UserError(
+                f"--top-k/--top-p: the XLA side renormalises p over each token's sampling support, which the "
+                f"{spec.sampler} sampler does not return; use --sampler {' or '.join(MASK_SAMPLERS)}"
+            )
+        other = [p for p in spec.measured_pairs if not PAIRS[p][0].startswith("xla") or PAIRS[p][1] != spec.sampler]
+        if other:
+            raise errors.UserError(
+                f"--top-k/--top-p: only pairs of an XLA side against the sampler ({spec.sampler}) renormalise over the "
+                f"support; not {', '.join(other)}"
+            )
     perturb_lib.check(spec.perturb, spec.perturb_scale)
     if spec.tls is not None and not any(spec.target(e) for e in ENGINES):
         raise errors.UserError("--tls-ca is for running servers (--server, --jax-server, --transformers-server)")

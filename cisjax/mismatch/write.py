@@ -34,7 +34,8 @@ def run_meta(
         "sampler": spec.sampler,  # the engine that sampled the tokens (its side: the sampling step's logprobs)
         "n": spec.n,
         "temperature": 1.0,
-        "top_p": 1.0,
+        "top_p": spec.top_p,
+        "top_k": spec.top_k,
         "max_new_tokens": spec.max_new_tokens,
         "prompts": n_prompts,
         "prompts_file": str(spec.prompts),
@@ -77,6 +78,13 @@ def pair_measurement(
         mean_abs_log_k=float(np.mean(np.abs(logp - logq))),
         max_abs_log_k=float(np.max(np.abs(logp - logq))),
     )
+    if p.logp_full_N is not None:
+        # truncated sampling: logp is renormalised over each token's sampling support (mask replay); the same k with
+        # p over the whole vocabulary, the bias the renormalisation removes
+        logk_full = np.minimum(p.logp_full_N, 0.0) - logq
+        meta["renormalised_over_support"] = True
+        meta["control_mean_k_full_vocabulary"] = float(np.mean(np.exp(logk_full)))
+        meta["control_mean_abs_log_k_full_vocabulary"] = float(np.mean(np.abs(logk_full)))
     if p.router_flip_frac is not None:
         # where the XLA routers' own top-k set differs from vLLM's (the routes replay overrode), per (token, layer)
         meta["routing_replay"] = True
@@ -85,6 +93,7 @@ def pair_measurement(
     if p.control_dtype:
         meta["control_rescore_dtype"] = p.control_dtype
     tokens = {
+        **({"logp_full": p.logp_full_N} if p.logp_full_N is not None else {}),
         "logp": logp,
         "logq": logq,
         "seq_id": sampled.seq_id_N,

@@ -278,6 +278,27 @@ def test_three_engines_on_the_jax_samplers_tokens(servers, tmp_path):
     assert agree.mean() >= 0.95  # the same routers on the same weights (a near-tie may flip)
 
 
+def test_truncated_sampling_renormalised_over_the_support(servers, tmp_path):
+    """--top-k 5 --top-p 0.8 on the JAX sampler (fp32): its q is cut and renormalised; the XLA side renormalised over
+    each token's support equals it to 1e-4 (k = 1), while p over the whole vocabulary puts log k at the support's log
+    mass (below 0 on every token whose support is not the whole of p's mass), which meta.json reports beside."""
+    out = tmp_path / "out"
+    args = _args(servers, out, pairs="xla-jax", sampler="jax", dtype="float32", top_k=5, top_p=0.8)
+    assert command.run(args, []) == 0
+    m = records.load(out / "xla-jax")
+    tok = m.tokens
+    assert m.meta["top_k"] == 5 and m.meta["top_p"] == 0.8 and m.meta["renormalised_over_support"]
+    assert float(np.max(np.abs(tok["logp"] - tok["logq"]))) <= 1e-4
+    full = tok["logp_full"] - tok["logq"]  # log of the support's mass under p
+    assert np.all(full <= 1e-5) and np.mean(full) < -0.05, np.mean(full)
+    np.testing.assert_allclose(m.meta["control_mean_k_full_vocabulary"], np.mean(np.exp(full)), rtol=1e-5)
+    assert abs(m.meta["mean_k"] - 1) < 1e-4 < 1 - m.meta["control_mean_k_full_vocabulary"]
+    with pytest.raises(ValueError, match="the vllm sampler does not return"):
+        command.run(_args(servers, tmp_path / "v", pairs="xla-vllm", top_k=5), [])
+    with pytest.raises(ValueError, match="only pairs of an XLA side against the sampler"):
+        command.run(_args(servers, tmp_path / "w", pairs="xla-jax,jax-vllm", sampler="jax", top_k=5), [])
+
+
 def test_report_of_a_real_measurement_has_every_table_and_plot(measured, tmp_path):
     """The issue's end-to-end path: measure (real vLLM, top-K, routing) then report, every table and figure."""
     from cisjax import cli
