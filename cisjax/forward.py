@@ -75,6 +75,20 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
     return forward
 
 
+def on_micro_batch(forward, params, mb: TrainBatch) -> Output:
+    """make_forward's `forward` on one micro-batch ([B, T] fields of a TrainBatch): its routing replayed and its
+    sampling support renormalised over, where it has them."""
+    return forward(
+        params,
+        mb.tokens_MxBxT,
+        mb.positions_MxBxT,
+        mb.segment_ids_MxBxT,
+        mb.targets_MxBxT,
+        mb.routing_MxBxTxXxK,
+        mb.support_MxBxTxS,
+    )
+
+
 def round_params(params, dtype):
     """The params as an engine receives them: floating leaves rounded to `dtype` (and back to their own dtype)."""
     if dtype is None:
@@ -108,15 +122,7 @@ def make_batch_logprobs(
             raise ValueError("routing flips need a batch with routing")
 
         def one(mb):
-            out = forward(
-                params,
-                mb.tokens_MxBxT,
-                mb.positions_MxBxT,
-                mb.segment_ids_MxBxT,
-                mb.targets_MxBxT,
-                mb.routing_MxBxTxXxK,
-                mb.support_MxBxTxS,
-            )
+            out = on_micro_batch(forward, params, mb)
             if not flips:
                 return out.stats.logprobs_N
             f = routing_flips(

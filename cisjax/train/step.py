@@ -90,15 +90,8 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
 
     def loss_fn(params, mb: TrainBatch, denominator):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
-        out = fwd(
-            params,
-            mb.tokens_MxBxT,
-            mb.positions_MxBxT,
-            mb.segment_ids_MxBxT,
-            mb.targets_MxBxT,
-            mb.routing_MxBxTxXxK,
-            mb.support_MxBxTxS,  # truncated sampling: p renormalised over each token's sampling support
-        )
+        # routing replayed, and under truncated sampling p renormalised over each token's sampling support
+        out = forward.on_micro_batch(fwd, params, mb)
         logp_BxT, entropy_BxT = out.stats.logprobs_N, out.stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT
         # p_prox: the step's own logprobs, stop-gradient (train.proximal=step), else the rescoring's in the batch
