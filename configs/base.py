@@ -91,7 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
     # PPO mini-batch updates on one rollout batch: its rows split into U mini-batches (M micro-batches each), one
     # optimizer step each, in order; p_prox is the params before the first (a rescoring pass). train.total_steps and
     # the learning-rate schedule count optimizer updates (U per rollout batch); run.steps counts rollout batches
-    c.train.updates_per_batch = 1
+    c.train.updates_per_batch = 1  # optimizer updates (PPO mini-batches) per rollout batch
     # step: the step's own forward, stop-gradient (one optimizer step per rollout batch, so the step's params are the
     # proximal policy; no rescoring program: ~18-21% of the trainer's time on a MoE model). rescore: a rescoring pass
     # over the batch before its first update (the same loss, gradients and weights to float rounding); required with
@@ -176,6 +176,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)
     c.rollout.group_size = 4  # samples per prompt (the GRPO group)
     c.rollout.temperature = 1.0  # sampling temperature (p is computed at the same temperature: logprobs.temperature)
+    # truncated sampling is corrected by mask replay: the engine returns each token's sampling support and p is
+    # renormalised over it (docs/training.md); it needs top_k in [1, 1024] and an engine that returns the support
+    # (jax, transformers; vllm not yet, refused with a q-weighted correction.method)
     c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
     c.rollout.top_k = 0  # top-k sampling (0 = off)
     c.rollout.max_new_tokens = 1024  # generated tokens per sample at most
