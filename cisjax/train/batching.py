@@ -139,11 +139,11 @@ def _support(rows: list[Rollout], total: int, t: int) -> np.ndarray | None:
     widest = max(int(np.max(r.support.counts, initial=0)) for r in rows)
     s = max(8, 1 << (widest - 1).bit_length())
     out = np.full((total, t, s), -1, np.int32)
-    for i, r in enumerate(rows):
-        p, ids = len(r.prompt_ids), np.asarray(r.support.ids, np.int32)
-        ends = np.cumsum(r.support.counts)
-        for j, (end, n) in enumerate(zip(ends, r.support.counts, strict=True)):
-            out[i, p - 1 + j, :n] = ids[end - n : end]
+    for i, r in enumerate(rows):  # CSR -> (token, slot) of every id at once: no loop over the tokens
+        counts = np.asarray(r.support.counts, np.int64)
+        token = np.repeat(np.arange(len(counts)), counts)
+        slot = np.arange(len(token)) - np.repeat(np.cumsum(counts) - counts, counts)
+        out[i, len(r.prompt_ids) - 1 + token, slot] = np.asarray(r.support.ids, np.int32)
     return out
 
 
