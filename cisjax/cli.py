@@ -32,7 +32,7 @@ BENCHES = {
     "moe": "MoE layer forward+backward vs a dense MLP of equal active FLOPs",
     "logprobs": "chunked vs naive logprobs: peak memory, time, equality",
     "step": "train step: CIS vs no correction, JAX vs transformers/torch fwd+bwd+loss",
-    "export": "weight export + server reload bytes/s vs a plain sequential write; streamed update bytes/s",
+    "export": "weight export + server reload bytes/s vs a plain sequential write; streamed updates; --delta: delta vs full publishing per step",
     "rollout": "rollout tokens/s through gRPC vs the same vLLM engine called in-process; --replicas N: a pinned fleet "
     "vs one",
     "loop": "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",

@@ -20,14 +20,29 @@ import cisjax
 from cisjax import distributed, errors
 from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
+from cisjax.rollout import delta as delta_lib
 from cisjax.rollout import manifest as manifest_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "export", "read_manifest", "verify", "latest", "versions", "version_name"]
+__all__ = [
+    "ExportError",
+    "export",
+    "export_tensors",
+    "export_delta",
+    "read_manifest",
+    "verify",
+    "latest",
+    "versions",
+    "deltas",
+    "version_name",
+    "delta_name",
+]
 
 # Layout of an export root:
 #   root/v000012/            one complete export: config.json, model*.safetensors[, index], manifest.json
+#   root/d000013/            a delta export (publish.delta): delta.safetensors + manifest.json (kind, base_version,
+#                            digest); applied by a server over the set it holds; never announced by LATEST
 #   root/LATEST              the name of the newest announced version directory ("v000012\n")
 #   root/.tmp-*              a version (or LATEST) being written; renamed into place only when complete
 #   root/.del-*              a pruned version being deleted (renamed away first: no half-deleted vNNNNNN)
@@ -38,6 +53,7 @@ TMP_PREFIX = ".tmp-"
 DEL_PREFIX = ".del-"
 STALE_AFTER_S = 900.0  # a .tmp-* not written to for this long is a crashed writer's, wherever it ran
 _VERSION_RE = re.compile(r"v(\d{6,})")
+_DELTA_RE = re.compile(r"d(\d{6,})")
 # .tmp-<what>-<random>-<pid>@<host>: the pid and host let a later writer on the same host see a dead writer at once
 _TMP_RE = re.compile(r"\.tmp-(?P<what>[^-]+)-(?P<rand>[0-9a-f]+)-(?P<pid>\d+)@(?P<host>.+)")
 
@@ -54,7 +70,12 @@ def version_name(version: int) -> str:
     return f"v{int(version):06d}"
 
 
-def versions(root: str | os.PathLike) -> dict[int, Path]:
+def delta_name(version: int) -> str:
+    """The directory name of a delta export of a version."""
+    return f"d{int(version):06d}"
+
+
+def versions(root: str | os.PathLike, *, pattern: re.Pattern = _VERSION_RE) -> dict[int, Path]:
     """Every version directory under root by version number, ascending (complete ones: only those
     appear under a version name, by an atomic rename)."""
     root = Path(root)
@@ -62,10 +83,15 @@ def versions(root: str | os.PathLike) -> dict[int, Path]:
         return {}
     found = {}
     for p in root.iterdir():
-        m = _VERSION_RE.fullmatch(p.name)
+        m = pattern.fullmatch(p.name)
         if m and p.is_dir():
             found[int(m.group(1))] = p
     return dict(sorted(found.items()))
+
+
+def deltas(root: str | os.PathLike) -> dict[int, Path]:
+    """Every delta export under root by version number, ascending."""
+    return versions(root, pattern=_DELTA_RE)
 
 
 def _pointer(root: Path) -> str | None:
@@ -215,6 +241,75 @@ def export(
     return final
 
 
+def export_tensors(
+    tensors: Mapping,
+    hf_config: Mapping,
+    root: str | os.PathLike,
+    version: int,
+    *,
+    max_shard_bytes: int = 4 << 30,
+    keep: int = 2,
+    metadata: Mapping | None = None,
+    stale_after_s: float = STALE_AFTER_S,
+) -> Path:
+    """`export` of HF tensors already on this host (name -> ndarray in one dtype, e.g. a publisher's host copy):
+    the same directory, manifest, LATEST and pruning, written by the calling process alone (no collectives)."""
+
+    def write(tmp: Path, digests: dict) -> dict:
+        hf_io.save_tensors(tensors, tmp, hf_config, max_shard_bytes=max_shard_bytes, digests=digests)
+        return {}
+
+    return _export_local(Path(root), version, version_name(version), write, _VERSION_RE, keep, metadata, stale_after_s)
+
+
+def export_delta(
+    delta,
+    root: str | os.PathLike,
+    version: int,
+    *,
+    keep: int = 2,
+    metadata: Mapping | None = None,
+    stale_after_s: float = STALE_AFTER_S,
+) -> Path:
+    """A cisjax.rollout.delta.Delta as `root/dNNNNNN` (delta.safetensors + a manifest naming its kind, base version
+    and the digest of the set it leads to), atomically as `export` writes; never announced by LATEST (it is not a
+    model directory: a server applies it over the set it holds). Delta exports beyond the newest `keep` are
+    pruned. Written by the calling process alone."""
+
+    def write(tmp: Path, digests: dict) -> dict:
+        return delta_lib.write_dir(delta, tmp, digests)
+
+    return _export_local(Path(root), version, delta_name(version), write, _DELTA_RE, keep, metadata, stale_after_s)
+
+
+def _export_local(root: Path, version: int, name: str, write, pattern, keep, metadata, stale_after_s) -> Path:
+    """One process's atomic version directory: `write(tmp, digests) -> extra manifest fields` into a .tmp-*
+    directory, the manifest, the rename; LATEST moved for full exports; older ones of the same kind pruned."""
+    version, keep = _check_int(version, "version", 0), _check_int(keep, "keep", 0)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale(root, stale_after_s)
+    newest = max(versions(root, pattern=pattern), default=None)
+    if pattern is _VERSION_RE:
+        newest = _newest_version(root)
+    if newest is not None and version <= newest:
+        what = version_name(newest) if pattern is _VERSION_RE else delta_name(newest)
+        raise ExportError(f"{root}: version {version} is not newer than the existing {what} (versions must increase)")
+    tmp = root / _tmp_name(name)
+    tmp.mkdir()
+    try:
+        digests: dict = {}
+        fields = write(tmp, digests)
+        write_manifest(tmp, version, metadata, digests, fields)
+        _commit(tmp, root / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if pattern is _VERSION_RE:
+        _point_latest(root, name)
+    _prune(root, keep, protect={name}, pattern=pattern)
+    return root / name
+
+
 def _check_int(value, what: str, minimum: int) -> int:
     if isinstance(value, bool) or int(value) != value or value < minimum:
         raise errors.UserError(f"{what}={value!r}: want an integer >= {minimum}")
@@ -252,12 +347,15 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None) -> dict:
+def write_manifest(
+    tmp: Path, version: int, metadata: Mapping | None, digests: Mapping | None = None, extra: Mapping | None = None
+) -> dict:
     """Hash (unless hashed while written: `digests`) and fsync every file hf_io.save wrote, write
-    manifest.json (fsynced), fsync the directory."""
-    config = json.loads((tmp / "config.json").read_text())
+    manifest.json (fsynced; `extra` fields added), fsync the directory."""
+    config = json.loads((tmp / "config.json").read_text()) if (tmp / "config.json").is_file() else {}
     now = time.time()
     fields = {
+        **dict(extra or {}),
         "version": version,
         "cisjax_version": cisjax.__version__,
         "dtype": config.get("dtype"),
@@ -347,14 +445,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _prune(root: Path, keep: int, protect: set[str]) -> None:
+def _prune(root: Path, keep: int, protect: set[str], pattern: re.Pattern = _VERSION_RE) -> None:
     """Delete version directories beyond the newest `keep` (never those in `protect` nor the one
     LATEST names). Each is renamed to `.del-*` first, so a reader never finds a half-deleted version.
     Failures are logged, not raised: the export itself is complete."""
     if keep <= 0:
         return
     protect = protect | {_pointer(root)}
-    old = list(versions(root).items())[:-keep]
+    old = list(versions(root, pattern=pattern).items())[:-keep]
     for _, path in old:
         if path.name in protect:
             continue

@@ -119,6 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.publish.server_dir = ""  # publish.dir as the rollout server sees it (its --export-root or a directory under it); "" = the same path
     c.publish.dtype = "bfloat16"  # dtype of the published tensors: bfloat16 (what the engine serves; half the bytes) | float32 | float16
     c.publish.keep = 2  # disk mode: newest export versions kept (the served one and its predecessor); 0 = keep all
+    c.publish.delta = False  # send only the elements whose published bits changed since the server's version (+ a digest of the result), full set on a refusal; costs a host copy of the set on the trainer and each server (docs/publishing.md)
     c.publish.canary = ml_collections.ConfigDict()
     c.publish.canary.every = 1  # check the engine on the first publish and on every N-th after it; 0 = never
     c.publish.canary.num_sequences = 8  # fixed random-token sequences scored by both engines (seeded by `seed`)

@@ -404,3 +404,33 @@ def test_cli_export_from_checkpoint(src, loaded, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="do not fit the model"):
         _cli("--checkpoint", str(tmp_path / "ckpt"), "--model", str(other), "--out", str(out), "--version", "20")
     assert names(out) == ["LATEST", "v000007", "v000009"]
+
+
+def test_host_tensor_and_delta_exports(loaded, tmp_path):
+    """export_tensors (a publisher's host copy) writes the very files export writes; export_delta writes dNNNNNN
+    directories that LATEST never names, pruned among themselves, whose delta leads back to the new set."""
+    from cisjax.rollout import delta as delta_lib
+
+    model, hf = loaded
+    whole = ex.export(model, hf, tmp_path / "a", 1)
+    tensors = {n: np.asarray(t) for n, t in hf_io.iter_tensors(model, hf, "bfloat16")}
+    host = ex.export_tensors(tensors, hf, tmp_path / "b", 1)
+    assert ex.verify(host)["files"] == ex.verify(whole)["files"]  # same bytes, file by file
+    assert ex.latest(tmp_path / "b") == (1, host)
+
+    new = dict(tensors)
+    name = sorted(new)[0]
+    new[name] = new[name].copy()
+    new[name].reshape(-1)[3] = -new[name].reshape(-1)[3] - 1
+    d = delta_lib.diff(tensors, new, base_version=1, digest_of_new=delta_lib.digest(new))
+    assert set(d.sparse) == {name} and not d.dense and d.changed == 1
+    for v in (2, 3, 5):
+        path = ex.export_delta(d, tmp_path / "b", v, keep=2)
+    assert names(tmp_path / "b") == ["LATEST", "d000003", "d000005", "v000001"]
+    assert ex.latest(tmp_path / "b") == (1, host) and list(ex.deltas(tmp_path / "b")) == [3, 5]
+    manifest = ex.verify(path)
+    assert (manifest["kind"], manifest["version"], manifest["base_version"]) == ("delta", 5, 1)
+    back = delta_lib.apply(tensors, delta_lib.read_dir(path))
+    assert delta_lib.digest(back) == d.digest and np.array_equal(back[name], new[name])
+    with pytest.raises(ex.ExportError, match="not newer than the existing d000005"):
+        ex.export_delta(d, tmp_path / "b", 4)

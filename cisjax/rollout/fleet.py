@@ -381,15 +381,25 @@ class RolloutFleet:
             updated = self._to_all(send, version, targets=targets, errors=errors, check=check)
             producer.result()
             if not updated:
-                raise (
-                    errors[0]
-                    if errors
-                    else RolloutError(
-                        f"UpdateWeights: no rollout replica serving ({self.target})", grpc.StatusCode.UNAVAILABLE
-                    )
-                )
+                raise errors[0] if errors else self._none_serving()
             self._restore, self.expected_version = None, version
         return version
+
+    def update_weights_each(self, send, *, version: int = 0, check=None) -> int:
+        """`send(client) -> version` on every replica in parallel (the publisher's delta, or the full set to a replica
+        that refused it: each replica may hold another version). A replica that fails is out of rotation until the
+        next update (which it is sent whole); RolloutError when none took it. `check` as in update_weights."""
+        with self._update_lock:
+            version = version or self.expected_version + 1
+            errors: list = []
+            updated = self._to_all(lambda r: send(r.client), version, errors=errors, check=check)
+            if not updated:
+                raise errors[0] if errors else self._none_serving()
+            self._restore, self.expected_version = None, version
+        return version
+
+    def _none_serving(self) -> RolloutError:
+        return RolloutError(f"UpdateWeights: no rollout replica serving ({self.target})", grpc.StatusCode.UNAVAILABLE)
 
     def _update_targets(self) -> list[Replica]:
         """Replicas a weight update goes to: those in rotation and those out of it that serve again."""

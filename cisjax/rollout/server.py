@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from cisjax import errors
+from cisjax.rollout import delta as delta_lib
 from cisjax.rollout import protos, weights
 from cisjax.rollout.backend import Backend, RequestError, check_generate, check_score
 from cisjax.rollout.tls import LOCALHOST, ServerTLS
@@ -94,6 +95,7 @@ class RolloutServicer:
         self.backend = backend
         self.export_root = Path(os.path.realpath(export_root)) if export_root else None
         self.update_lock = threading.Lock()  # one weight update at a time (version check + reload)
+        self.base = weights.Base()  # the set deltas apply to (kept when a full update asks)
         self.id_bytes = routing_id_bytes(backend.config_json)
 
     # Generate ---------------------------------------------------------------
@@ -172,7 +174,7 @@ class RolloutServicer:
             first = next(request_iterator, None)
             if first is None:
                 raise RequestError("empty UpdateWeights stream")
-            version = first.version
+            version, retain = first.version, first.retain_base
             kind = first.WhichOneof("source")
             if kind == "directory":
                 if next(request_iterator, None) is not None:
@@ -180,9 +182,14 @@ class RolloutServicer:
                 path = weights.confined(first.directory.path, self.export_root)
                 weights.check_export(path)
                 weights.check_manifest(path, dict(first.directory.sha256))
-                source = ("directory", path)
-            elif kind == "chunk":
-                source = ("tensors", weights.tensors_from_chunks(_chunks(first, request_iterator)))
+                source = ("delta", _read_delta(path)) if delta_lib.is_delta_dir(path) else ("directory", path)
+            elif kind == "chunk" or first.HasField("delta"):  # a delta that changes nothing has no chunk
+                chunks = _chunks(first, request_iterator) if kind == "chunk" else _chunks(None, request_iterator)
+                if first.HasField("delta"):
+                    d = first.delta
+                    source = ("delta", weights.delta_from_chunks(chunks, d.base_version, d.digest))
+                else:
+                    source = ("tensors", weights.tensors_from_chunks(chunks))
             else:
                 raise RequestError("UpdateWeights needs a directory or tensor chunks")
             with self.update_lock:
@@ -192,6 +199,8 @@ class RolloutServicer:
                     raise RequestError(
                         f"version {new} is not above the current version {current}", grpc.StatusCode.FAILED_PRECONDITION
                     )
+                if source[0] == "delta":  # applied over the kept set, its digest checked, before anything is swapped
+                    source, retain = ("tensors", self.base.apply(source[1], current)), True
                 try:
                     self.backend.update(source[0], source[1], new)
                 except RequestError:
@@ -202,10 +211,23 @@ class RolloutServicer:
                         f"reload failed, still serving version {current}: {type(err).__name__}: {err}",
                         grpc.StatusCode.FAILED_PRECONDITION,
                     ) from err
+                self._keep_base(new, source, retain)
                 log.info("weights version %d -> %d", current, self.backend.version)
         except RequestError as err:
             _abort(context, err)
         return self.pb.UpdateWeightsResponse(version=self.backend.version, reload_s=time.monotonic() - t0)
+
+    def _keep_base(self, version: int, source, retain: bool) -> None:
+        """The set just loaded becomes the base of later deltas when asked (a directory is read into memory: its
+        files may be pruned); a base that cannot be read is dropped (the next delta is refused, not misapplied)."""
+        kind, payload = source
+        tensors = None
+        if retain:
+            try:
+                tensors = weights.read_tensors(payload) if kind == "directory" else payload
+            except Exception as err:
+                log.warning("could not keep version %d as the base of deltas: %s", version, err)
+        self.base.keep(version, tensors)
 
     def Info(self, request, context):
         b = self.backend
@@ -249,9 +271,16 @@ def _result(context, what, fut: futures.Future):
         context.abort(grpc.StatusCode.INTERNAL, f"engine {what} failed: {type(err).__name__}: {err}")
 
 
+def _read_delta(path: Path) -> delta_lib.Delta:
+    try:
+        return delta_lib.read_dir(path)
+    except (delta_lib.DeltaError, ValueError) as err:
+        raise RequestError(f"{path.name}: not a readable delta export: {err}", grpc.StatusCode.DATA_LOSS) from None
+
+
 def _chunks(first, rest):
-    """The TensorChunk of each message of a tensor stream (`first`, then `rest`)."""
-    for msg in itertools.chain([first], rest):
+    """The TensorChunk of each message of a tensor stream (`first` unless None, then `rest`)."""
+    for msg in itertools.chain([first] if first is not None else [], rest):
         if msg.WhichOneof("source") != "chunk":
             raise RequestError("a tensor stream must contain only chunks")
         yield msg.chunk

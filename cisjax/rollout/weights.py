@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from cisjax import safetensors_io
+from cisjax.rollout import delta as delta_lib
 from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout.backend import RequestError
 
@@ -95,29 +97,94 @@ def checkpoint_tensor_names(folder) -> set:
     return names
 
 
-def tensors_from_chunks(chunks) -> dict:
-    """The TensorChunk messages of a tensor stream (in any order) as {HF name: ndarray}; RequestError when a chunk
-    falls outside its tensor, a dtype is unknown, or a tensor is not received whole."""
-    buffers: dict = {}  # name -> (dtype, shape, bytes, [bytes received])
+WHOLE, INDICES, VALUES = 0, 1, 2  # rollout.proto TensorPart
+INDEX_DTYPES = {"U32": np.dtype(np.uint32), "I64": np.dtype(np.int64)}  # a delta's INDICES parts
+
+
+_WIRE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32", "int64": "I64"}
+
+
+def chunk_messages(rp, first, parts, chunk_bytes: int):
+    """UpdateWeightsRequests carrying `parts` ((name, TensorPart, ndarray), ...) in chunks of at most `chunk_bytes`;
+    the first message is `first` (version and flags) with the first chunk."""
+    for name, part, arr in parts:
+        allowed = ("uint32", "int64") if part == INDICES else ("float32", "float16", "bfloat16")
+        if arr.dtype.name not in allowed:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} not one of {allowed}")
+        data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        for off in range(0, max(len(data), 1), chunk_bytes):
+            chunk = rp.TensorChunk(
+                name=name,
+                dtype=_WIRE_NAMES[arr.dtype.name],
+                shape=list(arr.shape),
+                offset=off,
+                data=bytes(data[off : off + chunk_bytes]),
+                part=part,
+            )
+            if first is not None:
+                first.chunk.CopyFrom(chunk)
+                yield first
+                first = None
+            else:
+                yield rp.UpdateWeightsRequest(chunk=chunk)
+    if first is not None:  # a delta that changes nothing: one message, no tensor
+        yield first
+
+
+def parts_from_chunks(chunks) -> dict:
+    """The TensorChunk messages of a tensor stream (in any order) as {(HF name, part): ndarray}; RequestError when
+    a chunk falls outside its tensor, a dtype is unknown, or a tensor is not received whole."""
+    buffers: dict = {}  # (name, part) -> (dtype, shape, bytes, [bytes received])
     for c in chunks:
-        if c.name not in buffers:
-            if c.dtype not in ST_DTYPES:
-                raise RequestError(f"tensor {c.name!r}: dtype {c.dtype!r} not one of {sorted(ST_DTYPES)}")
-            nbytes = int(np.prod(c.shape, dtype=np.int64)) * ST_DTYPES[c.dtype].itemsize
-            buffers[c.name] = (ST_DTYPES[c.dtype], tuple(c.shape), bytearray(nbytes), [0])
-        dtype, shape, buf, filled = buffers[c.name]
+        key = (c.name, int(c.part))
+        if key not in buffers:
+            known = INDEX_DTYPES if c.part == INDICES else ST_DTYPES
+            if c.dtype not in known:
+                raise RequestError(f"tensor {c.name!r}: dtype {c.dtype!r} not one of {sorted(known)}")
+            nbytes = int(np.prod(c.shape, dtype=np.int64)) * known[c.dtype].itemsize
+            buffers[key] = (known[c.dtype], tuple(c.shape), bytearray(nbytes), [0])
+        dtype, shape, buf, filled = buffers[key]
         if c.offset < 0 or c.offset + len(c.data) > len(buf):
             raise RequestError(
                 f"tensor {c.name!r}: chunk [{c.offset}, {c.offset + len(c.data)}) outside its {len(buf)} bytes"
             )
         buf[c.offset : c.offset + len(c.data)] = c.data
         filled[0] += len(c.data)
-    tensors = {}
-    for name, (dtype, shape, buf, filled) in buffers.items():
+    parts = {}
+    for (name, part), (dtype, shape, buf, filled) in buffers.items():
         if filled[0] != len(buf):
             raise RequestError(f"tensor {name!r}: received {filled[0]} of {len(buf)} bytes")
-        tensors[name] = np.frombuffer(bytes(buf), dtype=dtype).reshape(shape)
-    return tensors
+        parts[(name, part)] = np.frombuffer(bytes(buf), dtype=dtype).reshape(shape)
+    return parts
+
+
+def tensors_from_chunks(chunks) -> dict:
+    """A full tensor stream as {HF name: ndarray} (parts_from_chunks; every tensor WHOLE)."""
+    parts = parts_from_chunks(chunks)
+    if any(part != WHOLE for _, part in parts):
+        raise RequestError("a full tensor stream carries whole tensors only (indices and values belong to a delta)")
+    return {name: arr for (name, _), arr in parts.items()}
+
+
+def delta_from_chunks(chunks, base_version: int, digest: str) -> delta_lib.Delta:
+    """A delta stream as a Delta: WHOLE parts dense, INDICES + VALUES pairs sparse (RequestError on a lone half)."""
+    parts = parts_from_chunks(chunks)
+    dense = {name: arr for (name, part), arr in parts.items() if part == WHOLE}
+    sparse = {}
+    for (name, part), arr in parts.items():
+        if part == INDICES:
+            if (name, VALUES) not in parts:
+                raise RequestError(f"delta tensor {name!r}: indices without values")
+            sparse[name] = (arr, parts[(name, VALUES)])
+        elif part == VALUES and (name, INDICES) not in parts:
+            raise RequestError(f"delta tensor {name!r}: values without indices")
+    return delta_lib.Delta(int(base_version), digest, dense, sparse)
+
+
+def read_tensors(path: Path) -> dict:
+    """Every tensor of an HF directory, read into memory ({name: ndarray}; the files may be pruned after)."""
+    files = safetensors_io.SafetensorsDir(path)
+    return {name: np.array(files.array(name)) for name in files.names()}
 
 
 def write_weights_dir(tensors: dict, config_json: dict, served_model_dir) -> Path:
@@ -154,3 +221,45 @@ def load_through_directory(backend, tensors: dict, version: int) -> None:
         backend.load_directory(tmp, version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Base:
+    """The set a server keeps on its host (version, {HF name: ndarray}) so that a delta over it can be applied: kept
+    only when the full update that brought it asked (retain_base), replaced by each delta's result, dropped by a
+    full update that did not ask. Used under the servicer's update lock."""
+
+    def __init__(self):
+        self.version, self.tensors = None, None
+
+    def keep(self, version: int, tensors: dict | None) -> None:
+        self.version, self.tensors = (version, tensors) if tensors is not None else (None, None)
+
+    def apply(self, delta: delta_lib.Delta, serving: int) -> dict:
+        """The complete set `delta` leads to, its digest checked; RequestError (ABORTED: the sender falls back to
+        the full set) when this server does not hold the delta's base or the result differs. Nothing is changed."""
+        if self.tensors is None:
+            raise RequestError(
+                f"a delta over version {delta.base_version}, but this server keeps no base set (it started or "
+                f"restarted since, or its last full update did not ask to keep one): send the full set",
+                grpc.StatusCode.ABORTED,
+            )
+        if delta.base_version != self.version or serving != self.version:
+            raise RequestError(
+                f"a delta over version {delta.base_version}, but this server serves version {serving} and keeps "
+                f"the set of version {self.version}: send the full set",
+                grpc.StatusCode.ABORTED,
+            )
+        try:
+            tensors = delta_lib.apply(self.tensors, delta)
+        except delta_lib.DeltaError as err:
+            raise RequestError(
+                f"the delta does not fit version {self.version}: {err}", grpc.StatusCode.ABORTED
+            ) from None
+        got = delta_lib.digest(tensors)
+        if got != delta.digest:
+            raise RequestError(
+                f"the delta over version {self.version} gives a set of digest {got[:16]}..., the sender's is "
+                f"{delta.digest[:16]}...: nothing swapped, send the full set",
+                grpc.StatusCode.ABORTED,
+            )
+        return tensors

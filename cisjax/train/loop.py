@@ -161,8 +161,8 @@ def _dump(run_dir, step: int, spec, host, batches, versions, flips, lead: bool) 
 
 class _Publishing:
     """Step s's weights go out as version s + 1. rollout.lag = L: as version s + 1 - L, the params of L steps ago
-    (copies: the step donates its state). The last step's weights always, unperturbed: the run's final export and
-    evaluation are the trained model."""
+    (copies: the step donates its state). The last step's weights always, unperturbed and whole (publish.delta):
+    the run's final export and evaluation are the trained model."""
 
     def __init__(self, publisher, lag: int, total: int):
         self.publisher, self.lag, self.total = publisher, int(lag), total
@@ -175,4 +175,5 @@ class _Publishing:
                 return None
             version, old = self.held.popleft()
             return self.publisher.publish(old, version=version)
-        return self.publisher.publish(params, version=step + 1, perturbed=step + 1 < self.total)
+        last = step + 1 >= self.total
+        return self.publisher.publish(params, version=step + 1, perturbed=not last, full=last)

@@ -7,7 +7,6 @@ import functools
 import logging
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +15,13 @@ import jax
 import numpy as np
 
 from cisjax import distributed, errors, forward, sharding
-from cisjax import export as export_lib
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
 from cisjax.records import TrainBatch
 from cisjax.rollout import canary as canary_lib
 from cisjax.rollout.fleet import RolloutFleet
+from cisjax.train import delivery
 from cisjax.train import perturb as perturb_lib
 
 log = logging.getLogger(__name__)
@@ -65,6 +64,8 @@ class PublishReport:
     )
     # a RolloutFleet: the replicas that failed their canary (quarantined by the fleet; the publish stands while one passes)
     failed_replicas: tuple = ()
+    changed_fraction: float | None = None  # publish.delta: elements whose published bits changed; None = whole
+    full_sends: int | None = None  # publish.delta: servers sent the whole set (first publish, a refused delta)
 
     def metrics(self) -> dict:
         """Flat numbers for the training log."""
@@ -80,50 +81,11 @@ class PublishReport:
             out["publish/canary_failed_replicas"] = float(len(self.failed_replicas))
         if self.perturb_rel_rms is not None:
             out["publish/perturb_rel_rms"] = self.perturb_rel_rms
+        if self.full_sends is not None:
+            out["publish/full_sends"] = float(self.full_sends)
+        if self.changed_fraction is not None:
+            out["publish/changed_fraction"] = self.changed_fraction
         return out
-
-
-class _TimedTensors:
-    """A Mapping-like view of HFTensors for RolloutClient.update_weights_from_tensors: `items()` yields the
-    tensors lazily (one on the host at a time), times their production, and
-    `drain()` produces whatever the consumer left (multi-process: every process must take part in
-    every gather, also when process 0's stream broke off)."""
-
-    def __init__(self, tensors: hf_io.HFTensors):
-        self.tensors = tensors
-        self._it = iter(tensors.items())
-        self._lock = threading.Lock()  # gRPC pulls on its own thread; drain() on the caller's
-        self.produce_s = 0.0
-        self.started = False
-
-    def keys(self):
-        return self.tensors.keys()
-
-    def __len__(self):
-        return len(self.tensors)
-
-    def items(self):
-        if self.started:
-            raise RuntimeError("the tensor stream can be iterated once")
-        self.started = True
-        return self._generate()
-
-    def _generate(self):
-        while True:
-            t0 = time.perf_counter()
-            with self._lock:
-                try:
-                    name, arr = next(self._it)
-                except StopIteration:
-                    return
-                finally:
-                    self.produce_s += time.perf_counter() - t0
-            yield name, arr
-
-    def drain(self):
-        with self._lock:
-            for _ in self._it:
-                pass
 
 
 @dataclass(frozen=True)
@@ -149,6 +111,7 @@ class PublishSpec:
     server_dir: str = ""  # the export root as the server sees it ("" = the same path)
     dtype: str | None = "bfloat16"  # the published tensors' dtype; None = the params' own
     keep: int = 2  # versions kept under the root; 0 = all
+    delta: bool = False  # send only what changed since the version the server holds (train.delivery.DeltaSender)
     canary: CanarySpec = CanarySpec()
     precision: str = "bf16"  # the trainer's (the canary's forward)
     chunk_size: int = 1024
@@ -233,6 +196,10 @@ class Publisher:
             )
         self.root = Path(root) if root else None
         self.server_dir = spec.server_dir or None
+        self.target = delivery.Target(
+            client, self.hf_config, self.dtype, self.mode, self.root, self.server_dir, self.keep, self.is_writer
+        )
+        self.delta = delivery.DeltaSender(self.target) if spec.delta else None
         self.publishes = 0
         # controlled mismatch (cisjax.train.perturb): the engine gets a perturbed copy; the canary checks that copy
         self.perturb = spec.perturb
@@ -282,10 +249,10 @@ class Publisher:
 
     # ------------------------------------------------------------------ publish
 
-    def publish(self, params, version: int, *, perturbed: bool = True) -> PublishReport:
+    def publish(self, params, version: int, *, perturbed: bool = True, full: bool = False) -> PublishReport:
         """Send `params` as `version` (rollout.perturb: a perturbed copy, unless perturbed=False: the loop sends the
         trainer's own weights at the last step, so what the run leaves behind, its last export and final evaluation,
-        is the trained model)."""
+        is the trained model). publish.delta: `full` sends the whole set (the last step: a complete export)."""
         version = int(version)
         rel_rms = None
         if self.perturb.on and perturbed:
@@ -302,9 +269,14 @@ class Publisher:
         check = self._replica_check(trainer, version) if due and self.is_writer and self._fleet() else None
         more = {} if check is None else {"check": check}
         t0 = time.perf_counter()
-        send = self._send_disk if self.mode == "disk" else self._send_stream
-        path, nbytes, export_s, served, error = send(model, version, more)
-        reload_s = time.perf_counter() - t0 - export_s
+        if self.delta is not None:
+            sent = self.delta.send(model, version, more, full=full)
+        else:
+            sent = (delivery.send_disk if self.mode == "disk" else delivery.send_stream)(
+                self.target, model, version, more
+            )
+        path, served, error = sent.path, sent.served, sent.error
+        reload_s = time.perf_counter() - t0 - sent.export_s
         if error is None and self.is_writer and served != version:
             error = PublishError(f"the server reports version {served} after publishing version {version}")
         if distributed.agree(int(error is not None)):
@@ -326,61 +298,27 @@ class Publisher:
             version=version,
             mode=self.mode,
             path=str(path) if path else None,
-            bytes=int(nbytes),
-            export_s=export_s,
+            bytes=int(sent.nbytes),
+            export_s=sent.export_s,
             reload_s=reload_s,
             canary_s=canary_s,
             canary=report,
             perturb_rel_rms=rel_rms,
             failed_replicas=failed,
+            changed_fraction=sent.changed_fraction,
+            full_sends=sent.full_sends,
         )
         log.debug(
             "published version %d (%s, %.1f MB): export %.2fs, reload %.2fs, canary %.2fs%s",
             version,
             self.mode,
-            nbytes / 1e6,
-            export_s,
+            sent.nbytes / 1e6,
+            sent.export_s,
             reload_s,
             canary_s,
             f" (mean |dlogp| {report.mean_abs:.2e}, max {report.max_abs:.2e})" if report else "",
         )
         return out
-
-    def _send_disk(self, model, version: int, more: dict):
-        """Export as root/vNNNNNN, then UpdateWeights from it: (path, bytes, export seconds, the version the server
-        reports, the error of process 0's call or None)."""
-        t0 = time.perf_counter()
-        path = export_lib.export(
-            model, self.hf_config, self.root, version, dtype=self.dtype, keep=self.keep, metadata={"source": "publish"}
-        )
-        export_s = time.perf_counter() - t0
-        nbytes = hf_io.HFTensors(model, self.hf_config, self.dtype).nbytes
-        served, error = None, None
-        if self.is_writer:
-            try:
-                manifest = export_lib.read_manifest(path)
-                target = str(Path(self.server_dir) / path.name) if self.server_dir else str(path)
-                checksums = {n: f["sha256"] for n, f in manifest["files"].items()}
-                served = self.client.update_weights(target, version=version, checksums=checksums, **more)
-            except Exception as e:
-                error = e
-        return path, nbytes, export_s, served, error
-
-    def _send_stream(self, model, version: int, more: dict):
-        """The HF tensors streamed to the server, produced lazily: (None, bytes, seconds producing them, the version
-        the server reports, the error of process 0's call or None)."""
-        stream = _TimedTensors(hf_io.HFTensors(model, self.hf_config, self.dtype))
-        served, error = None, None
-        try:
-            if self.is_writer:
-                try:
-                    served = self.client.update_weights_from_tensors(stream, version=version, **more)
-                except Exception as e:
-                    error = e
-        finally:
-            if jax.process_count() > 1:
-                stream.drain()
-        return None, stream.tensors.nbytes, stream.produce_s, served, error
 
     def _fleet(self) -> bool:
         return isinstance(self.client, RolloutFleet)
@@ -433,7 +371,7 @@ class Publisher:
         if code == _OK:
             return report, failed
         families = None
-        if self.mode == "disk" and code == _MISMATCH:
+        if self.mode == "disk" and code == _MISMATCH and self.delta is None:
             expected = hf_io.HFTensors((self.graphdef, params), self.hf_config, self.dtype)
             if self.is_writer:
                 families = canary_lib.family_differences(expected, hf_io.SafetensorsDir(path))
@@ -450,6 +388,8 @@ class Publisher:
                     pass
         if not self.is_writer:
             message = f"weight canary failed for version {version} on process 0; see its log"
+        elif self.delta is not None and code == _MISMATCH:
+            message += "\n(publish.delta: the server's set matched the trainer's digest; its reload or forward differs)"
         elif self.mode == "stream" and code == _MISMATCH:
             message += "\n(stream mode: no files to compare; publish.mode=disk names the tensor families that differ)"
         if self.is_writer:

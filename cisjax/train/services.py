@@ -205,7 +205,7 @@ def _stop(server) -> None:
 def _drop_exports_from(root, version: int) -> None:
     """Exports of versions >= `version` under root: those of the killed run past its last checkpoint
     (or of the checkpoint itself, re-exported now) — removed so that numbering continues from it."""
-    for v, path in export_lib.versions(root).items():
+    for v, path in [*export_lib.versions(root).items(), *export_lib.deltas(root).items()]:
         if v >= version:
             log.info("resume: removing export %s (version %d >= %d)", path, v, version)
             shutil.rmtree(path)

@@ -304,6 +304,8 @@ def _publish(c: _Checker) -> None:
     if c.get("publish.dtype"):
         c.raises("publish.dtype", hf_config.dtype_of, c.get("publish.dtype"))
     c.number("publish.keep", low=0, integer=True, why=" (0 = keep all)")
+    if not isinstance(c.get("publish.delta"), bool):
+        c.add(f"publish.delta={c.get('publish.delta')!r}: True or False")
     every = c.number("publish.canary.every", low=0, integer=True, why=" (0 = never)")
     if every:
         for what in ("num_sequences", "prompt_len", "response_len"):

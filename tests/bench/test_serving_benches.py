@@ -36,7 +36,7 @@ TINY_MODEL = [
 ]
 
 
-def _bench(argv, tmp_path) -> dict:
+def _bench(argv, tmp_path, target="target >=") -> dict:
     out = tmp_path / "bench.json"
     res = subprocess.run(
         [sys.executable, "-m", "cisjax.cli", "bench", *argv, "--json", str(out)],
@@ -45,7 +45,7 @@ def _bench(argv, tmp_path) -> dict:
         timeout=600,
     )  # the benches set the vLLM environment (cisjax.rollout.engine_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    assert "target >=" in res.stdout, res.stdout
+    assert target in res.stdout, res.stdout
     return json.loads(out.read_text())
 
 
@@ -83,6 +83,23 @@ def test_bench_export_tiny(tmp_path):
     }
     assert res["server_exit_code"] == 0
     assert not any((tmp_path / "disk").iterdir()), "the bench leaves nothing behind in --dir"
+
+
+def test_bench_export_delta_tiny(tmp_path):
+    """Three trainer steps at a large lr, each version published as a delta and whole; the delta server killed before
+    the second publish comes back and is sent the full set."""
+    res = _bench(
+        ["export", "--delta", *TINY_MODEL, "--steps", "3", "--lr", "1e-3", "--backend", "transformers", "--seq", "16"],
+        tmp_path,
+        target="target <=",
+    )
+    steps = res["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3] and [s["restarted"] for s in steps] == [False, True, False]
+    assert res["full_sends"] == [1, 1, 0] and res["restart_full_set"] and res["canary_all_ok"]
+    full = steps[0]["full"]["bytes"]
+    assert all(s["full"]["bytes"] == full and s["full"]["full_sends"] is None for s in steps)
+    assert steps[0]["delta"]["bytes"] == full and 0 < steps[2]["delta"]["bytes"] <= full
+    assert 0 < steps[2]["delta"]["changed_fraction"] <= 1 and res["bytes_ratio"] == steps[2]["delta"]["bytes"] / full
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

@@ -565,3 +565,40 @@ def test_replica_failing_its_canary_is_excluded_reported_restarted_and_rejoins(e
     out = fleet.generate(PROMPTS, params)  # both serve again, on v + 1
     assert calls[0] and calls[1]
     assert all(s.versions == [v + 1] * len(s.response_ids) for per in out for s in per)
+
+
+@pytest.mark.slow
+def test_delta_publishing_a_killed_replica_gets_the_full_set(embedded, trainer):
+    """publish.delta on the real engine: the first publish sends both replicas the whole set, a small step only its
+    changed elements; replica 1 killed (its watchdog restarts it on the initial weights) keeps no base, refuses the
+    next delta and is sent the full set: its canary passes and it scores exactly as replica 0."""
+    from cisjax.models import hf_io
+    from tests.train.publishutil import changed, publisher
+
+    servers, fleet, _, exports = embedded
+    victim = servers.servers[1]
+    pub = publisher(trainer, fleet, exports, mode="stream", delta=True)
+    v = fleet.expected_version + 1
+    p = changed(trainer["params"], 21)
+    rep = pub.publish(p, v)
+    assert rep.full_sends == 2 and rep.canary.ok and rep.failed_replicas == ()
+    full = hf_io.HFTensors((trainer["graphdef"], p), trainer["hf"], "bfloat16").nbytes
+    p = changed(p, 22, scale=2e-5)
+    rep = pub.publish(p, v + 1)
+    assert rep.full_sends == 0 and rep.bytes < 0.2 * full and rep.canary.ok and rep.failed_replicas == ()
+
+    restarts = victim.restarts
+    victim.kill()
+    _wait_restarted(victim, restarts)
+    with _one(victim.target) as c:
+        assert c.info()["version"] == 0
+    p = changed(p, 23, scale=2e-5)
+    rep = pub.publish(p, v + 2)
+    assert rep.full_sends == 1 and rep.canary.ok and rep.failed_replicas == ()
+    assert fleet.last_checks[0][0] and fleet.last_checks[1][0]
+    scores = []
+    for s in servers.servers:
+        with _one(s.target) as c:
+            assert c.info()["version"] == v + 2
+            scores.append([r["logprobs"] for r in c.score(pub.sequences)])
+    assert _max_diff(scores[0], scores[1]) <= 1e-6

@@ -116,7 +116,8 @@ def _check_evals(run_dir, rows, steps):
         assert r["eval/gsm8k/answered"] == sum(x["rule"] != "none" for x in samples) / 4
         results = json.loads((out / "results.json").read_text())
         assert results["sampling"]["greedy"] and (out / "report.md").is_file()
-        assert results["model"] == str(run_dir / "exports" / f"v{s + 1:06d}")  # the publish's export, not the start
+        # the publish's export (a full one, or a delta: publish.delta), not the start
+        assert results["model"] in [str(run_dir / "exports" / f"{k}{s + 1:06d}") for k in "vd"]
     # TensorBoard has the eval scalars too
     events = b"".join(f.read_bytes() for f in (run_dir / "tb").rglob("*tfevents*"))
     assert b"eval/gsm8k/accuracy" in events
@@ -126,9 +127,11 @@ def _check_evals(run_dir, rows, steps):
 def test_train_runs_resumes_and_logs(prepared, tmp_path):
     """Three steps, the metrics, dumps, TensorBoard, exports, checkpoints and in-loop evals, then a resumed fourth;
     two optimizer updates per rollout batch (train.updates_per_batch=2) after one proximal rescoring pass (auto:
-    rescore; the other runs of this module take one update and p_prox from the step)."""
+    rescore; the other runs of this module take one update and p_prox from the step). Weights published as deltas
+    (publish.delta): the first and the last step whole (the last a complete export under LATEST), the middle one only
+    its changed elements; the resumed run's fresh server gets the whole set."""
     run_dir = tmp_path / "run"
-    over = {"train.updates_per_batch": 2, **_eval_cfg(prepared)}
+    over = {"train.updates_per_batch": 2, "publish.delta": True, **_eval_cfg(prepared)}
     last = loop.train(_cfg(prepared, run_dir, **{"run.steps": 3, **over}))
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -161,6 +164,11 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     assert np.all(dump["logp_infer"] <= 0) and np.all(dump["logp_prox"] <= 0)
     assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir())
     assert (run_dir / "exports" / "LATEST").read_text().strip() == "v000003"
+    assert [r["publish/full_sends"] for r in rows] == [1, 0, 1]
+    # (fp32 publishes: a step with rewards moves nearly every value; one without (all rewards 0, no gradient) moves
+    # none, and its delta is a message without tensors)
+    assert 0 <= rows[1]["publish/changed_fraction"] <= 1 and rows[1]["publish/bytes"] <= rows[0]["publish/bytes"]
+    assert (run_dir / "exports" / "d000002" / "delta.safetensors").is_file()
     # the train state's counters advance with the loop and are in the checkpoint (what cisjax export reports)
     assert [r["data/position"] for r in rows] == [8, 16, 24]
     # (step: optimizer updates, two per rollout batch; the checkpoint is named after the rollout batches)
@@ -173,6 +181,7 @@ def test_train_runs_resumes_and_logs(prepared, tmp_path):
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["publish/version"] == 4 and rows[3]["data/position"] == 32
+    assert rows[3]["publish/full_sends"] == 1
     assert _checkpoint_counters(prepared, run_dir) == {"step": 8, "policy_version": 4, "data_position": 32}
     _check_evals(run_dir, rows, [1, 2, 3])
 

@@ -232,6 +232,95 @@ def test_fleet_replica_failing_its_canary_is_quarantined(tf_server, tf_server2, 
         fleet.close()
 
 
+def _published(trainer, params) -> dict:
+    """The HF tensors of `params` as published (bf16)."""
+    return {n: np.asarray(a) for n, a in hf_io.iter_tensors((trainer["graphdef"], params), trainer["hf"], "bfloat16")}
+
+
+def _scores(client, pub):
+    return [s["logprobs"] for s in client.score(pub.sequences)]
+
+
+@pytest.mark.parametrize("mode", ["stream", "disk"])
+def test_delta_publishes_send_only_what_changed(tf_server, trainer, mode):
+    """publish.delta: the first publish sends the whole set (the server keeps it as its base); after a small step
+    only the changed bf16 elements travel (a few % of the bytes, counted here from the tensors), and the server then
+    serves exactly what a full publish of the same params gives."""
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        pub = publisher(trainer, client, root, mode=mode, delta=True)
+        p1, v = changed(trainer["params"], 31), _next_version(client)
+        rep = pub.publish(p1, v)
+        full = hf_io.HFTensors((trainer["graphdef"], p1), trainer["hf"], "bfloat16").nbytes
+        assert rep.full_sends == 1 and rep.changed_fraction is None and rep.bytes == full and rep.canary.ok
+        under_p1 = _scores(client, pub)
+
+        p2 = changed(p1, 32, scale=2e-5)
+        old, new = _published(trainer, p1), _published(trainer, p2)
+        moved = sum(int(np.sum(old[k] != new[k])) for k in new)
+        total = sum(a.size for a in new.values())
+        assert 0 < moved < 0.05 * total
+        rep = pub.publish(p2, v + 1)
+        assert rep.version == v + 1 == client.info()["version"] and rep.canary.ok
+        assert rep.full_sends == 0 and rep.changed_fraction == moved / total and 0 < rep.bytes < 0.2 * full
+        assert rep.metrics()["publish/full_sends"] == 0 and rep.metrics()["publish/changed_fraction"] > 0
+        if mode == "disk":
+            assert rep.path.endswith(export_lib.delta_name(v + 1)) and export_lib.latest(pub.root)[0] == v
+        under_delta = _scores(client, pub)
+        assert under_delta != under_p1  # the delta reached the engine
+
+        whole = publisher(trainer, client, root, mode="stream").publish(p2, v + 2)
+        assert whole.full_sends is None and _scores(client, pub) == under_delta  # bit-identical weights
+
+
+def test_a_refused_delta_is_followed_by_the_full_set(tf_server, trainer, monkeypatch, caplog):
+    """The server refuses a delta (ABORTED, the reason said, nothing swapped) when it keeps no base, when its base is
+    another version, and when the result's digest differs from the sender's (a changed element lost on the way): each
+    time the publisher sends the full set next, and the engine serves the new params."""
+    from cisjax.rollout import delta as delta_lib
+
+    target, root = tf_server
+    with RolloutClient(target, retry_s=10) as client:
+        pub = publisher(trainer, client, root, mode="stream", delta=True)
+        p, v = changed(trainer["params"], 41), _next_version(client)
+        assert pub.publish(p, v).full_sends == 1
+        steps = [
+            # another full update without retain_base: the server keeps no base
+            ("keeps no base set", lambda v: client.update_weights_from_tensors(_published(trainer, p), version=v)),
+            # another full update kept as the base: the publisher's delta is over an older version
+            (
+                "serves version",
+                lambda v: client.update_weights_from_tensors(_published(trainer, p), version=v, retain_base=True),
+            ),
+        ]
+        for k, (reason, meddle) in enumerate(steps):
+            v += 2
+            meddle(v - 1)
+            p = changed(p, 42 + k, scale=2e-5)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="cisjax.train.delivery"):
+                rep = pub.publish(p, v)
+            assert rep.full_sends == 1 and rep.canary.ok and client.info()["version"] == v
+            assert reason in caplog.text and "sending the full set" in caplog.text
+
+        honest = delta_lib.diff
+
+        def lossy(*args, **kw):  # one changed element dropped: the server's result is not the sender's set
+            d = honest(*args, **kw)
+            name = next(iter(d.sparse))
+            d.sparse[name] = tuple(x[1:] for x in d.sparse[name])
+            return d
+
+        monkeypatch.setattr(delta_lib, "diff", lossy)
+        v += 1
+        p = changed(p, 49, scale=2e-5)
+        with caplog.at_level("WARNING", logger="cisjax.train.delivery"):
+            rep = pub.publish(p, v)
+        assert "nothing swapped" in caplog.text and rep.full_sends == 1 and rep.canary.ok
+        monkeypatch.setattr(delta_lib, "diff", honest)
+        assert pub.publish(changed(p, 50, scale=2e-5), v + 1).full_sends == 0  # the full set is the new base
+
+
 def test_publish_vllm_fp32(vllm_server, trainer):
     """The real engine (fp32 on CPU): a disk publish and a stream publish both pass the default bounds."""
     target, root = vllm_server
