@@ -130,7 +130,7 @@ def test_routing_matches_cisjax(client, dirs):
 def _generate_alone(c, prompt, prompt_id, params):
     """One prompt's samples in a Generate call of its own, sent with its `prompt_id` (so with the seeds it gets in a
     larger call: the per-sample seed mixes in the prompt id)."""
-    from cisjax.rollout import client as client_lib
+    from cisjax.rollout import samples as samples_lib
 
     rp = c.pb.rollout_pb2
     p = rp.SamplingParams(
@@ -143,7 +143,7 @@ def _generate_alone(c, prompt, prompt_id, params):
         return_routing=True,
     )
     req = rp.GenerateRequest(prompts=[rp.Prompt(token_ids=prompt, id=prompt_id)], params=p)
-    got = [client_lib._sample(r.sample, prompt_id, prompt) for r in c.stub.Generate(req, timeout=120)]
+    got = [samples_lib.from_message(r.sample, prompt_id, prompt) for r in c.stub.Generate(req, timeout=120)]
     return sorted(got, key=lambda s: s.sample_index)
 
 
