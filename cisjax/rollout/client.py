@@ -157,9 +157,7 @@ class RolloutClient:
         """After a reconnect: re-send the expected weights to a server that lost them (restarted)."""
         self._reconnected = False  # the re-send below is itself a retried call: it must not restore again
         try:
-            version = self.stub.Info(
-                self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata
-            ).version
+            version = self._served()
             if version < self.expected_version:
                 if self.restore_weights is None:
                     raise RolloutError(
@@ -172,10 +170,17 @@ class RolloutClient:
                     version,
                     self.expected_version,
                 )
-                self.restore_weights()
+                try:
+                    self.restore_weights()
+                except RolloutError as err:  # another thread's call restored it first: the server holds it now
+                    if err.code != grpc.StatusCode.FAILED_PRECONDITION or self._served() < self.expected_version:
+                        raise
         except grpc.RpcError:
             self._reconnected = True  # still down: restore on the next try
             raise
+
+    def _served(self) -> int:
+        return self.stub.Info(self.pb.rollout_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata).version
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict:
