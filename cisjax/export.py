@@ -288,9 +288,7 @@ def _export_local(root: Path, version: int, name: str, write, pattern, keep, met
     version, keep = _check_int(version, "version", 0), _check_int(keep, "keep", 0)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root, stale_after_s)
-    newest = max(versions(root, pattern=pattern), default=None)
-    if pattern is _VERSION_RE:
-        newest = _newest_version(root)
+    newest = _newest_version(root) if pattern is _VERSION_RE else max(versions(root, pattern=pattern), default=None)
     if newest is not None and version <= newest:
         what = version_name(newest) if pattern is _VERSION_RE else delta_name(newest)
         raise ExportError(f"{root}: version {version} is not newer than the existing {what} (versions must increase)")

@@ -274,7 +274,7 @@ def _result(context, what, fut: futures.Future):
 def _read_delta(path: Path) -> delta_lib.Delta:
     try:
         return delta_lib.read_dir(path)
-    except (delta_lib.DeltaError, ValueError) as err:
+    except ValueError as err:  # a DeltaError, a ManifestError or an unreadable file
         raise RequestError(f"{path.name}: not a readable delta export: {err}", grpc.StatusCode.DATA_LOSS) from None
 
 

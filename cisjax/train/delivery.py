@@ -162,10 +162,10 @@ class DeltaSender:
 
     def _send(self, tensors: dict, version: int, more: dict, full: bool, t0: float) -> Sent:
         t = self.t
-        digest = delta_lib.digest(tensors)
         delta = None
-        if self.sent is not None and not full:
+        if self.sent is not None and not full:  # the digest travels with a delta only: whole sends need none
             try:
+                digest = delta_lib.digest(tensors)
                 delta = delta_lib.diff(self.sent[1], tensors, base_version=self.sent[0], digest_of_new=digest)
             except delta_lib.DeltaError as err:
                 log.warning("publishing version %d whole: %s", version, err)
