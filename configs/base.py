@@ -174,6 +174,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.tls_server_name = ""  # the name the servers' certificates carry, when not the host in rollout.server
     c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers | jax (cisjax's own sampler)
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32
+    # colocated: the JAX sampler (backend jax) in the trainer's process, on the trainer's mesh; each publish swaps the
+    # params into it in memory (cast to rollout.dtype; nothing streamed, publish.mode and delta unused; the last step
+    # alone exported to publish.dir in publish.dtype: the trained model).
+    # Sampling and training share the devices (the producer samples while the step trains, within max_staleness).
+    # One process only: a pod slice serves rollouts with `cisjax serve --backend jax` (rollout.server). docs/rollout.md
+    c.rollout.colocated = False  # the JAX sampler in the trainer process (above)
     c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)
     c.rollout.group_size = 4  # samples per prompt (the GRPO group)
     c.rollout.temperature = 1.0  # sampling temperature (p is computed at the same temperature: logprobs.temperature)

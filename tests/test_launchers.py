@@ -452,3 +452,35 @@ def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp
     texts = {"stdout": r.stdout, "stderr": r.stderr, "server log": server_log.read_text(errors="replace")}
     texts.update({str(p): p.read_bytes().decode(errors="replace") for p in run_dir.rglob("*") if p.is_file()})
     assert len(texts) > 5 and not [where for where, text in texts.items() if token in text]
+
+
+def test_tpu_pod_colocated_refuses_server_settings():
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT",) and not k.startswith("TLS_")}
+    env.update(CONFIG="configs/demo_cpu.py", PUBLISH="disk")
+    r = subprocess.run(["bash", str(REPO / "launchers" / "tpu_pod.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "PUBLISH and TLS_* are for ROLLOUT servers" in r.stderr, r
+
+
+@pytest.mark.slow
+def test_tpu_pod_defaults_to_the_colocated_jax_sampler(prepared, env, tmp_path):
+    """No ROLLOUT: a one-host slice (one process here, the 8 CPU devices of the test processes) samples with the JAX
+    sampler in the trainer's process; the weights are swapped in memory (the last step's alone exported) and pass the
+    canary."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in env.items() if k not in ("ROLLOUT", "PUBLISH") and not k.startswith("TLS_")}
+    env.update(CONFIG="configs/demo_cpu.py", RUN=str(run_dir), CISJAX_DISTRIBUTED="0", DTYPE="float32")
+    r = subprocess.run(
+        ["bash", str(REPO / "launchers" / "tpu_pod.sh"), *_small(prepared)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = looputil.metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1] and rows[-1]["publish/version"] == 2
+    assert all(row["publish/bytes"] == 0 and row["publish/canary_max_abs"] < 1e-3 for row in rows), rows
+    assert not (run_dir / "rollout_server.log").exists()
+    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["LATEST", "v000002"]  # the last step's only
+    saved = json.loads((run_dir / "config.json").read_text())["rollout"]
+    assert saved["backend"] == "jax" and saved["colocated"] is True and saved["dtype"] == "float32"

@@ -82,6 +82,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "backend; untested); auto = what vLLM detects (default auto)",
     )
     p.add_argument(
+        "--mesh",
+        default="",
+        help="jax: a serving mesh over this process's devices, AXIS=SIZE[,AXIS=SIZE...] over data, fsdp, tensor, expert "
+        "(one size may be -1: the rest), e.g. fsdp=-1; the weights, activations and KV cache are sharded as the "
+        "trainer shards them (default: one device)",
+    )
+    p.add_argument(
         "--cpus",
         default="",
         help="hold the server (engine threads included) to these cores, e.g. 0-3 or 0,2 (default: unrestricted); "
@@ -90,7 +97,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    """The chosen engine's own options (vllm's); UserError when they are given to another engine."""
+    """The chosen engine's own options (vllm's, jax's mesh); UserError when they are given to another engine."""
+    if args.mesh and args.backend != "jax":
+        raise errors.UserError("--mesh is a jax option (vllm shards with --tensor-parallel-size)")
     if args.backend == "vllm":
         if args.device == "cpu":  # vLLM picks its platform when imported
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -104,7 +113,20 @@ def _engine_options(args: argparse.Namespace) -> dict:
         raise errors.UserError(
             "--max-model-len, --tensor-parallel-size, --gpu-memory-utilization and --device are vllm options"
         )
-    return {}
+    return {"mesh": _serving_mesh(args.mesh)} if args.mesh else {}
+
+
+def _serving_mesh(text: str):
+    """--mesh AXIS=SIZE,... as a mesh over this process's devices (jax imported here: only the jax engine needs it)."""
+    shape = {}
+    for part in text.split(","):
+        axis, sep, size = part.partition("=")
+        if not sep or not size.strip().lstrip("-").isdigit():
+            raise errors.UserError(f"--mesh {text!r}: AXIS=SIZE[,AXIS=SIZE...], e.g. fsdp=-1 or data=2,tensor=4")
+        shape[axis.strip()] = int(size)
+    from cisjax import sharding  # lazy: jax, which only the jax engine needs (the vllm server runs without it)
+
+    return sharding.make_mesh(shape)
 
 
 def _server_tls(args: argparse.Namespace) -> ServerTLS | None:

@@ -64,17 +64,21 @@ class DecoderLayer(nnx.Module):
         y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
 
-    def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS):
-        """The layer on L new tokens whose attention entries are written into `cache` (this layer's arrays
-        [B, S, ...]) at slots index..index+L-1, their queries attending over the cache under mask_BxLxS
-        (layers.cache_mask) -> (x_BxLxD, expert ids or None, the updated cache)."""
+    def cached(self, x_BxLxD, positions_BxL, cache, layer, index, mask_BxLxS):
+        """The layer on L new tokens whose attention entries are written into `cache` (its stack's arrays
+        [n, B, S, ...]; this is layer `layer` of them) at slots index..index+L-1, their queries attending over this
+        layer's first S' slots under mask_BxLxS' (layers.cache_mask; S' <= S) -> (x_BxLxD, expert ids or None, the
+        updated cache). Only the new entries are written: the stack's cache is updated in place, never rebuilt."""
         h_BxLxD = self.attn_norm(x_BxLxD)
         q = self.attn.query(h_BxLxD)
         new = self.attn.kv(h_BxLxD, positions_BxL)
         cache = tuple(
-            jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=1) for c, n in zip(cache, new)
+            jax.lax.dynamic_update_slice(c, n.astype(c.dtype)[None], (layer, 0, index) + (0,) * (c.ndim - 3))
+            for c, n in zip(cache, new)
         )
-        x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, cache, mask_BxLxS)
+        seen = mask_BxLxS.shape[-1]
+        mine = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:, :seen] for c in cache)
+        x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
 
@@ -192,16 +196,21 @@ def run_stack(
 
 
 def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS):
-    """x through every layer of a stack, each writing and reading its slice of `cache` (arrays [n, B, S, ...]) ->
-    (x_BxLxD, expert ids [n, B, L, k] or None, the updated cache). Scanned as run_stack (unrolled on CPU)."""
+    """x through every layer of a stack, each writing its new entries into `cache` (arrays [n, B, S, ...], carried
+    whole: updated in place) and reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the updated
+    cache). Scanned as run_stack (unrolled on CPU)."""
     graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(cache)[0].shape[0]
 
-    def body(x_BxLxD, xs):
-        state_j, cache_j = xs
-        x_BxLxD, ids, cache_j = nnx.merge(graphdef, state_j).cached(x_BxLxD, positions_BxL, cache_j, index, mask_BxLxS)
-        return x_BxLxD, (ids, cache_j)
+    def body(carry, xs):
+        x_BxLxD, cache = carry
+        state_j, j = xs
+        x_BxLxD, ids, cache = nnx.merge(graphdef, state_j).cached(x_BxLxD, positions_BxL, cache, j, index, mask_BxLxS)
+        return (x_BxLxD, cache), ids
 
-    x_BxLxD, (ids, cache) = jax.lax.scan(body, x_BxLxD, (state, cache), unroll=sharding.current_platform() == "cpu")
+    (x_BxLxD, cache), ids = jax.lax.scan(
+        body, (x_BxLxD, cache), (state, jnp.arange(n)), unroll=sharding.current_platform() == "cpu"
+    )
     return x_BxLxD, ids, cache
 
 
@@ -291,7 +300,9 @@ class CausalLM(nnx.Module):
         already mark the new tokens') -> (ModelOutput, the updated cache). Prefill: L = the padded prompt length at
         index 0; decode: L = 1 at the next slot. The same layers, weights and routers as __call__."""
         b, l = tokens_BxL.shape
-        mask_BxLxS = cache_mask(valid_BxS, index, l)
+        # a static index (the prefill's): attend over the slots up to the last new token only, not the whole cache
+        seen = index + l if isinstance(index, int) else valid_BxS.shape[1]
+        mask_BxLxS = cache_mask(valid_BxS[:, :seen], index, l)
         x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.cfg.dtype)
         x_BxLxD = sharding.constrain(x_BxLxD, ("batch", "length", "act_embed"))
         routing, out = [], []

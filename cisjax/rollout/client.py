@@ -390,6 +390,10 @@ class RolloutClient:
         self.expected_version, self.restore_weights = new, None
         return new
 
+    def weights_updated(self, version: int) -> None:
+        """The server took `version` another way than through this client (a colocated engine's in-memory swap)."""
+        self.expected_version, self.restore_weights = int(version), None
+
     def _update(self, requests) -> int:
         try:
             return self.stub.UpdateWeights(requests, timeout=self.timeout_s, metadata=self.metadata).version

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cisjax import sharding
 from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
 from cisjax.rollout import backend as backend_lib
@@ -33,13 +35,19 @@ class Backend(backend_lib.Backend):
     routers in fp32 (as the trainer's). One engine thread takes the work in arrival order: the Generate requests
     waiting together (those of one call, and of calls in flight at once) run as one batch per n; a Score or a weight
     update runs alone at its place in the order, so an update waits for the work before it and holds back the work
-    after it (every token of a sample comes from one version)."""
+    after it (every token of a sample comes from one version).
+
+    `mesh` (with its logical `rules`): the weights, the activations and the KV cache sharded over it as the trainer
+    shards them (a serving mesh; the trainer's own in colocated mode). `runtime`: hf_io.load's model options (the
+    trainer's moe_impl, moe_tile, router_dtype, ...); dtype and param_dtype are always `dtype`."""
 
     engine = "jax"
 
-    def __init__(self, model_dir: str, *, dtype: str = "bfloat16"):
+    def __init__(self, model_dir: str, *, dtype: str = "bfloat16", mesh=None, rules=None, runtime: dict | None = None):
         self.model = str(model_dir)
         self.dtype = dtype
+        self.mesh, self.rules = mesh, rules
+        self.runtime = {k: v for k, v in (runtime or {}).items() if k not in ("dtype", "param_dtype", "remat")}
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
         model, cfg = self._open(model_dir)
         self.architecture = (self.config_json.get("architectures") or [type(model).__name__])[0]
@@ -49,7 +57,11 @@ class Backend(backend_lib.Backend):
         self.routing_unsupported = "" if self.supports_routing else "the model has no MoE layer"
         self.supports_sampling_mask = True
         self.version = 0
-        self.sampler = Engine(*nnx.split(model), max_len=self.max_model_len)
+        self.sampler = Engine(*nnx.split(model), max_len=self.max_model_len, mesh=mesh, rules=rules)
+        self._cast = _cast_program(self.sampler.params)
+        if mesh is not None:
+            log.info("weights, activations and KV cache sharded over the mesh %s", dict(mesh.shape))
+        self._frozen_rules = sharding.freeze(self.sampler.rules) if mesh is not None else None
         self.score_shapes: set[tuple[int, int]] = set()  # (length bucket, top_n): one compiled Score program each
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="jax-engine", daemon=True)
@@ -57,7 +69,9 @@ class Backend(backend_lib.Backend):
 
     def _open(self, model_dir):
         """The model at `model_dir` (CheckpointError naming a missing or misshapen tensor: nothing is swapped)."""
-        model, cfg, _ = hf_io.load(model_dir, dtype=self.dtype, param_dtype=self.dtype)
+        model, cfg, _ = hf_io.load(
+            model_dir, mesh=self.mesh, rules=self.rules, dtype=self.dtype, param_dtype=self.dtype, **self.runtime
+        )
         return model, cfg
 
     # ------------------------------------------------------------------ the engine thread
@@ -145,7 +159,7 @@ class Backend(backend_lib.Backend):
         if (length, top_n) not in self.score_shapes:
             self.score_shapes.add((length, top_n))
             log.info("compiling score program %d: length %d, top_logprobs %d", len(self.score_shapes), length, top_n)
-        lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n)(
+        lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n, self.mesh, self._frozen_rules)(
             self.sampler.params, jnp.asarray(tokens_1xL), jnp.int32(n), jnp.float32(temperature), jnp.asarray(targets_L)
         )
         rows = slice(p - 1, n - 1)  # the positions whose next token is a response token
@@ -173,14 +187,56 @@ class Backend(backend_lib.Backend):
     def load_tensors(self, tensors: dict, version: int) -> None:
         weights.load_through_directory(self, tensors, version)
 
+    def set_params(self, params, version: int) -> None:
+        """Colocated: serve the trainer's `params` (an nnx.State of the same model) as `version`, once the work before
+        it is done: cast to this engine's dtypes and copied onto its shardings (the trainer's step donates its own
+        buffers; a mesh of its own is a resharding). ValueError naming a parameter that does not fit; nothing is
+        swapped then."""
+        mine, theirs = _by_path(self.sampler.params), _by_path(params)
+        if mine.keys() != theirs.keys():
+            missing, extra = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+            raise ValueError(f"not the served model's parameters: missing {missing[:3]}, unknown {extra[:3]}")
+        for path, x in theirs.items():
+            if tuple(x.shape) != tuple(mine[path].shape):
+                raise ValueError(f"{path}: shape {tuple(x.shape)}, the served model has {tuple(mine[path].shape)}")
+        # dispatched here; the swap waits for the work queued before it
+        copied = self._cast([theirs[path] for path in mine])
+        fut: futures.Future = futures.Future()
+        self._queue.put(("call", functools.partial(self._swap, copied, version), fut))
+        fut.result()
+
+    def _swap(self, params, version: int) -> None:
+        self.sampler.params = params
+        self.sampler.version = self.version = version
+
+
+def _by_path(params) -> dict:
+    return {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _cast_program(like):
+    """Jitted: `like`'s leaves' counterparts, in its order -> a state like `like` (its structure, dtypes and
+    shardings) holding copies of them (`jnp.copy`: never the input's buffer, even where nothing changes)."""
+    leaves, treedef = jax.tree.flatten(like)
+    dtypes = [x.dtype for x in leaves]
+
+    def cast(flat):
+        return jax.tree.unflatten(treedef, [jnp.copy(x.astype(d)) for x, d in zip(flat, dtypes)])
+
+    return jax.jit(cast, out_shardings=jax.tree.unflatten(treedef, [x.sharding for x in leaves]))
+
 
 @functools.cache
-def _score_program(graphdef, top_n: int):
+def _score_program(graphdef, top_n: int, mesh=None, rules=None):
     """Jitted (params, tokens [1, L], length, temperature, targets [L]) -> (logprob of each target [L], the top_n
     logprobs and ids per position, the routers' expert ids [X, 1, L, k] or None): the forward over the sequence
     (right-padded past `length`), log-softmax of logits / temperature in fp32."""
 
     def run(params, tokens_1xL, length, temperature, targets_L):
+        with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
+            return forward(params, tokens_1xL, length, temperature, targets_L)
+
+    def forward(params, tokens_1xL, length, temperature, targets_L):
         model = nnx.merge(graphdef, params)
         segments_1xL = (jnp.arange(tokens_1xL.shape[1]) < length).astype(jnp.int32)[None]
         out = model(tokens_1xL, None, segments_1xL)

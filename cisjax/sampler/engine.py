@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cisjax import sharding
 from cisjax.rollout.backend import Params, SampleResult, sample_seed
 from cisjax.sampler import programs
 from cisjax.sampler.sampling import key_data
@@ -41,12 +42,26 @@ class Engine:
     """Generates with a cisjax CausalLM (graphdef + params, e.g. hf_io.load's): a batch of requests (each its own
     sampling parameters; one n) has its size, prompt length and new-token count rounded up to buckets (prompt_bucket,
     new_bucket: the smallest sizes), so a run compiles one program per bucket it meets (`compiled` counts them).
-    `params` may be swapped whole between calls (same structure): the compiled programs stay."""
+    `params` may be swapped whole between calls (same structure): the compiled programs stay. With a `mesh` (and its
+    logical `rules`), the programs lay the activations and the KV cache out as the trainer does (params sharded as
+    hf_io.load places them on that mesh) and the batch bucket is a multiple of the batch shards."""
 
-    def __init__(self, graphdef, params, *, max_len: int, prompt_bucket: int = 16, new_bucket: int = 16):
+    def __init__(
+        self,
+        graphdef,
+        params,
+        *,
+        max_len: int,
+        prompt_bucket: int = 16,
+        new_bucket: int = 16,
+        mesh=None,
+        rules=None,
+    ):
         self.graphdef, self.params = graphdef, params
         self.max_len = max_len
         self.prompt_bucket, self.new_bucket = prompt_bucket, new_bucket
+        self.mesh, self.rules = mesh, (sharding.rules_from_config(rules) if mesh is not None else None)
+        self.batch_multiple = sharding.axis_multiple(mesh, self.rules, "batch") if mesh is not None else 1
         self._programs: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.version = 0
@@ -59,7 +74,9 @@ class Engine:
         key = (b, p, n, max_new, top_n, mask_n)
         with self._lock:
             if key not in self._programs:
-                run = programs.sample_fn(self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n)
+                run = programs.sample_fn(
+                    self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=self.mesh, rules=self.rules
+                )
                 self._programs[key] = jax.jit(run)
                 log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
             return self._programs[key]
@@ -87,7 +104,7 @@ class Engine:
             self.check(r.prompt, r.params)
         n = ns.pop()
         p = bucket(max(len(r.prompt) for r in requests), self.prompt_bucket)
-        b = bucket(len(requests), 1)
+        b = -(-bucket(len(requests), 1) // self.batch_multiple) * self.batch_multiple
         new = bucket(max(r.params.max_new_tokens for r in requests), self.new_bucket)
         top_n = max(r.params.logprobs for r in requests)
         # return_sampling_mask of a truncated request: its support lies in the top_k best ids (ties aside)

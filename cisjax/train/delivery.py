@@ -17,7 +17,7 @@ from cisjax.rollout import delta as delta_lib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sent", "Target", "send_disk", "send_stream", "DeltaSender"]
+__all__ = ["Sent", "Target", "send_disk", "send_stream", "send_colocated", "DeltaSender"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,24 @@ def send_stream(t: Target, model, version: int, more: dict) -> Sent:
         if jax.process_count() > 1:
             stream.drain()
     return Sent(None, stream.tensors.nbytes, stream.produce_s, served, error)
+
+
+def send_colocated(t: Target, engine, model, version: int, *, export: bool = False) -> Sent:
+    """The params swapped into the trainer's own engine (cisjax.rollout.colocated.Colocated.publish): nothing sent (0
+    bytes); the cast and copy onto the engine's shardings count as the reload. `export`: also written as
+    root/vNNNNNN (the run's last step: the trained model as an HF directory, LATEST)."""
+    t0, path = time.perf_counter(), None
+    if export:
+        path = export_lib.export(
+            model, t.hf_config, t.root, version, dtype=t.dtype, keep=t.keep, metadata={"source": "publish"}
+        )
+    export_s = time.perf_counter() - t0
+    served, error = None, None
+    try:
+        served = engine.publish(model[1], version)
+    except Exception as e:
+        error = e
+    return Sent(path, 0, export_s, served, error)
 
 
 class DeltaSender:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Publisher", "PublishSpec", "CanarySpec", "PublishReport", "CanaryError", "PublishError", "MODES"]
 
-MODES = ("disk", "stream")
+MODES = ("disk", "stream")  # publish.mode; rollout.colocated publishes in memory (mode "colocated")
 _OK, _MISMATCH, _ERROR = 0, 1, 2  # canary outcomes agreed across processes
 
 
@@ -52,7 +52,7 @@ class CanaryError(RuntimeError):
 @dataclass
 class PublishReport:
     version: int  # the version the server now serves
-    mode: str  # disk | stream
+    mode: str  # disk | stream | colocated
     path: str | None  # disk mode: the export directory
     bytes: int  # bytes of tensors exported / streamed
     export_s: float  # disk: writing the export; stream: gathering and converting the tensors
@@ -106,7 +106,7 @@ class PublishSpec:
     """publish.* of a run, with what the canary's trainer forward takes from the step (precision, chunking) and the
     controlled mismatch of rollout.perturb."""
 
-    mode: str = "disk"  # disk | stream
+    mode: str = "disk"  # disk | stream | colocated (rollout.colocated: swapped into the trainer's own engine)
     dir: str = ""  # export root ("" = <run dir>/exports)
     server_dir: str = ""  # the export root as the server sees it ("" = the same path)
     dtype: str | None = "bfloat16"  # the published tensors' dtype; None = the params' own
@@ -159,7 +159,9 @@ class Publisher:
     publish(params, version):
       * disk: `export.export` as root/vNNNNNN in spec.dtype (atomic, manifest, LATEST, keep), then
         `client.update_weights(path as the server sees it, version, the manifest's sha256)`;
-        stream: `client.update_weights_from_tensors` with the HF tensors produced lazily (hf_io.HFTensors).
+        stream: `client.update_weights_from_tensors` with the HF tensors produced lazily (hf_io.HFTensors);
+        colocated: swapped into `colocated` (cisjax.rollout.colocated.Colocated, the engine in this process), the
+        last step (`full`) also exported as on disk.
       * the canary (first publish and every spec.canary.every-th): the trainer's logprobs of fixed random-token
         sequences under these params (the step's own forward, at temperature 1) against the server's `Score` of the
         same sequences (which must come from `version`); a mean or max |Δ| beyond spec.canary.{mean_abs,max_abs}
@@ -180,6 +182,7 @@ class Publisher:
         *,
         root: str | os.PathLike | None = None,
         run_dir: str | os.PathLike | None = None,
+        colocated=None,
     ):
         self.graphdef, self.hf_config, self.spec, self.mesh = graphdef, dict(hf_config), spec, mesh
         self.rules = sharding.rules_from_config(dict(rules) if rules is not None else None)
@@ -188,11 +191,14 @@ class Publisher:
         if self.is_writer and client is None:
             raise ValueError("Publisher: process 0 needs a RolloutClient")
         self.client = client
+        self.colocated = colocated
+        if self.mode == "colocated" and colocated is None:
+            raise ValueError("Publisher: publish mode colocated needs the colocated engine")
         if root is None:
             root = spec.dir or (Path(run_dir) / "exports" if run_dir else None)
-        if self.mode == "disk" and not root:
+        if self.mode in ("disk", "colocated") and not root:
             raise errors.UserError(
-                "publish.mode=disk needs an export root (publish.dir, or a run_dir for <run dir>/exports)"
+                f"publish mode {self.mode} needs an export root (publish.dir, or a run_dir for <run dir>/exports)"
             )
         self.root = Path(root) if root else None
         self.server_dir = spec.server_dir or None
@@ -217,7 +223,9 @@ class Publisher:
                 response_len=int(c.response_len),
                 seed=int(c.seed),
             )
-            self._logprobs_fn = canary_logprobs_fn(graphdef, spec, mesh, self.rules)
+            # the trainer side rounded to what the engine serves (colocated: the engine's own dtype)
+            served = spec if colocated is None else dataclasses.replace(spec, dtype=colocated.dtype)
+            self._logprobs_fn = canary_logprobs_fn(graphdef, served, mesh, self.rules)
             rows, length = canary_shape(c, mesh, self.rules)
             built = rows_lib.build(
                 [rows_lib.Seq(p, r) for p, r in self.sequences],
@@ -230,10 +238,18 @@ class Publisher:
             self._batch = sharding.place(host, mesh, self.rules, sharding.BATCH_AXES)
 
     @classmethod
-    def for_run(cls, run, client, *, root=None, run_dir=None) -> Publisher:
+    def for_run(cls, run, client, *, root=None, run_dir=None, colocated=None) -> Publisher:
         """The publisher of a train.build.Run (its graphdef, HF config, publish spec, mesh and rules)."""
         return cls(
-            run.graphdef, run.hf_config, run.spec.publish, client, run.mesh, run.rules, root=root, run_dir=run_dir
+            run.graphdef,
+            run.hf_config,
+            run.spec.publish,
+            client,
+            run.mesh,
+            run.rules,
+            root=root,
+            run_dir=run_dir,
+            colocated=colocated,
         )
 
     # ------------------------------------------------------------------ the canary's two sides
@@ -269,7 +285,9 @@ class Publisher:
         check = self._replica_check(trainer, version) if due and self.is_writer and self._fleet() else None
         more = {} if check is None else {"check": check}
         t0 = time.perf_counter()
-        if self.delta is not None:
+        if self.colocated is not None:  # the last step (`full`) also exported: the trained model
+            sent = delivery.send_colocated(self.target, self.colocated, model, version, export=full)
+        elif self.delta is not None:
             sent = self.delta.send(model, version, more, full=full)
         else:
             sent = (delivery.send_disk if self.mode == "disk" else delivery.send_stream)(

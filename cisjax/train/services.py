@@ -18,6 +18,7 @@ from cisjax import distributed, errors
 from cisjax import export as export_lib
 from cisjax.evaluation.in_loop import LoopEval
 from cisjax.rl.rewards import RewardPool
+from cisjax.rollout import colocated as colocated_lib
 from cisjax.rollout import service
 from cisjax.rollout.client import SamplingParams
 from cisjax.rollout.fleet import RolloutFleet
@@ -60,6 +61,12 @@ class Services:
 def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
     """The services of `run` (a train.build.Run), from a fresh start or its last checkpoint (`resume`)."""
     spec, lead = run.spec, jax.process_index() == 0
+    if spec.rollout.colocated and jax.process_count() > 1:  # on every process: they leave together
+        raise errors.UserError(
+            "rollout.colocated runs the sampler in the trainer's one process (the rollout producer calls it from "
+            "process 0 alone); a multi-process run (a pod slice) samples with `cisjax serve --backend jax` on hosts of "
+            "its own (rollout.server)"
+        )
     with contextlib.ExitStack() as stack:
         ckpt = Checkpointer(
             spec.checkpoint.dir or run_dir / "checkpoints",
@@ -82,11 +89,12 @@ def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
             if spec.eval is not None:  # its sets load (and fail) before the server starts
                 evaluator = LoopEval(spec.eval, run_dir)
                 stack.callback(evaluator.close)
-            server, client = _rollout_service(spec, run_dir, engine_model)
+            server, client = _rollout_service(run, run_dir, engine_model)
             stack.callback(_stop, server)
             stack.callback(client.close)
         total = _total_steps(spec.run.steps, spec.data, stream)
-        publisher = Publisher.for_run(run, client, run_dir=str(run_dir))
+        colocated = server if spec.rollout.colocated else None
+        publisher = Publisher.for_run(run, client, run_dir=str(run_dir), colocated=colocated)
         if start > 0:  # resumed: the (fresh) server holds the initial weights, version 0; send the state's own
             if lead and publisher.root is not None:
                 _drop_exports_from(publisher.root, start)
@@ -167,10 +175,23 @@ def _sampling(spec, formatter, replay: bool) -> SamplingParams:
     )
 
 
-def _rollout_service(spec, run_dir: Path, model_dir):
-    """(embedded server(s) or None, connected client): the configured address(es), or child servers on `model_dir`
-    (rollout.replicas of them; several: a RolloutFleet)."""
+def _rollout_service(run, run_dir: Path, model_dir):
+    """(embedded server(s) or None, connected client): the configured address(es), child servers on `model_dir`
+    (rollout.replicas of them; several: a RolloutFleet), or (rollout.colocated) the JAX sampler in this process on the
+    trainer's mesh."""
+    spec = run.spec
     r = spec.rollout
+    if r.colocated:
+        engine = colocated_lib.Colocated(
+            model_dir,
+            dtype=r.dtype,
+            mesh=run.mesh,
+            rules=run.rules,
+            runtime=spec.runtime.model_kwargs(),
+            timeout_s=r.timeout_s,
+            startup_s=r.startup_s,
+        )
+        return engine, engine.client
     return service.connect(
         r.server,
         model_dir=model_dir,

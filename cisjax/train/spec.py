@@ -56,6 +56,8 @@ class RolloutSpec:
     # truncated sampling (top_p < 1 or top_k > 0) renormalised by mask replay: ask the engine for each token's
     # sampling support (sampling_mask below says when)
     sampling_mask: bool = False
+    # rollout.colocated: the JAX sampler in the trainer's process, on its mesh (cisjax.rollout.colocated)
+    colocated: bool = False
 
 
 # The engines that return each token's sampling support (rollout.proto SamplingMask); for a running server
@@ -184,6 +186,8 @@ def from_config(cfg) -> TrainSpec:
         publish=section(
             PublishSpec,
             cfg.publish,
+            # colocated: the params swapped into the engine in memory (the last step's also exported)
+            mode="colocated" if r.colocated else str(cfg.publish.mode),
             dtype=cfg.publish.dtype or None,
             canary=canary,
             precision=runtime.precision,

@@ -334,6 +334,7 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
 
     c.one_of("rollout.backend", BACKENDS)
     c.one_of("rollout.dtype", ENGINE_DTYPES)
+    _colocated(c)
     c.number("rollout.kv_cache_gib", low=0)
     top_p = c.number("rollout.top_p", low=0, high=1, low_open=True)
     top_k = c.number("rollout.top_k", low=0, integer=True, why=" (0 = off)")
@@ -382,6 +383,24 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
             f"rollout.lag={lag} with eval.every={c.get('eval.every')}: the engine holds older weights than the step's; "
             "evaluate at the end only (eval.every=0), where the final weights are published"
         )
+
+
+def _colocated(c: _Checker) -> None:
+    """rollout.colocated: the JAX sampler in the trainer's process, so no server, replicas or delta to ask for."""
+    on = c.get("rollout.colocated")
+    if not isinstance(on, bool):
+        c.add(f"rollout.colocated={on!r}: True or False")
+        return
+    if not on:
+        return
+    if c.get("rollout.backend") != "jax":
+        c.add(f"rollout.colocated with rollout.backend={c.get('rollout.backend')!r}: the colocated engine is jax")
+    if str(c.get("rollout.server")).strip():
+        c.add(f"rollout.colocated with rollout.server={c.get('rollout.server')!r}: one or the other")
+    if c.get("rollout.replicas") != 1:
+        c.add(f"rollout.colocated with rollout.replicas={c.get('rollout.replicas')!r}: one engine, the trainer's")
+    if c.get("publish.delta") is True:
+        c.add("rollout.colocated with publish.delta: nothing travels, the params are swapped in memory")
 
 
 def _replica_sets(spec: str, gpus: bool, replicas) -> None:

@@ -17,7 +17,18 @@ def free_port() -> int:
     return _LEASES[-1].port
 
 
-def start(backend, model_dir, port, *, export_root=None, token=None, host="127.0.0.1", env=None, dtype="float32"):
+def start(
+    backend,
+    model_dir,
+    port,
+    *,
+    export_root=None,
+    token=None,
+    host="127.0.0.1",
+    env=None,
+    dtype="float32",
+    extra_args=(),
+):
     """`python -m cisjax.commands.serve` (engine dtype fp32 unless told) with a 5 s shutdown grace, output captured."""
     import subprocess
 
@@ -31,6 +42,7 @@ def start(backend, model_dir, port, *, export_root=None, token=None, host="127.0
         token=token,
         grace_s=5.0,
         env=env,
+        extra_args=tuple(extra_args),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -17,6 +17,21 @@ def test_device_is_a_vllm_option(capsys):
     assert "--device are vllm options" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "backend_name, mesh, error",
+    [
+        ("vllm", "fsdp=2", "--mesh is a jax option"),
+        ("jax", "fsdp", "AXIS=SIZE"),
+        ("jax", "pipeline=2", "unknown mesh axes ['pipeline']"),
+        ("jax", "fsdp=3", "needs 3 devices, have 8"),
+    ],
+)
+def test_serving_mesh_is_checked(capsys, tmp_path, backend_name, mesh, error):
+    argv = ["--backend", backend_name, "--model", str(tmp_path), "--port", "0", "--mesh", mesh]
+    assert serve.main(argv) == 2
+    assert error in capsys.readouterr().err
+
+
 @pytest.mark.slow  # imports vLLM in-process
 def test_vllm_platform_is_checked():
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":

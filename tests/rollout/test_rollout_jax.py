@@ -1,4 +1,4 @@
-"""`cisjax serve --backend jax` end to end: a server subprocess on the JAX sampler, against the transformers reference
+"""`cisjax serve --backend jax --mesh` end to end: a server subprocess on the JAX sampler on a serving mesh, against the transformers reference
 backend (greedy tokens, logprobs, routing) and `cisjax score` (sampled logprobs); weight updates; bad input."""
 
 import dataclasses
@@ -30,10 +30,20 @@ def dirs(tmp_path_factory, tiny_hf_dir):
 def client(dirs):
     model_dir, export_root = dirs
     port = serverutil.free_port()
-    proc = serverutil.start("jax", model_dir, port, export_root=export_root, env={"JAX_PLATFORMS": "cpu"})
+    # on a serving mesh over the 8 CPU devices the test processes have (tests/xla_flags.py): weights, activations and
+    # KV cache sharded as the trainer's; the greedy parity below holds there
+    proc = serverutil.start(
+        "jax",
+        model_dir,
+        port,
+        export_root=export_root,
+        env={"JAX_PLATFORMS": "cpu"},
+        extra_args=("--mesh", "data=2,fsdp=-1"),
+    )
     target = f"127.0.0.1:{port}"
     try:
         serverutil.wait_serving(proc, target, timeout=180.0)
+        assert "sharded over the mesh {'data': 2, 'fsdp': 4," in serverutil.output(proc)
         with RolloutClient(target, retry_s=10) as c:
             yield c
     finally:

@@ -37,6 +37,12 @@ def reference_reward(text: str, reference: str) -> float:
     return verify(f"\\boxed{{{reference}}}", reference)
 
 
+def parity_reward(text: str, reference: str) -> float:
+    """A reward fn that varies within a group whatever the (untrained) model wrote: 1.0 for a text of even length.
+    A run scored with it updates its params at every step (GRPO's advantages are not all zero)."""
+    return float(len(text) % 2 == 0)
+
+
 def subprocess_env(cache_dir) -> dict:
     """The trainer's environment: one CPU device (not the suite's 8 fake ones: faster compiles), and a persistent
     compilation cache shared by the runs of a test module (a resumed run compiles the same programs)."""
