@@ -238,8 +238,8 @@ def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]) ->
     if "tls" in servers:
         names["grpc_tls"] = "gRPC over TLS (a second vLLM server, its certificate from a throwaway CA), 1 client call"
         runs["grpc_tls"] = lambda p: _grpc_call(servers["tls"].target, prompts, p, 1, servers["tls"].client_tls)
-    for run in runs.values():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
-        run(warm)
+    for name, run in runs.items():  # warm-up: first-call work and the prompts into each engine's prefix cache, untimed
+        run(params if name == "grpc_jax" else warm)  # the JAX sampler's first call of a bucket compiles it
 
     def cpu_s():  # CPU seconds of this process and the servers together: less sensitive to other jobs
         server_s = [_proc_cpu_s(s.proc.pid) for s in servers.values()]

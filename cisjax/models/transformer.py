@@ -64,20 +64,26 @@ class DecoderLayer(nnx.Module):
         y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
 
-    def cached(self, x_BxLxD, positions_BxL, cache, layer, index, mask_BxLxS):
-        """The layer on L new tokens whose attention entries are written into `cache` (its stack's arrays
-        [n, B, S, ...]; this is layer `layer` of them) at slots index..index+L-1, their queries attending over this
-        layer's first S' slots under mask_BxLxS' (layers.cache_mask; S' <= S) -> (x_BxLxD, expert ids or None, the
-        updated cache). Only the new entries are written: the stack's cache is updated in place, never rebuilt."""
+    def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=None):
+        """The layer on L new tokens whose attention entries are written into `cache` at slots index..index+L-1,
+        their queries attending over the first S' slots under mask_BxLxS' (layers.cache_mask; S' <= S) ->
+        (x_BxLxD, expert ids or None, the updated cache). `cache`: this layer's arrays [B, S, ...]; or, with
+        `layer`, its stack's [n, B, S, ...], of which this is layer `layer` (only the new entries are written)."""
         h_BxLxD = self.attn_norm(x_BxLxD)
         q = self.attn.query(h_BxLxD)
         new = self.attn.kv(h_BxLxD, positions_BxL)
-        cache = tuple(
-            jax.lax.dynamic_update_slice(c, n.astype(c.dtype)[None], (layer, 0, index) + (0,) * (c.ndim - 3))
-            for c, n in zip(cache, new)
-        )
         seen = mask_BxLxS.shape[-1]
-        mine = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:, :seen] for c in cache)
+        if layer is None:
+            cache = tuple(
+                jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=1) for c, n in zip(cache, new)
+            )
+            mine = tuple(c[:, :seen] for c in cache)
+        else:
+            cache = tuple(
+                jax.lax.dynamic_update_slice(c, n.astype(c.dtype)[None], (layer, 0, index) + (0,) * (c.ndim - 3))
+                for c, n in zip(cache, new)
+            )
+            mine = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:, :seen] for c in cache)
         x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
@@ -195,22 +201,37 @@ def run_stack(
     return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
 
 
-def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS):
-    """x through every layer of a stack, each writing its new entries into `cache` (arrays [n, B, S, ...], carried
-    whole: updated in place) and reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the updated
-    cache). Scanned as run_stack (unrolled on CPU)."""
-    graphdef, state = nnx.split(stack)
-    n = jax.tree.leaves(cache)[0].shape[0]
+def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, *, carried=None):
+    """x through every layer of a stack, each writing its new entries into `cache` (arrays [n, B, S, ...]) and
+    reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the updated cache). Scanned as run_stack.
 
-    def body(carry, xs):
+    Two forms of the same computation, by platform (`carried` forces one): the layers' slices as the scan's inputs and
+    the updated slices stacked as its outputs, which a rolled scan (TPU, GPU) keeps in place; or (CPU, where the scan
+    is unrolled and the stacked outputs would be a new cache) the stack's cache carried whole, each layer writing its
+    new entries into it. Measured (docs/results.md): the carried form held the sampler's temporaries at 1.6x the
+    cache on XLA:CPU against 2.0x, and cost 4.5 GiB more per chip on a v5p (57.5 -> 62.0 GiB, Qwen1.5-MoE)."""
+    graphdef, state = nnx.split(stack)
+    unrolled = sharding.current_platform() == "cpu"
+    if not (unrolled if carried is None else carried):
+
+        def body(x_BxLxD, xs):
+            state_j, cache_j = xs
+            layer = nnx.merge(graphdef, state_j)
+            x_BxLxD, ids, cache_j = layer.cached(x_BxLxD, positions_BxL, cache_j, index, mask_BxLxS)
+            return x_BxLxD, (ids, cache_j)
+
+        x_BxLxD, (ids, cache) = jax.lax.scan(body, x_BxLxD, (state, cache), unroll=unrolled)
+        return x_BxLxD, ids, cache
+
+    def carried_body(carry, xs):
         x_BxLxD, cache = carry
         state_j, j = xs
-        x_BxLxD, ids, cache = nnx.merge(graphdef, state_j).cached(x_BxLxD, positions_BxL, cache, j, index, mask_BxLxS)
+        layer = nnx.merge(graphdef, state_j)
+        x_BxLxD, ids, cache = layer.cached(x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=j)
         return (x_BxLxD, cache), ids
 
-    (x_BxLxD, cache), ids = jax.lax.scan(
-        body, (x_BxLxD, cache), (state, jnp.arange(n)), unroll=sharding.current_platform() == "cpu"
-    )
+    n = jax.tree.leaves(cache)[0].shape[0]
+    (x_BxLxD, cache), ids = jax.lax.scan(carried_body, (x_BxLxD, cache), (state, jnp.arange(n)), unroll=unrolled)
     return x_BxLxD, ids, cache
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import flax.nnx as nnx
@@ -14,6 +15,9 @@ from cisjax import sharding
 from cisjax.sampler.sampling import draw, sampling_logprobs
 
 STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
+# decode steps between two checks of the loop's end (whether any row is active): on a GPU each check of a while loop's
+# condition is a device-to-host copy, so it is not paid at every token; a row that ends between checks writes nothing
+STOP_EVERY = 4
 
 
 class Prefilled(NamedTuple):
@@ -88,8 +92,9 @@ def expand(pre: Prefilled, n: int) -> Prefilled:
 def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
     """Up to `max_new` tokens per row: each step draws from the rows' sampling distributions, records the token and
     its logprob (and the `top_n` best of the distribution; with `mask_n`, the support: its `mask_n` best ids and the
-    count of tokens it kept), and feeds the tokens back through the cache at the next slot. A row ends on one of its stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no
-    row is active. The cache's slots: the prompt's P, then max_new."""
+    count of tokens it kept), and feeds the tokens back through the cache at the next slot. A row ends on one of its
+    stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no row is active (checked every
+    STOP_EVERY steps). The cache's slots: the prompt's P, then max_new."""
     b = pre.logits_BxV.shape[0]
     mask_n = min(mask_n, pre.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
     p = pre.valid_BxS.shape[1] - max_new
@@ -126,8 +131,13 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, m
         ),
     )
 
+    every = math.gcd(STOP_EVERY, max_new)  # steps per iteration: never past max_new
+
     def cond(c: Carry):
         return (c.t < max_new) & jnp.any(c.active_B)
+
+    def steps(c: Carry) -> Carry:
+        return jax.lax.fori_loop(0, every, lambda _, c: body(c), c) if every > 1 else body(c)
 
     def body(c: Carry) -> Carry:
         t, o = c.t, c.out
@@ -173,7 +183,7 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, m
             out,
         )
 
-    return jax.lax.while_loop(cond, body, init).out
+    return jax.lax.while_loop(cond, steps, init).out
 
 
 def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, mesh=None, rules=None):

@@ -2,11 +2,12 @@
 forward's logits and routing at every position, for every family (GQA and MLA caches)."""
 
 import flax.nnx as nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cisjax.models import hf_io
+from cisjax.models import hf_io, transformer
 from cisjax.models.layers import cache_mask
 from cisjax.models.transformer import layer_runs
 from tests.helpers import TINY_FAMILIES, tiny_hf_config
@@ -70,3 +71,26 @@ def test_prefill_then_decode_equals_the_full_forward(family):
             assert got_ids[r][0] is None
         else:
             parity.assert_same_routing(np.concatenate(got_ids[r], axis=1)[:, None], ref_ids, f"row {r}")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("index", [0, 5])  # a prefill's static slot, a decode step's traced one
+def test_the_two_forms_of_a_cached_stack_agree(family, index):
+    """run_stack_cached's scanned slices (TPU, GPU) and its carried cache (CPU): the same outputs and cache, bitwise."""
+    hf = tiny_hf_config(family)
+    cfg = hf_io.model_config(hf)
+    model = hf_io.family_module(hf).build(cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    b, l, slots = 2, 3 if index == 0 else 1, 9
+    x_BxLxD = jnp.asarray(rng.normal(size=(b, l, cfg.hidden_size)), jnp.float32)
+    positions_BxL = jnp.broadcast_to(index + jnp.arange(l), (b, l))
+    cache = [tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in e) for e in model.init_cache(b, slots)]
+    valid_BxS = jnp.arange(slots)[None].repeat(b, 0) < index + l
+    seen = index + l if index == 0 else slots
+    mask_BxLxS = cache_mask(valid_BxS[:, :seen], index if index == 0 else jnp.int32(index), l)
+    outs = [
+        transformer.run_stack_cached(model.stacks[0], x_BxLxD, positions_BxL, cache[0], index, mask_BxLxS, carried=c)
+        for c in (False, True)
+    ]
+    for a, c in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
