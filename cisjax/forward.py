@@ -58,16 +58,17 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
             model = nnx.merge(graphdef, params)
             runtime.check_compute_dtype(model, precision)
             replay = None if routing_BxTxXxK is None else jnp.moveaxis(routing_BxTxXxK, 2, 0)
-            out = model(tokens_BxT, positions_BxT, segments_BxT, replay)
-            stats = logprobs_lib.token_logprobs(
-                out.hidden_BxLxD,
-                model.unembedding_DxV(),
-                targets_BxT,
-                temperature=temperature,
-                chunk_size=chunk_size,
-                top_k=top_k,
-                support=support_BxTxS,
-            )
+            with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+                out = model(tokens_BxT, positions_BxT, segments_BxT, replay)
+                stats = logprobs_lib.token_logprobs(
+                    out.hidden_BxLxD,
+                    model.unembedding_DxV(),
+                    targets_BxT,
+                    temperature=temperature,
+                    chunk_size=chunk_size,
+                    top_k=top_k,
+                    support=support_BxTxS,
+                )
             if support_BxTxS is not None:  # mask replay: p renormalised over the engine's sampling support
                 stats = stats._replace(logprobs_N=stats.logprobs_N - stats.support_logmass_N)
         return Output(stats, out.expert_ids_XxBxLxK)

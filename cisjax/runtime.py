@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+
+from cisjax import sharding
 
 PRECISIONS = ("bf16", "fp32", "fp16")
 
@@ -78,3 +82,15 @@ def precision_of(dtype) -> str:
     """The precision whose compute dtype is `dtype` (a model loaded in one dtype: cisjax score, cisjax mismatch)."""
     name = jnp.dtype(dtype).name
     return {"float32": "fp32", "float16": "fp16"}.get(name, "bf16")
+
+
+def matmul_precision(dtype, platform: str | None = None):
+    """The context a program computing in `dtype` is traced under. float32 on a GPU means full float32: JAX's default
+    there multiplies float32 inputs in TF32 (a 10-bit mantissa: 3e-4 relative error measured on an H200), so
+    jax.default_matmul_precision("highest"); elsewhere a null context (bf16 inputs have no TF32; CPU multiplies float32
+    in float32; TPU keeps its default). `platform`: the program's (default sharding.current_platform(), the active
+    mesh's, never the host's)."""
+    platform = platform or sharding.current_platform()
+    if jnp.dtype(dtype) == jnp.float32 and platform in sharding.GPU_PLATFORMS:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()

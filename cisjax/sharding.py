@@ -173,14 +173,22 @@ def active() -> tuple[Mesh, dict] | None:
     return None if ctx is None else (ctx[0], dict(ctx[1]))
 
 
+GPU_PLATFORMS = ("gpu", "cuda")  # a GPU machine's devices, and cisjax plan's deviceless CUDA targets
+
+
 def current_platform() -> str:
     """The platform of the program being traced: that of the active mesh's devices (use_mesh), else JAX's default
     backend. Hardware-dependent choices follow it, not the host: a CPU host compiling for a TPU mesh (cisjax plan)
     must trace the TPU program."""
     ctx = _CTX.value
     if ctx is not None:
-        return ctx[0].devices.flat[0].platform
+        return mesh_platform(ctx[0])
     return jax.default_backend()
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of a mesh's devices (cpu, tpu, gpu; cuda for cisjax plan's deviceless GPU targets)."""
+    return mesh.devices.flat[0].platform
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

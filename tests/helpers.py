@@ -236,3 +236,16 @@ def spec_of(cfg):
     from cisjax.train import validate
 
     return validate.check(cfg, inputs=False)
+
+
+def jaxpr_dots(jaxpr, inside: bool = False):
+    """(dot_general equation, whether a pallas_call kernel holds it) for every matmul of `jaxpr` and of the jaxprs
+    nested in it (jit, scan, custom_vjp, kernels)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn, inside
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from jaxpr_dots(sub, inside or eqn.primitive.name == "pallas_call")

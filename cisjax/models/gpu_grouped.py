@@ -10,6 +10,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
+# Every tl.dot at HIGHEST: fp32 blocks multiply in full fp32 (Triton's default, like XLA's on GPU, is TF32: 3e-4
+# relative error measured on an H200, so an fp32 run would not be fp32); bf16 blocks are unaffected (no TF32 there).
+_PRECISION = jax.lax.Precision.HIGHEST
 
 
 def _block(dim: int, pref: int) -> int:
@@ -68,9 +71,9 @@ def _gmm_kernel(g_ref, row0_ref, end_ref, x_ref, w_ref, out_ref, *, bm, bk, bn, 
             a_MxK = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=mask_Mx1, other=0)
             if trans_w:  # W[g] stored [N, K]: the transposed weight of the input gradient, never materialised
                 b = plgpu.load(w_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)])
-                return acc_MxN + plgpu.dot(a_MxK, b, trans_b=True).astype(jnp.float32)
+                return acc_MxN + plgpu.dot(a_MxK, b, trans_b=True, precision=_PRECISION).astype(jnp.float32)
             b = plgpu.load(w_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)])
-            return acc_MxN + plgpu.dot(a_MxK, b).astype(jnp.float32)
+            return acc_MxN + plgpu.dot(a_MxK, b, precision=_PRECISION).astype(jnp.float32)
 
         acc_MxN = jax.lax.fori_loop(0, k_dim // bk, body, jnp.zeros((bm, bn), jnp.float32))
         plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc_MxN.astype(out_ref.dtype), mask=mask_Mx1)
@@ -120,7 +123,7 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, dy_ref, out_ref, *, bm, bk, bn):
         mask_Mx1 = (row0 + jnp.arange(bm) < end)[:, None]  # other groups' rows add nothing
         x_MxK = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=mask_Mx1, other=0)
         dy_MxN = plgpu.load(dy_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], mask=mask_Mx1, other=0)
-        return acc_KxN + plgpu.dot(x_MxK, dy_MxN, trans_a=True).astype(jnp.float32)
+        return acc_KxN + plgpu.dot(x_MxK, dy_MxN, trans_a=True, precision=_PRECISION).astype(jnp.float32)
 
     # an empty group runs no step and writes zeros
     acc_KxN = jax.lax.fori_loop(0, (end - start + bm - 1) // bm, body, jnp.zeros((bk, bn), jnp.float32))

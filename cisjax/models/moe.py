@@ -18,7 +18,7 @@ from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "ragged", "dense")
-GPU_PLATFORMS = ("gpu", "cuda")  # a GPU machine's devices, and cisjax plan's deviceless CUDA targets
+GPU_PLATFORMS = sharding.GPU_PLATFORMS
 
 
 # ----------------------------------------------------------------------------- routing (pure)

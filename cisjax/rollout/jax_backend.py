@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cisjax import sharding
+from cisjax import runtime, sharding
 from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
 from cisjax.rollout import backend as backend_lib
@@ -238,6 +238,10 @@ def _score_program(graphdef, top_n: int, mesh=None, rules=None):
 
     def forward(params, tokens_1xL, length, temperature, targets_L):
         model = nnx.merge(graphdef, params)
+        with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+            return scored(model, tokens_1xL, length, temperature, targets_L)
+
+    def scored(model, tokens_1xL, length, temperature, targets_L):
         segments_1xL = (jnp.arange(tokens_1xL.shape[1]) < length).astype(jnp.int32)[None]
         out = model(tokens_1xL, None, segments_1xL)
         lp_LxV = jax.nn.log_softmax(model.logits(out.hidden_BxLxD)[0] / temperature, axis=-1)

@@ -11,7 +11,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from cisjax import sharding
+from cisjax import runtime, sharding
 from cisjax.sampler.sampling import draw, sampling_logprobs
 
 STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
@@ -195,9 +195,10 @@ def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, me
     def run(params, tokens_BxP, valid_BxP, rows: Rows):
         with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
             model = nnx.merge(graphdef, params)
-            pre = prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
-            pre = expand(pre, n)
-            decoded = decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n)
+            with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+                pre = prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
+                pre = expand(pre, n)
+                decoded = decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n)
             return decoded, pre.prompt_ids_XxBxPxK
 
     return run

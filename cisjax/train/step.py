@@ -162,6 +162,7 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     param_sh = state_shardings.params
     bsh = sharding.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
+    platform = sharding.mesh_platform(mesh)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
@@ -171,7 +172,8 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
         params = state.params
 
         def body(acc, mb):
-            g, aux = grad_fn(params, mb, denominator)
+            with runtime_lib.matmul_precision(spec.runtime.dtype, platform):  # the backward's kernels too
+                g, aux = grad_fn(params, mb, denominator)
             acc = jax.tree.map(lambda a, gi: a + gi.astype(jnp.float32), acc, g)
             return lax.with_sharding_constraint(acc, param_sh), aux
 
