@@ -65,6 +65,25 @@ def rules_from_config(overrides: Mapping | None = None) -> dict:
     return rules
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """A --mesh flag (`cisjax plan`, `cisjax serve`), AXIS=SIZE[,AXIS=SIZE...], as {axis: size}; UserError naming a
+    malformed item (the axes and sizes themselves are make_mesh's to check)."""
+    shape = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        axis, sep, size = item.partition("=")
+        if not sep:
+            raise errors.UserError(
+                f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE...], e.g. fsdp=-1 or data=2,tensor=4"
+            )
+        try:
+            shape[axis.strip()] = int(size)
+        except ValueError:
+            raise errors.UserError(
+                f"--mesh {text!r}: size {size.strip()!r} of axis {axis.strip()!r} is not an integer"
+            ) from None
+    return shape
+
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
     """A mesh with axes (data, fsdp, tensor, expert); one size may be -1 to take the rest."""
     devices = list(devices if devices is not None else jax.devices())

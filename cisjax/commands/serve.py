@@ -118,15 +118,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def _serving_mesh(text: str):
     """--mesh AXIS=SIZE,... as a mesh over this process's devices (jax imported here: only the jax engine needs it)."""
-    shape = {}
-    for part in text.split(","):
-        axis, sep, size = part.partition("=")
-        if not sep or not size.strip().lstrip("-").isdigit():
-            raise errors.UserError(f"--mesh {text!r}: AXIS=SIZE[,AXIS=SIZE...], e.g. fsdp=-1 or data=2,tensor=4")
-        shape[axis.strip()] = int(size)
     from cisjax import sharding  # lazy: jax, which only the jax engine needs (the vllm server runs without it)
 
-    return sharding.make_mesh(shape)
+    return sharding.make_mesh(sharding.parse_mesh(text))
 
 
 def _server_tls(args: argparse.Namespace) -> ServerTLS | None:

@@ -18,7 +18,6 @@ from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "ragged", "dense")
-GPU_PLATFORMS = sharding.GPU_PLATFORMS
 
 
 # ----------------------------------------------------------------------------- routing (pure)
@@ -591,13 +590,15 @@ def moe_ffn(
 
     platform = sharding.current_platform()
     if impl == "gmm":
-        if platform in GPU_PLATFORMS:
+        if platform in sharding.GPU_PLATFORMS:
             raise errors.UserError("moe impl 'gmm' is megablox's TPU kernel; on GPU use 'triton'")
         swiglu = functools.partial(_gmm_swiglu, interpret=platform != "tpu")  # the interpreter: CPU tests
     if impl == "triton":
         if platform == "tpu":
             raise errors.UserError("moe impl 'triton' is a GPU kernel; on TPU use 'gmm'")
-        swiglu = functools.partial(triton_swiglu, interpret=platform not in GPU_PLATFORMS)  # the interpreter: CPU tests
+        swiglu = functools.partial(
+            triton_swiglu, interpret=platform not in sharding.GPU_PLATFORMS
+        )  # the interpreter: CPU tests
     ep = _expert_parallel_plan(wg_ExDxF.shape, k)
     if ep is not None:
         rows_fn = {

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from cisjax import errors
+from cisjax import errors, sharding
 from cisjax.sampler.engine import bucket
 
 
@@ -30,18 +30,7 @@ def read_architecture(cfg, hf_config: str | None = None, num_layers: int = 0) ->
 
 def mesh_shape(cfg, text: str) -> dict:
     """The config's mesh section with --mesh axis=size,... on top."""
-    shape = {k: int(v) for k, v in cfg.mesh.to_dict().items()}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" not in item:
-            raise errors.UserError(f"--mesh {text!r}: expected axis=size[,axis=size...]")
-        axis, size = item.split("=", 1)
-        try:
-            shape[axis.strip()] = int(size)
-        except ValueError:
-            raise errors.UserError(
-                f"--mesh {text!r}: size {size.strip()!r} of axis {axis.strip()!r} is not an integer"
-            ) from None
-    return shape
+    return {**{k: int(v) for k, v in cfg.mesh.to_dict().items()}, **sharding.parse_mesh(text)}
 
 
 def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict:

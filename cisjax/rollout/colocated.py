@@ -55,11 +55,11 @@ class Colocated:
         self.client.weights_updated(version)
         return self.backend.version
 
-    def stop(self, timeout_s: float | None = None, grace: float = 5.0) -> int:
-        """Health NOT_SERVING, the calls in flight given `grace` seconds, then the engine closed; 0 (as a child's
-        exit code)."""
+    def stop(self, timeout_s: float | None = None) -> int:
+        """Health NOT_SERVING, the calls in flight given `timeout_s` seconds (default 5), then the engine closed; 0
+        (as a child's exit code)."""
         self.client.close()
-        server_lib.shut_down(self.server, self.health, self.backend, grace if timeout_s is None else timeout_s)
+        server_lib.shut_down(self.server, self.health, self.backend, 5.0 if timeout_s is None else timeout_s)
         return 0
 
     def kill(self) -> None:

@@ -61,7 +61,6 @@ class Backend(backend_lib.Backend):
         self._cast = _cast_program(self.sampler.params)
         if mesh is not None:
             log.info("weights, activations and KV cache sharded over the mesh %s", dict(mesh.shape))
-        self._frozen_rules = sharding.freeze(self.sampler.rules) if mesh is not None else None
         self.score_shapes: set[tuple[int, int]] = set()  # (length bucket, top_n): one compiled Score program each
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="jax-engine", daemon=True)
@@ -159,7 +158,8 @@ class Backend(backend_lib.Backend):
         if (length, top_n) not in self.score_shapes:
             self.score_shapes.add((length, top_n))
             log.info("compiling score program %d: length %d, top_logprobs %d", len(self.score_shapes), length, top_n)
-        lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n, self.mesh, self._frozen_rules)(
+        rules = sharding.freeze(self.sampler.rules) if self.mesh is not None else None  # a cache key
+        lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n, self.mesh, rules)(
             self.sampler.params, jnp.asarray(tokens_1xL), jnp.int32(n), jnp.float32(temperature), jnp.asarray(targets_L)
         )
         rows = slice(p - 1, n - 1)  # the positions whose next token is a response token
@@ -234,17 +234,11 @@ def _score_program(graphdef, top_n: int, mesh=None, rules=None):
 
     def run(params, tokens_1xL, length, temperature, targets_L):
         with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
-            return forward(params, tokens_1xL, length, temperature, targets_L)
-
-    def forward(params, tokens_1xL, length, temperature, targets_L):
-        model = nnx.merge(graphdef, params)
-        with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
-            return scored(model, tokens_1xL, length, temperature, targets_L)
-
-    def scored(model, tokens_1xL, length, temperature, targets_L):
-        segments_1xL = (jnp.arange(tokens_1xL.shape[1]) < length).astype(jnp.int32)[None]
-        out = model(tokens_1xL, None, segments_1xL)
-        lp_LxV = jax.nn.log_softmax(model.logits(out.hidden_BxLxD)[0] / temperature, axis=-1)
+            model = nnx.merge(graphdef, params)
+            with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+                segments_1xL = (jnp.arange(tokens_1xL.shape[1]) < length).astype(jnp.int32)[None]
+                out = model(tokens_1xL, None, segments_1xL)
+                lp_LxV = jax.nn.log_softmax(model.logits(out.hidden_BxLxD)[0] / temperature, axis=-1)
         lp_L = jnp.take_along_axis(lp_LxV, targets_L[:, None], axis=-1)[:, 0]
         top_v, top_i = jax.lax.top_k(lp_LxV, top_n) if top_n else (None, None)
         return lp_L, top_v, top_i, out.expert_ids_XxBxLxK

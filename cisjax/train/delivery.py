@@ -98,9 +98,7 @@ class _TimedTensors:
 def send_disk(t: Target, model, version: int, more: dict) -> Sent:
     """Export as root/vNNNNNN (collective), then UpdateWeights from it."""
     t0 = time.perf_counter()
-    path = export_lib.export(
-        model, t.hf_config, t.root, version, dtype=t.dtype, keep=t.keep, metadata={"source": "publish"}
-    )
+    path = _export(t, model, version)
     export_s = time.perf_counter() - t0
     nbytes = hf_io.HFTensors(model, t.hf_config, t.dtype).nbytes
     served, error = None, None
@@ -110,6 +108,13 @@ def send_disk(t: Target, model, version: int, more: dict) -> Sent:
         except Exception as e:
             error = e
     return Sent(path, nbytes, export_s, served, error)
+
+
+def _export(t: Target, model, version: int) -> Path:
+    """root/vNNNNNN in the published dtype (collective; atomic, manifest, LATEST, the newest t.keep kept)."""
+    return export_lib.export(
+        model, t.hf_config, t.root, version, dtype=t.dtype, keep=t.keep, metadata={"source": "publish"}
+    )
 
 
 def _send_directory(t: Target, client, path: Path, version: int, more: dict, **kw) -> int:
@@ -138,11 +143,8 @@ def send_colocated(t: Target, engine, model, version: int, *, export: bool = Fal
     """The params swapped into the trainer's own engine (cisjax.rollout.colocated.Colocated.publish): nothing sent (0
     bytes); the cast and copy onto the engine's shardings count as the reload. `export`: also written as
     root/vNNNNNN (the run's last step: the trained model as an HF directory, LATEST)."""
-    t0, path = time.perf_counter(), None
-    if export:
-        path = export_lib.export(
-            model, t.hf_config, t.root, version, dtype=t.dtype, keep=t.keep, metadata={"source": "publish"}
-        )
+    t0 = time.perf_counter()
+    path = _export(t, model, version) if export else None
     export_s = time.perf_counter() - t0
     served, error = None, None
     try:
