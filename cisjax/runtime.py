@@ -27,12 +27,13 @@ class Runtime:
     router_dtype: str = "float32"
     moe_impl: str = "auto"
     moe_tile: int | None = None  # None: chosen from the shapes
+    attention_impl: str = "auto"
     remat: str = "none"
     scan_layers: bool = True
 
     def model_kwargs(self) -> dict:
-        """hf_io.load(..., **runtime.model_kwargs()) / hf_io.model_config(hf, **...): dtypes and the MoE dispatch (moe_impl,
-        moe_tile), the rematerialisation policy and scanned layers."""
+        """hf_io.load(..., **runtime.model_kwargs()) / hf_io.model_config(hf, **...): dtypes, the MoE dispatch (moe_impl,
+        moe_tile) and the attention core (attention_impl), the rematerialisation policy and scanned layers."""
         out = dataclasses.asdict(self)
         del out["precision"]
         return out
@@ -47,6 +48,7 @@ def make_runtime(
     router_dtype: str = "float32",
     moe_impl: str = "auto",
     moe_tile: int = 0,
+    attention_impl: str = "auto",
     remat: str = "none",
     scan_layers: bool = True,
 ) -> Runtime:
@@ -62,6 +64,7 @@ def make_runtime(
         router_dtype=router_dtype,
         moe_impl=moe_impl,
         moe_tile=int(moe_tile) or None,
+        attention_impl=attention_impl,
         remat=remat,
         scan_layers=bool(scan_layers),
     )

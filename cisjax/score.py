@@ -60,6 +60,7 @@ class ScoreSpec:
     router_dtype: str
     moe_impl: str
     moe_tile: int | None  # None: the dispatch's own tile
+    attention_impl: str
     chunk_size: int
     row_tokens: int  # 0: the longest sequence, rounded up to 128
     rows: int
@@ -72,6 +73,7 @@ class ScoreSpec:
             router_dtype=cfg.model.router_dtype,
             moe_impl=cfg.model.moe_impl,
             moe_tile=int(cfg.model.moe_tile) or None,  # as runtime.model_runtime reads it
+            attention_impl=cfg.model.attention_impl,
             chunk_size=int(cfg.logprobs.chunk_size),
             row_tokens=int(cfg.score.row_tokens),
             rows=int(cfg.score.rows),
@@ -101,6 +103,7 @@ def load_for_scoring(model_dir: str | Path, dtype: str, spec: ScoreSpec) -> Load
         router_dtype=spec.router_dtype,
         moe_impl=spec.moe_impl,
         moe_tile=spec.moe_tile,
+        attention_impl=spec.attention_impl,
     )
     return Loaded(model, model_cfg, mesh, rules)
 

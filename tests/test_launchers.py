@@ -5,6 +5,7 @@ process)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -116,11 +117,45 @@ def _assert_fields_exist(fields: set[str], where: str) -> None:
             node = node[part]
 
 
+_MODULE = re.compile(r"-m\s+(cisjax(?:\.\w+)+)")
+
+
+def _module_options(module: str) -> set[str]:
+    """The option strings of a `python -m cisjax.<module>` entry (its add_args)."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_args(parser)
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def _check_modules(lines: list[str], where: str) -> int:
+    """Every `python -m cisjax.<module> ...` in `lines` (comments skipped): each --flag on its line is an option of the
+    module's parser. Returns how many were checked."""
+    checked = 0
+    for line in lines:
+        code = line.split(" #", 1)[0]
+        if line.lstrip().startswith("#") or not (m := _MODULE.search(code)):
+            continue
+        unknown = sorted(set(_FLAG.findall(code[m.end() :])) - _module_options(m.group(1)))
+        assert not unknown, f"{where}: `python -m {m.group(1)}` has no {unknown}: {line.strip()}"
+        checked += 1
+    return checked
+
+
+def _launcher_takes(text: str) -> set[str] | None:
+    """The flags a launcher passes on to a `python -m cisjax.<module> ... "$@"` entry; None: it passes its arguments to
+    `cisjax train` (--config.x=y, --resume)."""
+    for line in _logical_lines(text):
+        if (m := _MODULE.search(line)) and '"$@"' in line:
+            return _module_options(m.group(1))
+    return None
+
+
 @pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
 def test_launcher_flags_and_config_fields_exist(script):
     text = script.read_text()
     _assert_fields_exist(_config_fields(text), script.name)
-    assert _check_commands(_logical_lines(text), script.name) >= 1  # it runs cisjax
+    lines = _logical_lines(text)
+    assert _check_commands(lines, script.name) + _check_modules(lines, script.name) >= 1  # it runs cisjax
 
 
 def _shell_blocks(path: Path) -> str:
@@ -143,7 +178,11 @@ def _check_launcher_calls(lines: list[str], where: str) -> int:
         for name in re.findall(r"(?:^|[\s\"])([A-Z][A-Z0-9_]*)=", command):
             assert re.search(rf"\b{name}\b", text), f"{where}: {script.name} does not read {name}: {line.strip()}"
         args = [a for a in _FLAG.findall(line[m.end() :]) + re.findall(r"--config\.[\w.]+", line[m.end() :])]
-        bad = [a for a in args if not (a.startswith("--config.") or a in ("--resume", "--help"))]
+        takes = _launcher_takes(text)
+        if takes is None:
+            bad = [a for a in args if not (a.startswith("--config.") or a in ("--resume", "--help"))]
+        else:
+            bad = [a for a in args if a not in takes | {"--help"}]
         assert not bad, f"{where}: {script.name} does not take {bad}: {line.strip()}"
         checked += 1
     return checked
@@ -169,6 +208,7 @@ def test_docs_shell_commands_exist(doc):
     _assert_fields_exist(_config_fields(text), where)
     lines = _logical_lines(text)
     _check_commands(lines, where)
+    _check_modules(lines, where)
     _check_launcher_calls(lines, where)
 
 
@@ -207,6 +247,11 @@ def test_the_checks_catch_a_made_up_flag():
         _check_launcher_calls(["GPU_MEMORY=0.5 CONFIG=c.py bash launchers/gpu_local.sh"], "x")
     with pytest.raises(AssertionError, match="does not take"):
         _check_launcher_calls(["CONFIG=c.py bash launchers/gpu_local.sh --steps 3"], "x")
+    with pytest.raises(AssertionError, match="--sections"):
+        _check_modules(['"$PYTHON" -m cisjax.bench.gpu_check --out x.json --sections all'], "x")
+    with pytest.raises(AssertionError, match="does not take"):
+        _check_launcher_calls(["OUT=o bash launchers/gpu_check.sh --config.x=y"], "x")
+    assert _check_launcher_calls(["OUT=o BUDGET_S=300 bash launchers/gpu_check.sh --only exactness"], "x") == 1
 
 
 @pytest.mark.parametrize("script", ["gpu_local.sh", "tpu_pod.sh"])
@@ -221,6 +266,14 @@ def test_launcher_usage_on_bad_input(script):
         ["bash", str(REPO / "launchers" / script), "--resume", "--steps=3"], env=env, capture_output=True, text=True
     )
     assert r.returncode == 2 and "'--steps=3' is not an argument of cisjax train" in r.stderr, r
+
+
+def test_gpu_check_usage_on_bad_input():
+    script = str(REPO / "launchers" / "gpu_check.sh")
+    r = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "BUDGET_S" in r.stdout and "Environment:" in r.stdout, r
+    r = subprocess.run(["bash", script], env=dict(os.environ, BUDGET_S="soon"), capture_output=True, text=True)
+    assert r.returncode == 2 and "BUDGET_S=soon is not a number of seconds" in r.stderr, r
 
 
 def test_gpu_local_replicas_must_split_the_server_gpus():

@@ -16,8 +16,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cisjax.config import split_overrides
-
 # --- the flags every bench takes -------------------------------------------------------------------------------------
 
 
@@ -172,6 +170,8 @@ def report(res: dict, show: Callable[[dict], None], json_path: str | None) -> in
 
 def main(name: str, add_args: Callable, run: Callable, argv: list[str] | None = None) -> int:
     """`python -m cisjax.bench.<name>`: as `cisjax bench <name>` (--config.x=y overrides included)."""
+    from cisjax.config import split_overrides  # lazy: ml_collections (absent where the GPU check runs benches)
+
     rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"cisjax bench {name}")
     add_args(parser)

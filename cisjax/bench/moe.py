@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors
-from cisjax.bench import harness
-from cisjax.models import moe
+from cisjax.bench import harness, mfu
+from cisjax.models import moe, moe_tiled, routing
 
 TARGET_RATIO = 2.0  # default impl's MoE time / dense MLP time
 # ExKxF: Mixtral-like top-2 of 8, and Qwen1.5-MoE-A2.7B (hidden 2048, 60 experts of width 1408,
@@ -34,11 +34,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="IMPL",
-        help="moe impls to time (default: tiled ragged dense; on CPU ragged and dense only where E/k <= "
-        f"{SLOW_FOLD}, as they do E/k-fold work there; naming them here forces them)",
+        help="moe impls to time (default: every impl of cisjax.models.moe.IMPLS but auto, those the platform refuses "
+        f"skipped; on CPU ragged, triton and dense only where E/k <= {SLOW_FOLD}, as they do E/k-fold work or run "
+        "in an interpreter there; naming them here forces them)",
     )
     parser.add_argument(
-        "--tile", type=int, default=None, help="largest tile for the tiled impl (default: moe.choose_tile)"
+        "--tile", type=int, default=None, help="largest tile for the tiled impl (default: moe_tiled.choose_tile)"
     )
     parser.add_argument(
         "--dtype",
@@ -84,14 +85,14 @@ def _candidates(e: int, k: int, f: int, n: int, d: int, dtype, impls, tile, seed
 
     def moe_loss(impl):
         def loss(x, r, wg, wu, wo):
-            w_NxK, ids_NxK = moe.route(jnp.einsum("nd,de->ne", x.astype(jnp.float32), r), k=k)
+            w_NxK, ids_NxK = routing.route(jnp.einsum("nd,de->ne", x.astype(jnp.float32), r), k=k)
             y = moe.moe_ffn(x, wg, wu, wo, ids_NxK, w_NxK, impl=impl, tile=tile)
             return jnp.sum((y * ct_NxD).astype(jnp.float32))
 
         return loss
 
     def route_loss(x, r):  # the routing part alone, for its share of the MoE time
-        w_NxK, _ = moe.route(jnp.einsum("nd,de->ne", x.astype(jnp.float32), r), k=k)
+        w_NxK, _ = routing.route(jnp.einsum("nd,de->ne", x.astype(jnp.float32), r), k=k)
         return jnp.sum(w_NxK * ct_NxD[:, :k].astype(jnp.float32))
 
     cands = {"dense_mlp": (jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2, 3))), (x_NxD, *mlp))}
@@ -104,6 +105,15 @@ def _candidates(e: int, k: int, f: int, n: int, d: int, dtype, impls, tile, seed
     return cands
 
 
+def layer_flops(candidate: str, e: int, k: int, f: int, n: int, d: int) -> float:
+    """Analytic FLOPs of a candidate's forward + backward (2 per multiply-add; the backward twice the forward): the
+    MoE layers and the dense MLP count the experts' three matmuls at the active width k F (the router's own matmul,
+    2 N D E forward, is routing_only's); work an impl does beyond that (padding, E-fold dense work) is not counted."""
+    if candidate == "routing_only":
+        return 6.0 * n * d * e
+    return 18.0 * n * d * k * f
+
+
 def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow_repeats, seed) -> dict:
     cpu = jax.default_backend() == "cpu"
     resolved = {impl: moe.default_impl() if impl == "auto" else impl for impl in impls}
@@ -113,10 +123,15 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
     run_impls = [impl for impl in impls if impl not in skipped]
     cands = _candidates(e, k, f, n, d, jnp.dtype(dtype_name), run_impls, tile, seed)
 
-    first_call_s = {}
-    for name, (fn, args) in cands.items():  # compile + one warm-up call, outside the timings
+    first_call_s, refused = {}, {}
+    for name, (fn, args) in list(cands.items()):  # compile + one warm-up call, outside the timings
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
+        try:
+            compiled = fn.lower(*args).compile()
+        except errors.UserError as err:  # an impl this platform does not run (e.g. a TPU kernel on a GPU)
+            refused[name[4:]] = f"not on {jax.default_backend()}: {err}"
+            del cands[name]
+            continue
         jax.block_until_ready(compiled(*args))
         first_call_s[name] = time.perf_counter() - t0
         cands[name] = (compiled, args)
@@ -124,6 +139,7 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
     calls = {name: (lambda fn=fn, args=args: jax.block_until_ready(fn(*args))) for name, (fn, args) in cands.items()}
     slow_calls = {name: slow_repeats for name in cands if name.startswith("moe_") and name[4:] in slow}
     times = harness.interleave(calls, repeats, cpu_clock=time.process_time, limit=slow_calls)
+    ref = mfu.peak(mfu.device_kind(), dtype_name)
     base, base_min = times.median("dense_mlp"), times.min("dense_mlp")
     base_cpu = harness.median(times.cpu_s["dense_mlp"])
     rows = [
@@ -137,6 +153,7 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
             cpu_ratio=harness.median(times.cpu_s[name]) / base_cpu,
             repeats=len(times.wall_s[name]),
             first_call_s=first_call_s[name],
+            **mfu.utilization(layer_flops(name, e, k, f, n, d), times.median(name), ref),
         )
         for name in cands
     ]
@@ -148,6 +165,7 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
         )
         for impl in skipped
     ]
+    rows += [dict(candidate=f"moe_{impl}", impl=resolved[impl], skipped=why) for impl, why in refused.items()]
     default = next((r for r in rows if r["impl"] == moe.default_impl() and "ratio" in r), None)
     return dict(
         E=e,
@@ -157,7 +175,9 @@ def bench_shape(e, k, f, *, n, d, impls, forced, tile, dtype_name, repeats, slow
         D=d,
         dense_width=k * f,
         dtype=dtype_name,
-        tile=moe.tile_sizes(min(tile or moe.choose_tile(n * k, e), n * k)),
+        device_kind=mfu.device_kind(),
+        **ref,
+        tile=moe_tiled.tile_sizes(min(tile or moe_tiled.choose_tile(n * k, e), n * k)),
         default_impl=moe.default_impl(),
         default_ratio=default["ratio"] if default else None,
         target_met=default["ratio"] <= TARGET_RATIO if default else None,
@@ -170,7 +190,11 @@ def _print(res: dict) -> None:
         f"E={res['E']} k={res['k']} F={res['F']}, N={res['N']} D={res['D']} {res['dtype']}, "
         f"dense MLP width {res['dense_width']}, tiles {','.join(map(str, res['tile']))}"
     )
-    notes = ["fwd+bwd of <y, ct>; ratio: median / dense_mlp median (min: min / min, cpu: process CPU time)"]
+    notes = [
+        "fwd+bwd of <y, ct>; ratio: median / dense_mlp median (min: min / min, cpu: process CPU time); TFLOP/s: the "
+        "analytic work (bench_moe.layer_flops) per median second",
+        f"{res['device_kind']}: {mfu.describe(res)}",
+    ]
     cells = []
     for row in res["rows"]:
         name = row["candidate"].removeprefix("moe_")
@@ -191,10 +215,12 @@ def _print(res: dict) -> None:
                 f"{row['cpu_ratio']:.2f}x",
                 str(row["repeats"]),
                 f"{row['first_call_s']:.1f}",
+                f"{row['tflops']:.3g}",
+                "-" if row["mfu"] is None else f"{row['mfu']:.1%}",
             )
         )
-    columns = ("candidate", "ms", "min ms", "ratio", "min", "cpu", "n", "1st s")
-    harness.console().print(harness.table(title, columns, cells, "\n".join(notes)))
+    columns = ("candidate", "ms", "min ms", "ratio", "min", "cpu", "n", "1st s", "TFLOP/s", "MFU")
+    harness.console(140).print(harness.table(title, columns, cells, "\n".join(notes)))
 
 
 def run(args, overrides=()) -> int:

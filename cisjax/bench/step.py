@@ -15,9 +15,9 @@ import numpy as np
 
 from cisjax import config as config_lib
 from cisjax import forward, sharding
-from cisjax.bench import harness, tiny_model
-from cisjax.bench.torch_step import TorchFwdBwd
+from cisjax.bench import harness, mfu, tiny_model, torch_step
 from cisjax.models import moe as moe_lib
+from cisjax.plan import flops as flops_lib
 from cisjax.records import TrainBatch
 from cisjax.rl import loss as loss_lib
 from cisjax.train.build import Run, build
@@ -49,7 +49,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe-impl",
         default="auto",
-        choices=("auto", "tiled", "ragged", "dense"),
+        choices=moe_lib.IMPLS,
         help="model.moe_impl of the JAX model (default: %(default)s)",
     )
     parser.add_argument(
@@ -60,8 +60,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--torch-experts",
-        default=None,
-        help="transformers experts_implementation (default: transformers' own choice, reported)",
+        default=torch_step.FASTEST,
+        help="transformers experts_implementation (eager, grouped_mm, ...; default: %(default)s = grouped_mm where "
+        "transformers has it, else transformers' own choice; the one used is reported). The torch side runs on the "
+        "JAX side's device: a CUDA GPU when JAX runs on one, else the CPU",
     )
     parser.add_argument("--model-dir", default=None, help="where to save the random HF model (default: a temp dir)")
     harness.add_seed(parser)
@@ -111,6 +113,13 @@ def bench(args) -> dict:
         params = jax.tree.map(lambda x: x.copy(), run.state.params)  # for the fwd+bwd below: the steps donate theirs
         model_cfg = nnx.merge(run.graphdef, params).cfg
         res["jax_moe_impl"] = moe_lib.default_impl() if model_cfg.moe_impl == "auto" else model_cfg.moe_impl
+        fwd = flops_lib.forward_flops(nnx.merge(run.graphdef, params), args.batch, args.seq)
+        res["flops"] = dict(
+            step=sum(flops_lib.train_flops(fwd, args.micro_batches).values()),
+            fwd_bwd=sum(flops_lib.train_flops(fwd, 1).values()),
+        )
+        res["device_kind"] = mfu.device_kind()
+        res.update(mfu.peak(res["device_kind"], args.precision))
         host, batches = _batches(args, run, params, model_cfg.vocab_size)
         res["replay_rescore"] = _rescore_overhead(runs, params, batches, args.repeats)
         own = build(_arm(cfg, "cis", proximal="step"), model_dir=model_dir, mesh=mesh, inputs=False)
@@ -119,6 +128,8 @@ def bench(args) -> dict:
         # the loss of the fwd+bwd: the config's correction (cis)
         fwd_bwd = _fwd_bwd(args, runs["cis"], params, batches["cis"], host, model_dir)
     rows = steps.pop("rows") + fwd_bwd.pop("rows")
+    for row in rows:  # achieved TFLOP/s of the analytic work (cisjax.plan.flops), MFU against the device's peak
+        row.update(mfu.utilization(res["flops"][row["work"]], row["median_s"], res))
     res.update(steps)
     res.update(fwd_bwd, rows=rows)
     res["meets_cis_target"] = res["cis_overhead"] <= TARGET_CIS_OVERHEAD
@@ -203,6 +214,7 @@ def _steps(args, runs: dict[str, Run], batches: dict) -> dict:
             median_s=times.median(m),
             min_s=times.min(m),
             tokens_per_s=args.micro_batches * args.batch * args.seq / times.median(m),
+            work="step",
             first_call_s=compile_s[m],
         )
         for m in STEPS
@@ -242,7 +254,8 @@ def _fwd_bwd(args, run: Run, params, batch, host: TrainBatch, model_dir: str) ->
     )
     del grads
     torch_mb = jax.tree.map(lambda x: np.asarray(x[0]), host)
-    torch_run = TorchFwdBwd(model_dir, torch_mb, spec, precision=args.precision, experts=args.torch_experts)
+    model = torch_step.load(model_dir, experts=args.torch_experts, device=torch_step.device(jax.default_backend()))
+    torch_run = torch_step.TorchFwdBwd(model, torch_mb, spec, precision=args.precision)
     calls = {"jax": lambda: jax.block_until_ready(fwd_bwd(params, mb, denominator)), "torch": torch_run}
     times = harness.interleave(calls, args.repeats)
     torch_res = torch_run.info(times.wall_s["torch"])
@@ -253,6 +266,7 @@ def _fwd_bwd(args, run: Run, params, batch, host: TrainBatch, model_dir: str) ->
             median_s=times.median("jax"),
             min_s=times.min("jax"),
             tokens_per_s=tokens / times.median("jax"),
+            work="fwd_bwd",
             first_call_s=jax_first,
         ),
         dict(
@@ -260,6 +274,7 @@ def _fwd_bwd(args, run: Run, params, batch, host: TrainBatch, model_dir: str) ->
             median_s=torch_res["median_s"],
             min_s=torch_res["min_s"],
             tokens_per_s=tokens / torch_res["median_s"],
+            work="fwd_bwd",
             first_call_s=torch_res["first_call_s"],
         ),
     ]
@@ -269,6 +284,7 @@ def _fwd_bwd(args, run: Run, params, batch, host: TrainBatch, model_dir: str) ->
         jax_vs_torch=times.median("jax") / torch_res["median_s"],
         loss=dict(jax=float(aux["loss"]), torch=torch_res["loss"]),
         grad_norm=dict(jax=jax_grad_norm, torch=torch_res["grad_norm"]),
+        torch=torch_res,
     )
 
 
@@ -304,7 +320,7 @@ def _print(res: dict) -> None:
         f"top-{c['top_k']}, vocab {c['vocab']}, M x B x T = {c['micro_batches']} x {c['batch']} x {c['seq']}, "
         f"{c['precision']}, {res['backend']} x {res['devices']}"
     )
-    columns = ("candidate", "median s", "min s", "tokens/s", "first call s")
+    columns = ("candidate", "median s", "min s", "tokens/s", "first call s", "TFLOP/s", "MFU")
     cells = [
         (
             r["candidate"],
@@ -312,11 +328,17 @@ def _print(res: dict) -> None:
             f"{r['min_s']:.4f}",
             f"{r['tokens_per_s']:.0f}",
             f"{r['first_call_s']:.1f}",
+            f"{r['tflops']:.3g}",
+            "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
         )
         for r in res["rows"]
     ]
+    caption = (
+        f"TFLOP/s: the analytic work (cisjax.plan.flops) per median second; {res['device_kind']}: {mfu.describe(res)}; "
+        f"torch on {res['torch']['device']}"
+    )
     console = harness.console(140)
-    console.print(harness.table(title, columns, cells))
+    console.print(harness.table(title, columns, cells, caption))
     ok = harness.verdict
     console.print(
         f"CIS step overhead vs none: {res['cis_overhead']:+.2%} (median of paired ratios; ratio of medians "

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from cisjax import sharding
 from cisjax.models import hf_config, qwen2_moe
-from cisjax.models.layers import MLP, RMSNorm, apply_rope, attention, dense, param, rope_cos_sin, rope_frequencies
+from cisjax.models.attention import attention
+from cisjax.models.layers import MLP, RMSNorm, apply_rope, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
 from cisjax.models.transformer import CausalLM, decoder_layers
 
@@ -177,7 +178,7 @@ class MLAttention(nnx.Module):
             q_BxLxQ = dense(self.q_a_norm(dense(x_BxLxD, self.wq_a_DxR, dt, bias)), self.wq_b_RxQ, dt)
         return q_BxLxQ.reshape(b, l, -1, cfg.qk_head_dim)
 
-    def attend(self, q_BxLxNxH, positions_BxL, kv, mask_BxLxS):
+    def attend(self, q_BxLxNxH, positions_BxL, kv, mask):
         """Queries (query()) over `kv` (latent [B, S, C], rotary key [B, S, 1, P]: kv() of the same tokens, or a
         cache's), the keys and values expanded per head from the latent."""
         cfg, dt = self.cfg, self.cfg.dtype
@@ -196,12 +197,12 @@ class MLAttention(nnx.Module):
         q_BxLxNxH = jnp.concatenate([q_nope_BxLxNxE, q_pe_BxLxNxP], axis=-1)
         k_BxSxNxH = jnp.concatenate([k_nope_BxSxNxE, jnp.broadcast_to(k_pe_BxSx1xP, (b, s, n, p))], axis=-1)
         q_BxLxNxH = sharding.constrain(q_BxLxNxH, ("batch", "length", "act_heads", None))
-        o_BxLxNxV = attention(q_BxLxNxH, k_BxSxNxH, v_BxSxNxV, mask_BxLxS, cfg.softmax_scale())
+        o_BxLxNxV = attention(q_BxLxNxH, k_BxSxNxH, v_BxSxNxV, mask, cfg.softmax_scale(), cfg.attention_impl)
         return dense(o_BxLxNxV.reshape(b, l, -1), self.wo_VxD, dt, self.bo_D if cfg.attention_bias else None)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def __call__(self, x_BxLxD, positions_BxL, mask):
         q_BxLxNxH = self.query(x_BxLxD)  # first: the backward sums x's gradients in the order q, kv
-        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask_BxLxL)
+        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask)
 
 
 class MoeBlock(nnx.Module):

@@ -29,8 +29,9 @@ class RuntimeOptions:
     dtype: Any = jnp.float32  # compute dtype of activations and matmuls
     param_dtype: Any = jnp.float32  # storage dtype of the parameters
     router_dtype: Any = jnp.float32  # router logits and softmax (fp32 as the HF reference)
-    moe_impl: str = "auto"  # auto | tiled | gmm | triton | ragged | dense (see models/moe.py)
+    moe_impl: str = "auto"  # auto | tiled | gmm | triton | mgpu | ragged | dense (see models/moe.py)
     moe_tile: int | None = None  # rows per tile of the tiled dispatch; None = chosen from the shape
+    attention_impl: str = "auto"  # auto | einsum | splash | triton (see models/attention.py)
     remat: str = "none"  # rematerialisation of each decoder layer in the backward pass (transformer.REMAT_POLICIES)
     scan_layers: bool = True  # run each stack of decoder layers with one lax.scan (False: a loop, unrolled)
 

@@ -1,4 +1,4 @@
-"""Shared layers: params with logical axes, RMSNorm, dense MLP, rotary (default/linear/yarn), masked attention."""
+"""Shared layers: params with logical axes, RMSNorm, dense MLP, rotary (default/linear/yarn)."""
 
 from __future__ import annotations
 
@@ -138,37 +138,3 @@ def apply_rope(
     half = x_BxLxNxH.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxLxNxH[..., half:], x_BxLxNxH[..., :half]], axis=-1)
     return x_BxLxNxH * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
-
-
-# ----------------------------------------------------------------------------- attention
-
-
-def attention_mask(segment_ids_BxL: jax.Array) -> jax.Array:
-    """[B, L, L] bool: causal and same segment. Segment 0 is padding: it only sees padding, so
-    real tokens never attend to it and no row is empty (no NaN)."""
-    length = segment_ids_BxL.shape[1]
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    same_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    return same_BxLxL & causal_LxL[None]
-
-
-def cache_mask(valid_BxS: jax.Array, index, length: int) -> jax.Array:
-    """[B, L, S] bool for L new tokens written into a KV cache at slots index..index+L-1: each sees the valid slots
-    (written, not padding) up to its own. Every row sees at least itself once its own slot is valid."""
-    slots_S = jnp.arange(valid_BxS.shape[1])
-    query_L = index + jnp.arange(length)
-    return valid_BxS[:, None, :] & (slots_S[None, None, :] <= query_L[None, :, None])
-
-
-def attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, mask_BxLxL, scale: float) -> jax.Array:
-    """Grouped-query attention; scores and softmax in fp32, probabilities cast to the value dtype
-    (as the HF eager path). Returns [B, L, N, V]."""
-    b, l, n, h = q_BxLxNxH.shape
-    kv = k_BxLxKxH.shape[2]
-    q_BxLxKxGxH = q_BxLxNxH.reshape(b, l, kv, n // kv, h)
-    s_BxKxGxLxS = jnp.einsum("blkgh,bskh->bkgls", q_BxLxKxGxH, k_BxLxKxH, preferred_element_type=jnp.float32)
-    s_BxKxGxLxS = s_BxKxGxLxS * scale
-    s_BxKxGxLxS = jnp.where(mask_BxLxL[:, None, None], s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxLxKxV.dtype)
-    o_BxLxKxGxV = jnp.einsum("bkgls,bskv->blkgv", p_BxKxGxLxS, v_BxLxKxV)
-    return o_BxLxKxGxV.reshape(b, l, n, v_BxLxKxV.shape[-1])

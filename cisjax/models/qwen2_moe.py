@@ -9,7 +9,8 @@ import jax
 
 from cisjax import sharding
 from cisjax.models import hf_config
-from cisjax.models.layers import MLP, RMSNorm, apply_rope, attention, dense, param, rope_cos_sin, rope_frequencies
+from cisjax.models.attention import attention
+from cisjax.models.layers import MLP, RMSNorm, apply_rope, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
 from cisjax.models.transformer import CausalLM, decoder_layers
 
@@ -104,19 +105,20 @@ class Attention(nnx.Module):
         q_BxLxNxH = q_BxLxQ.reshape(b, l, -1, cfg.head_dim)
         return self.q_norm(q_BxLxNxH) if self.qk_norm else q_BxLxNxH
 
-    def attend(self, q_BxLxNxH, positions_BxL, kv, mask_BxLxS):
-        """Queries (query()) over `kv` (keys, values [B, S, K, H]: kv() of the same tokens, or a cache's)."""
+    def attend(self, q_BxLxNxH, positions_BxL, kv, mask):
+        """Queries (query()) over `kv` (keys, values [B, S, K, H]: kv() of the same tokens, or a cache's) under `mask`
+        (attention.Segments of the same tokens, or a cache's [B, L, S] bool mask)."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, l = positions_BxL.shape
         cos, sin = self._rope(positions_BxL)
         q_BxLxNxH = sharding.constrain(apply_rope(q_BxLxNxH, cos, sin), ("batch", "length", "act_heads", None))
         k_BxSxKxH, v_BxSxKxH = kv
-        o_BxLxNxH = attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxLxS, cfg.head_dim**-0.5)
+        o_BxLxNxH = attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask, cfg.head_dim**-0.5, cfg.attention_impl)
         return dense(o_BxLxNxH.reshape(b, l, -1), self.wo_QxD, dt)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def __call__(self, x_BxLxD, positions_BxL, mask):
         q_BxLxNxH = self.query(x_BxLxD)  # first: the backward sums x's gradients in the order q, k, v
-        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask_BxLxL)
+        return self.attend(q_BxLxNxH, positions_BxL, self.kv(x_BxLxD, positions_BxL), mask)
 
 
 class SparseMoeBlock(nnx.Module):

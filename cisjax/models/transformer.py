@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors, sharding
-from cisjax.models.layers import MLP, RMSNorm, attention_mask, cache_mask, param
+from cisjax.models.attention import Segments, cache_mask
+from cisjax.models.layers import MLP, RMSNorm, param
 
 # model.remat: what the backward pass keeps of each decoder layer's forward; the rest it recomputes from the layer's
 # input. "minimal": the matmuls without dot batch dimensions (jax's dots_with_no_batch_dims_saveable), i.e. the
@@ -36,7 +37,7 @@ class ModelOutput(NamedTuple):
 class DecoderLayer(nnx.Module):
     """The pre-norm residual block of every family: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
 
-    `attn(x_BxLxD, positions_BxL, mask_BxLxL) -> y_BxLxD` is the family's attention; `mlp` is the family's MoE block,
+    `attn(x_BxLxD, positions_BxL, mask) -> y_BxLxD` is the family's attention (mask: attention.Segments); `mlp` is the family's MoE block,
     `mlp(x_BxLxD, replay_BxLxK) -> (y_BxLxD, expert_ids_BxLxK)`, on a MoE layer (replay: forced expert ids or None,
     see moe.MoE), and a dense SwiGLU MLP otherwise.
     """
@@ -48,9 +49,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp
         self.is_moe = is_moe
 
-    def attention_block(self, x_BxLxD, positions_BxL, mask_BxLxL):
+    def attention_block(self, x_BxLxD, positions_BxL, mask):
         """The attention half's residual branch: attn(attn_norm(x))."""
-        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask_BxLxL)
+        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask)
 
     def mlp_block(self, x_BxLxD, replay_BxLxK=None):
         """The MLP half's residual branch, (mlp(mlp_norm(x)), the router's expert ids or None on a dense layer).
@@ -59,14 +60,14 @@ class DecoderLayer(nnx.Module):
             return self.mlp(self.mlp_norm(x_BxLxD), replay_BxLxK)
         return self.mlp(self.mlp_norm(x_BxLxD)), None
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxL, replay_BxLxK=None):
-        x_BxLxD = x_BxLxD + self.attention_block(x_BxLxD, positions_BxL, mask_BxLxL)
+    def __call__(self, x_BxLxD, positions_BxL, mask, replay_BxLxK=None):
+        x_BxLxD = x_BxLxD + self.attention_block(x_BxLxD, positions_BxL, mask)
         y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
 
     def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=None):
         """The layer on L new tokens whose attention entries are written into `cache` at slots index..index+L-1,
-        their queries attending over the first S' slots under mask_BxLxS' (layers.cache_mask; S' <= S) ->
+        their queries attending over the first S' slots under mask_BxLxS' (attention.cache_mask; S' <= S) ->
         (x_BxLxD, expert ids or None, the updated cache). `cache`: this layer's arrays [B, S, ...]; or, with
         `layer`, its stack's [n, B, S, ...], of which this is layer `layer` (only the new entries are written)."""
         h_BxLxD = self.attn_norm(x_BxLxD)
@@ -159,7 +160,7 @@ def run_stack(
     stack: DecoderLayer,
     x_BxLxD,
     positions_BxL,
-    mask_BxLxL,
+    mask,
     *,
     remat: str = "none",
     scan: bool = True,
@@ -176,8 +177,8 @@ def run_stack(
     model merged inside another transform's body, e.g. the rescoring's lax.map over micro-batches)."""
     graphdef, state = nnx.split(stack)
 
-    def body(x_BxLxD, state_j, replay_j, positions_BxL, mask_BxLxL):
-        return nnx.merge(graphdef, state_j)(x_BxLxD, positions_BxL, mask_BxLxL, replay_j)
+    def body(x_BxLxD, state_j, replay_j, positions_BxL, mask):
+        return nnx.merge(graphdef, state_j)(x_BxLxD, positions_BxL, mask, replay_j)
 
     if remat != "none":
         # prevent_cse only matters outside scan (jax.checkpoint's documentation)
@@ -191,12 +192,12 @@ def run_stack(
         # stacked parameters, one body per layer as unscanned). TPU/GPU programs stay rolled: one body to compile.
         unroll = sharding.current_platform() == "cpu"
         return jax.lax.scan(
-            lambda x, xs: body(x, *xs, positions_BxL, mask_BxLxL), x_BxLxD, (state, replay_nxBxLxK), unroll=unroll
+            lambda x, xs: body(x, *xs, positions_BxL, mask), x_BxLxD, (state, replay_nxBxLxK), unroll=unroll
         )
     ids = []
     for j in range(n):
         replay_j = None if replay_nxBxLxK is None else replay_nxBxLxK[j]
-        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), replay_j, positions_BxL, mask_BxLxL)
+        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), replay_j, positions_BxL, mask)
         ids.append(ids_j)
     return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
 
@@ -238,7 +239,7 @@ def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, 
 class CausalLM(nnx.Module):
     """tokens -> hidden states; each family supplies its decoder layers, stored as stacks (layer_runs).
 
-    A layer is called as `layer(x_BxLxD, positions_BxL, mask_BxLxL)` and returns
+    A layer is called as `layer(x_BxLxD, positions_BxL, mask)` and returns
     `(x_BxLxD, expert_ids_BxLxK or None)`. Parameters of the layers live in `stacks[r]` with a leading "layers"
     axis; layer(i) gives layer i alone.
     """
@@ -286,7 +287,7 @@ class CausalLM(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         if segment_ids_BxL is None:
             segment_ids_BxL = jnp.ones((b, l), jnp.int32)
-        mask_BxLxL = attention_mask(segment_ids_BxL)
+        mask = Segments(segment_ids_BxL)
         x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.cfg.dtype)
         x_BxLxD = sharding.constrain(x_BxLxD, ("batch", "length", "act_embed"))
         routing = []
@@ -299,7 +300,7 @@ class CausalLM(nnx.Module):
             if replay_XxBxLxK is not None and self.cfg.is_moe_layer(run[0]):
                 replay = replay_XxBxLxK[first : first + len(run)]
             x_BxLxD, ids = run_stack(
-                stack, x_BxLxD, positions_BxL, mask_BxLxL, remat=remat, scan=self.cfg.scan_layers, replay_nxBxLxK=replay
+                stack, x_BxLxD, positions_BxL, mask, remat=remat, scan=self.cfg.scan_layers, replay_nxBxLxK=replay
             )
             if ids is not None:
                 routing.append(ids)

@@ -135,6 +135,65 @@ GPU_CHIPS = {
     ),
 }
 
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeak:
+    """A device's dense peak FLOP/s per compute dtype, as its vendor documents it (None: not documented)."""
+
+    kind: str  # jax's Device.device_kind (CUDA's device name on an NVIDIA GPU)
+    bf16: float
+    # full fp32 (no TF32: cisjax's fp32 programs on a GPU multiply in fp32, runtime.matmul_precision)
+    fp32: float | None
+    source: str
+
+    def flops(self, dtype: str) -> float | None:
+        """The peak of a program computing in `dtype` ("bfloat16" / "bf16", "float32" / "fp32"); None if undocumented."""
+        return {"bfloat16": self.bf16, "bf16": self.bf16, "float32": self.fp32, "fp32": self.fp32}.get(str(dtype))
+
+
+def _chip_peak(kind: str, chip: Chip, fp32: float | None, fp32_source: str = "") -> DevicePeak:
+    """The peak of a device the plan also targets: its bf16 figure and source from the chip table."""
+    return DevicePeak(kind, chip.peak_flops, fp32, f"{chip.source}{'; ' + fp32_source if fp32_source else ''}")
+
+
+# MFU's denominators (cisjax bench moe / step, the GPU check), by the device kind jax reports; a kind not listed has no
+# MFU (never a guess). NVIDIA's tensor-core figures are quoted "with sparsity": the dense peak is half. fp32: the
+# CUDA-core FP32 line of the same data sheet. TPU kinds as libtpu names them (tests/plan/test_hardware.py); Google
+# documents no fp32 peak.
+_H100_SHEET = "NVIDIA H100 Tensor Core GPU data sheet (nvidia.com/en-us/data-center/h100)"
+_H200_SHEET = "NVIDIA H200 Tensor Core GPU data sheet (nvidia.com/en-us/data-center/h200)"
+_A100_SHEET = "NVIDIA A100 Tensor Core GPU data sheet (nvidia.com/en-us/data-center/a100)"
+DEVICE_PEAKS = {
+    p.kind: p
+    for p in (
+        _chip_peak("NVIDIA H100 80GB HBM3", GPU_CHIPS["h100"][0], 67e12, f"{_H100_SHEET}, H100 SXM: FP32 67 TFLOP/s"),
+        DevicePeak(
+            "NVIDIA H100 PCIe", 756.5e12, 51e12, f"{_H100_SHEET}, H100 PCIe: BF16 1,513 TFLOP/s with sparsity, FP32 51"
+        ),
+        DevicePeak(
+            "NVIDIA H100 NVL", 835.5e12, 60e12, f"{_H100_SHEET}, H100 NVL: BF16 1,671 TFLOP/s with sparsity, FP32 60"
+        ),
+        _chip_peak("NVIDIA H200", GPU_CHIPS["h200"][0], 67e12, f"{_H200_SHEET}, H200 SXM: FP32 67 TFLOP/s"),
+        DevicePeak(
+            "NVIDIA H200 NVL", 835.5e12, 60e12, f"{_H200_SHEET}, H200 NVL: BF16 1,671 TFLOP/s with sparsity, FP32 60"
+        ),
+        _chip_peak("NVIDIA A100-SXM4-80GB", GPU_CHIPS["a100"][0], 19.5e12, f"{_A100_SHEET}: FP32 19.5 TFLOP/s"),
+        DevicePeak("NVIDIA A100-SXM4-40GB", 312e12, 19.5e12, f"{_A100_SHEET}: BF16 312 TFLOP/s, FP32 19.5"),
+        DevicePeak("NVIDIA A100 80GB PCIe", 312e12, 19.5e12, f"{_A100_SHEET}: BF16 312 TFLOP/s, FP32 19.5"),
+        DevicePeak("NVIDIA A100-PCIE-40GB", 312e12, 19.5e12, f"{_A100_SHEET}: BF16 312 TFLOP/s, FP32 19.5"),
+        _chip_peak("TPU v4", TPU_CHIPS["v4"], None),
+        _chip_peak("TPU v5 lite", TPU_CHIPS["v5e"], None),
+        _chip_peak("TPU v5", TPU_CHIPS["v5p"], None),
+        _chip_peak("TPU v6 lite", TPU_CHIPS["v6e"], None),
+    )
+}
+
+
+def device_peak(kind: str) -> DevicePeak | None:
+    """DEVICE_PEAKS' entry of a jax device kind, None when the kind is not listed."""
+    return DEVICE_PEAKS.get(kind)
+
+
 # Slice shapes Google offers, by chip count (the v5p/v5e/v6e pages' topology tables).
 SHAPES_3D = {
     4: "2x2x1",

@@ -9,7 +9,7 @@ import flax.nnx as nnx
 import jax
 
 from cisjax import sharding
-from cisjax.models import moe
+from cisjax.models import attention, moe
 from cisjax.plan import costs, hardware, inputs, report
 from cisjax.plan import flops as flops_lib
 from cisjax.plan.programs import StepPrograms
@@ -80,6 +80,11 @@ def plan(
     return out
 
 
+def _capability(target) -> tuple[int, int] | None:
+    """A GPU target's compute capability (the MoE's "auto" dispatch picks by it), None for a TPU."""
+    return hardware.GPU_CHIPS[target.chip.name][1].compute_capability if target.platform == "cuda" else None
+
+
 def _describe(cfg, target, hf: dict, hf_source: str, progs: StepPrograms, shape: dict) -> dict:
     """The report before anything compiles: target, model, mesh, parameters per chip, batch shape, versions."""
     mesh, rules = progs.mesh, progs.rules
@@ -94,7 +99,17 @@ def _describe(cfg, target, hf: dict, hf_source: str, progs: StepPrograms, shape:
             dtype=str(jax.numpy.dtype(progs.mcfg.dtype)),
             param_dtype=str(jax.numpy.dtype(progs.mcfg.param_dtype)),
             moe_impl=cfg.model.moe_impl,
-            moe_impl_resolved=moe.default_impl(target.platform) if cfg.model.moe_impl == "auto" else cfg.model.moe_impl,
+            moe_impl_resolved=(
+                moe.default_impl(target.platform, _capability(target))
+                if cfg.model.moe_impl == "auto"
+                else cfg.model.moe_impl
+            ),
+            attention_impl=cfg.model.attention_impl,
+            attention_impl_resolved=(
+                attention.default_impl(target.platform, progs.mcfg.dtype)
+                if cfg.model.attention_impl == "auto"
+                else cfg.model.attention_impl
+            ),
         ),
         mesh={k: int(v) for k, v in mesh.shape.items()},
         params_per_chip=params_per_chip(progs.params, mesh, rules, progs.mcfg.dtype),
@@ -168,7 +183,7 @@ def params_per_chip(params, mesh, rules, compute_dtype) -> dict:
     evenly is replicated, so all shards are equal): all of them, and the routed-expert stacks (the variables whose
     first logical axis, after a stack's "layers", is "expert"). And the stacks' bytes one chip multiplies with, in the compute dtype, per layer
     summed: the MoE dispatch gathers D ("embed", FSDP) and keeps E split only where the rules put "expert" on a mesh
-    axis (expert parallelism, cisjax.models.moe._expert_parallel), F where they put "expert_mlp"."""
+    axis (expert parallelism, cisjax.models.expert_parallel), F where they put "expert_mlp"."""
     out = dict(
         all_bytes=0,
         expert_stacks_bytes=0,

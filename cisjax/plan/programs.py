@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
-from cisjax.models import hf_io
-from cisjax.models.layers import attention_mask
+from cisjax.models import attention, hf_io, moe, moe_hopper
+from cisjax.models.attention import Segments
 from cisjax.records import TrainBatch
 from cisjax.sampler import programs as sampler_programs
 from cisjax.train import optim, validate
@@ -302,16 +302,49 @@ class StepPrograms:
             if kind == "attention":
 
                 def fn(p, x, positions, segments, gdef=gdef):
-                    return nnx.merge(gdef, p).attention_block(x, positions, attention_mask(segments))
+                    return nnx.merge(gdef, p).attention_block(x, positions, Segments(segments))
 
-                out[kind] = self._part(kind, fn, params, x, ids, ids, backward=backward)
+                c = self._part(kind, fn, params, x, ids, ids, backward=backward)
+                out[kind] = dataclasses.replace(
+                    c, flops=c.flops + self._attention_kernel_flops(rows, seq_len, backward)
+                )
             else:
 
                 def fn(p, x, gdef=gdef):
                     return nnx.merge(gdef, p).mlp_block(x)[0]
 
-                out[kind] = self._part(kind, fn, params, x, backward=backward)
+                c = self._part(kind, fn, params, x, backward=backward)
+                if kind == "moe":
+                    moe_ = self.model.stacks[r].mlp.moe
+                    c = dataclasses.replace(c, flops=c.flops + self._moe_kernel_flops(moe_, rows, seq_len, backward))
+                out[kind] = c
         return out
+
+    def _moe_kernel_flops(self, moe_, rows: int, seq_len: int, backward: bool) -> float:
+        """Per chip, the FLOPs of the Hopper (Mosaic GPU) grouped matmuls when the layer runs them
+        (moe_hopper.kernel_flops, an upper bound); 0 for every other dispatch, whose kernels carry their estimates or
+        which XLA counts itself. Each device takes its batch shard's rows in all the groups; F splits over the rest."""
+        impl = self.mcfg.moe_impl
+        if impl == "auto":
+            with sharding.use_mesh(self.mesh, self.rules):
+                impl = moe.default_impl()
+        if impl != "mgpu" or jnp.dtype(self.mcfg.dtype) == jnp.float32:  # float32 runs the Triton kernels
+            return 0.0
+        _, groups, d, f = moe_.wg_ExDxF.shape
+        batch_shards = sharding.axis_multiple(self.mesh, self.rules, "batch")
+        assignments = rows * seq_len * moe_.k // batch_shards
+        flops = moe_hopper.kernel_flops(assignments, groups, d, f, backward=backward)
+        return flops * batch_shards / self.mesh.devices.size
+
+    def _attention_kernel_flops(self, rows: int, seq_len: int, backward: bool) -> float:
+        """Per chip, the FLOPs of the attention kernel the layer runs (attention.kernel_flops; 0 for the einsum, which
+        XLA counts itself): XLA's cost model counts neither splash nor the Triton kernel."""
+        impl = self.mcfg.attention_impl
+        if impl == "auto":
+            impl = attention.default_impl(sharding.mesh_platform(self.mesh), self.mcfg.dtype)
+        heads, qk, v = self.mcfg.attention_dims()
+        flops = attention.kernel_flops(impl, rows, seq_len, heads, qk, v, backward=backward)
+        return flops / self.mesh.devices.size
 
     def head_chunks(self, rows: int, seq_len: int) -> tuple[int, int]:
         """(chunks, tokens per chunk) of the chunked logprob over a [rows, seq_len] micro-batch."""

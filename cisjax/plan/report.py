@@ -64,7 +64,7 @@ def _print_headline(console: Console, report: dict) -> None:
     console.print(
         f"[bold]{mo['architecture']}[/bold] ({mo['layers']} layers, {mo['total_params'] / 1e9:.2f}B parameters, "
         f"{mo['active_params'] / 1e9:.2f}B active; {mo['dtype']} compute, {mo['param_dtype']} master weights, "
-        f"MoE dispatch {mo['moe_impl_resolved']}) on [bold]{tg['name']}[/bold]: {tg['chips']} x {tg['chip']} "
+        f"MoE dispatch {mo['moe_impl_resolved']}, attention {mo['attention_impl_resolved']}) on [bold]{tg['name']}[/bold]: {tg['chips']} x {tg['chip']} "
         f"({tg['usable_gib_per_chip']:.2f} GiB usable per chip, {tg['peak_tflops_per_chip']:.0f} TFLOP/s bf16), "
         f"mesh {report['mesh']}"
     )

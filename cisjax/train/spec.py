@@ -154,7 +154,19 @@ def from_config(cfg) -> TrainSpec:
     runtime = runtime_lib.make_runtime(
         cfg.train.precision,
         method=cfg.correction.method,
-        **{k: m[k] for k in ("dtype", "param_dtype", "router_dtype", "moe_impl", "moe_tile", "remat", "scan_layers")},
+        **{
+            k: m[k]
+            for k in (
+                "dtype",
+                "param_dtype",
+                "router_dtype",
+                "moe_impl",
+                "moe_tile",
+                "attention_impl",
+                "remat",
+                "scan_layers",
+            )
+        },
     )
     tokenizer = str(cfg.data.tokenizer or m.path)
     r = cfg.rollout

@@ -10,6 +10,7 @@ from cisjax.data import KINDS as DATA_KINDS
 from cisjax.evaluation import prompts as eval_prompts
 from cisjax.evaluation import sets as eval_sets
 from cisjax.models import hf_config
+from cisjax.models.attention import IMPLS as ATTENTION_IMPLS
 from cisjax.models.moe import IMPLS as MOE_IMPLS
 from cisjax.models.transformer import REMAT_POLICIES
 from cisjax.rl.corrections import DEFAULT_BOUNDS, METHODS
@@ -134,6 +135,7 @@ def _model(c: _Checker, inputs: bool) -> None:
     for path in ("model.dtype", "model.param_dtype", "model.router_dtype"):
         c.raises(path, hf_config.dtype_of, c.get(path))
     c.one_of("model.moe_impl", MOE_IMPLS)
+    c.one_of("model.attention_impl", ATTENTION_IMPLS)
     c.one_of("model.remat", tuple(REMAT_POLICIES))
     if not isinstance(c.get("model.scan_layers"), bool):
         c.add(f"model.scan_layers={c.get('model.scan_layers')!r}: True or False")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io, transformer
-from cisjax.models.layers import cache_mask
+from cisjax.models.attention import cache_mask
 from cisjax.models.transformer import layer_runs
 from tests.helpers import TINY_FAMILIES, tiny_hf_config
 from tests.models import parity

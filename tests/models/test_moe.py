@@ -1,4 +1,4 @@
-"""MoE routing and dropless dispatch: hand-computed routes, every impl vs a float64 numpy loop (values and grads)."""
+"""MoE dropless dispatch: every impl vs a float64 numpy loop (values and grads), the MoE module."""
 
 import flax.nnx as nnx
 import jax
@@ -7,80 +7,23 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import moe
+from cisjax.models import moe, routing
 from tests.helpers import MESHES
+from tests.models import mgpu_interpret
 
-IMPLS = (
-    "tiled",
-    "gmm",
-    "triton",
-    "ragged",
-    "dense",
-)  # gmm (megablox), triton (gpu_grouped): Pallas's interpreter on CPU
+# gmm (megablox), triton (gpu_grouped): Pallas's interpreter on CPU; mgpu (moe_hopper) in float32 runs the Triton
+# kernels (full fp32), in bf16 JAX's Mosaic GPU kernels, here in Mosaic GPU's interpreter (test_moe_hopper.py)
+IMPLS = ("tiled", "gmm", "triton", "mgpu", "ragged", "dense")
 
 
-# ----------------------------------------------------------------------------- route
+# ----------------------------------------------------------------------------- moe_ffn vs a float64 loop
 
 
-def _route(p_NxE, **kw):
-    """route() on logits = log(p), so that softmax(logits) = p exactly up to fp32 rounding."""
-    w, ids = moe.route(jnp.log(jnp.asarray(p_NxE, jnp.float32)), **kw)
-    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32
-    return np.asarray(w), np.asarray(ids)
-
-
-P_GREEDY = [[0.1, 0.2, 0.3, 0.4], [0.5, 0.125, 0.125, 0.25]]
-
-
-def test_route_greedy_top_k_softmax():
-    w, ids = _route(P_GREEDY, k=2)
-    np.testing.assert_array_equal(ids, [[3, 2], [0, 3]])
-    np.testing.assert_allclose(w, [[0.4, 0.3], [0.5, 0.25]], rtol=1e-6)
-    w, ids = _route(P_GREEDY, k=1)
-    np.testing.assert_array_equal(ids, [[3], [0]])
-    np.testing.assert_allclose(w, [[0.4], [0.5]], rtol=1e-6)
-    # softmax of the raw logits (shift-invariant)
-    w, ids = moe.route(jnp.array([[1.0, 3.0, 2.0]]) + 7.0, k=2)
-    e = np.exp([1.0, 3.0, 2.0])
-    np.testing.assert_array_equal(ids, [[1, 2]])
-    np.testing.assert_allclose(w, [[e[1] / e.sum(), e[2] / e.sum()]], rtol=1e-6)
-
-
-def test_route_norm_topk_prob_and_scaling():
-    w, _ = _route(P_GREEDY, k=2, norm_topk_prob=True)
-    np.testing.assert_allclose(w, [[4 / 7, 3 / 7], [2 / 3, 1 / 3]], rtol=1e-6)
-    w, _ = _route(P_GREEDY, k=2, scaling=2.5)
-    np.testing.assert_allclose(w, [[1.0, 0.75], [1.25, 0.625]], rtol=1e-6)
-
-
-def test_route_group_limited_greedy():
-    # 6 experts in 3 groups of 2; group maxima 0.30, 0.28, 0.25 (row 0) and 0.05, 0.40, 0.35 (row 1)
-    p = [[0.05, 0.30, 0.28, 0.02, 0.25, 0.10], [0.05, 0.04, 0.40, 0.03, 0.13, 0.35]]
-    w, ids = _route(p, k=2)  # greedy: the two largest overall
-    np.testing.assert_array_equal(ids, [[1, 2], [2, 5]])
-    w, ids = _route(p, k=2, method="group_limited_greedy", n_group=3, topk_group=1)
-    np.testing.assert_array_equal(ids, [[1, 0], [2, 3]])  # only the best group's experts
-    np.testing.assert_allclose(w, [[0.30, 0.05], [0.40, 0.03]], rtol=1e-6)  # weights not renormalised
-    w, ids = _route(p, k=2, method="group_limited_greedy", n_group=3, topk_group=2)
-    np.testing.assert_array_equal(ids, [[1, 2], [2, 5]])
-    w, ids = _route(p, k=3, method="group_limited_greedy", n_group=3, topk_group=2, scaling=2.0)
-    np.testing.assert_array_equal(ids, [[1, 2, 0], [2, 5, 4]])  # row 1 keeps groups 1 and 2
-    np.testing.assert_allclose(w, [[0.60, 0.56, 0.10], [0.80, 0.70, 0.26]], rtol=1e-6)
-
-
-def test_route_rejects_bad_arguments():
-    logits = jnp.zeros((2, 6))
-    with pytest.raises(ValueError, match="n_group"):
-        moe.route(logits, k=2, method="group_limited_greedy", n_group=4, topk_group=1)
-    with pytest.raises(ValueError, match="unknown topk method"):
-        moe.route(logits, k=2, method="noaux_tc")
+def test_moe_ffn_rejects_an_unknown_impl():
     with pytest.raises(ValueError, match="unknown moe impl"):
         moe.moe_ffn(
             jnp.zeros((2, 4)), *(jnp.zeros((3, 4, 4)),) * 3, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), impl="nope"
         )
-
-
-# ----------------------------------------------------------------------------- moe_ffn vs a float64 loop
 
 
 def _silu(g):
@@ -196,7 +139,9 @@ FAST_CASE = "levels"
         for impl in IMPLS
     ],
 )
-def test_moe_ffn_matches_float64_loop(name, impl):
+def test_moe_ffn_matches_float64_loop(name, impl, monkeypatch):
+    if impl == "mgpu":
+        mgpu_interpret.enable(monkeypatch)
     n, d, f, e, ids, tiles = CASES[name]
     x, wg, wu, wo, ids, w, ct = _problem(n, d, f, e, ids, seed=len(name))
     y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
@@ -259,11 +204,14 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
     x, wg, wu, wo, ids, w, ct = _problem(40, 8, 6, 5, _ids_cycle(40, 2, [0, 1, 2, 3]))
     y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
     assert moe.default_impl() == "tiled"  # the CPU default
-    assert [moe.default_impl(p) for p in ("tpu", "gpu", "cuda")] == ["gmm", "triton", "triton"]  # cuda: plan targets
+    # GPU: by compute capability (default: the traced program's devices': none here); cuda: cisjax plan's targets
+    assert [moe.default_impl(p) for p in ("tpu", "gpu", "cuda")] == ["gmm", "triton", "triton"]
+    assert [moe.default_impl(p, (9, 0)) for p in ("gpu", "cuda", "tpu", "cpu")] == ["mgpu", "mgpu", "gmm", "tiled"]
+    assert [moe.default_impl("gpu", c) for c in ((8, 0), (8, 9), (10, 0))] == ["triton"] * 3
     np.testing.assert_allclose(moe.moe_ffn(x, wg, wu, wo, ids, w), y_ref, rtol=2e-5, atol=2e-5)
     # bf16 in and out (the tiled impl keeps its loop buffers as uint16 bits): close to float64
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wo, w, ct)]
-    for impl, tile in (("tiled", None), ("tiled", 16), ("triton", None), ("dense", None)):
+    for impl, tile in (("tiled", None), ("tiled", 16), ("triton", None), ("dense", None)):  # mgpu: test_moe_hopper.py
         y, grads = _run(impl, tile, *bf[:4], ids, *bf[4:])
         assert y.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
         for a, ref in zip((y, *grads), (y_ref, *grads_ref)):
@@ -271,18 +219,6 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
             np.testing.assert_allclose(
                 a, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=f"bf16 {impl} tile={tile}"
             )
-
-
-def test_tile_sizes_and_choose_tile():
-    assert moe.tile_sizes(512) == (512, 128, 32, 16)
-    assert moe.tile_sizes(256) == (256, 64, 16)
-    assert moe.tile_sizes(128) == (128, 32, 16)
-    assert moe.tile_sizes(48) == (48, 24)
-    assert moe.tile_sizes(16) == (16,)
-    assert moe.tile_sizes(1) == (1,)
-    for rows, e in [(1, 4), (16384, 60), (8192, 8), (10**6, 2)]:
-        t = moe.choose_tile(rows, e)
-        assert 16 <= t <= 512 and t & (t - 1) == 0
 
 
 # ----------------------------------------------------------------------------- MoE module
@@ -305,7 +241,7 @@ def test_moe_module_routes_then_dispatches():
     x_BxLxD = jax.random.normal(jax.random.key(1), (2, 5, 8))
     y, ids_BxLxK = nnx.jit(lambda m, x: m(x))(mod, x_BxLxD)
     x_NxD = np.asarray(x_BxLxD).reshape(10, 8)
-    w_ref, ids_ref = moe.route(
+    w_ref, ids_ref = routing.route(
         x_NxD @ np.asarray(mod.router_DxE[...]),
         k=2,
         method="group_limited_greedy",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import hf_io, moe
+from cisjax.models import hf_io, routing
 from tests.helpers import SHARDABLE_QWEN2_MOE, hf_forward, log_softmax
 from tests.models.parity import LOGITS_TOL, LOGPROB_TOL
 
@@ -30,9 +30,9 @@ def test_replay_weights_by_hand():
     """softmax(log [1, 2, 3, 2]) = [1, 2, 3, 2] / 8; ids (2, 1) -> (3/8, 2/8); renormalised (0.6, 0.4); x2."""
     logits = jnp.log(jnp.asarray([[1.0, 2.0, 3.0, 2.0]]))
     ids = jnp.asarray([[2, 1]], jnp.uint8)
-    np.testing.assert_allclose(moe.replay_weights(logits, ids), [[0.375, 0.25]], rtol=1e-6)
-    np.testing.assert_allclose(moe.replay_weights(logits, ids, norm_topk_prob=True), [[0.6, 0.4]], rtol=1e-6)
-    np.testing.assert_allclose(moe.replay_weights(logits, ids, scaling=2.0), [[0.75, 0.5]], rtol=1e-6)
+    np.testing.assert_allclose(routing.replay_weights(logits, ids), [[0.375, 0.25]], rtol=1e-6)
+    np.testing.assert_allclose(routing.replay_weights(logits, ids, norm_topk_prob=True), [[0.6, 0.4]], rtol=1e-6)
+    np.testing.assert_allclose(routing.replay_weights(logits, ids, scaling=2.0), [[0.75, 0.5]], rtol=1e-6)
 
 
 def _forced_ids(rng, x, b, l, k, e):

@@ -92,12 +92,15 @@ class Tree:
         except psutil.NoSuchProcess:
             return
         for c in children:
-            if c.pid not in self.seen:
-                try:
-                    self.cmdlines[c.pid] = " ".join(c.cmdline())
-                except psutil.Error:
-                    continue
-                self.seen[c.pid] = c
+            known = self.seen.get(c.pid)
+            if known is not None and known.create_time() != c.create_time():
+                continue  # a recycled pid: not ours
+            try:
+                # read again at every poll: a child seen between its fork and its exec shows its parent's command line
+                self.cmdlines[c.pid] = " ".join(c.cmdline())
+            except psutil.Error:
+                continue
+            self.seen.setdefault(c.pid, c)
 
     def matching(self, text: str) -> list:
         return [p for pid, p in self.seen.items() if text in self.cmdlines[pid]]

@@ -36,6 +36,7 @@ def test_sections_hold_the_config_values():
         router_dtype="float32",
         moe_impl="auto",
         moe_tile=None,  # 0 = chosen from the shapes
+        attention_impl="auto",
         remat="none",
         scan_layers=True,
     )

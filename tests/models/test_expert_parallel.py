@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import hf_io, moe
+from cisjax.models import expert_parallel, hf_io, moe
 from tests.helpers import SHARDABLE_QWEN2_MOE
 from tests.models.test_moe import _problem, ref_moe
 
@@ -31,7 +31,7 @@ def _run_on_mesh(mesh_shape, impl, ids_kind, exchange="auto", seed=3, monkeypatc
     x, wg, wu, wo, ids, w, ct = _problem(N, D, F, E, _ids(ids_kind), seed=seed)
     mesh, rules = sharding.make_mesh(mesh_shape), sharding.rules_from_config(rules)
     if monkeypatch is not None:
-        monkeypatch.setattr(moe, "EP_EXCHANGE", exchange)
+        monkeypatch.setattr(expert_parallel, "EXCHANGE", exchange)
 
     def place(a, axes):
         return jax.device_put(a, sharding.named_sharding(axes, rules, mesh, a.shape))
@@ -110,14 +110,14 @@ def test_expert_parallel_with_rows_replicated_over_the_expert_axis(monkeypatch):
 def test_expert_parallel_auto_exchange_rule():
     mesh, rules = sharding.make_mesh({"expert": 8}), sharding.rules_from_config()
     with sharding.use_mesh(mesh, rules):
-        assert moe._expert_parallel_plan((8, 16, 8), 2)["exchange"] == "a2a"  # ep 8 > k 2
-        assert moe._expert_parallel_plan((8, 16, 8), 8)["exchange"] == "gather"
-        assert moe._expert_parallel_plan((6, 16, 8), 2) is None  # 6 experts do not split 8 ways: unchanged
+        assert expert_parallel.plan((8, 16, 8), 2)["exchange"] == "a2a"  # ep 8 > k 2
+        assert expert_parallel.plan((8, 16, 8), 8)["exchange"] == "gather"
+        assert expert_parallel.plan((6, 16, 8), 2) is None  # 6 experts do not split 8 ways: unchanged
     with sharding.use_mesh(mesh, sharding.rules_from_config({"expert": None})):
-        assert moe._expert_parallel_plan((8, 16, 8), 2) is None
-    assert moe._expert_parallel_plan((8, 16, 8), 2) is None  # no mesh
+        assert expert_parallel.plan((8, 16, 8), 2) is None
+    assert expert_parallel.plan((8, 16, 8), 2) is None  # no mesh
     with sharding.use_mesh(sharding.make_mesh({"fsdp": 8}), rules):
-        assert moe._expert_parallel_plan((8, 16, 8), 2) is None  # expert axis of size 1
+        assert expert_parallel.plan((8, 16, 8), 2) is None  # expert axis of size 1
 
 
 def test_cpu_ragged_all_to_all_semantics():
@@ -126,7 +126,9 @@ def test_cpu_ragged_all_to_all_semantics():
     P = jax.sharding.PartitionSpec
 
     def f(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-        return moe._ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, "x")
+        return expert_parallel.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, "x"
+        )
 
     # the docstring's example, the two devices' arguments concatenated
     operand = np.array([1, 2, 2, 3, 4, 0], np.float32)

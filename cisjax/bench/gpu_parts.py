@@ -1,0 +1,339 @@
+"""The GPU check's measured parts, each run in a process of its own: the environment, the MoE layer table, the train
+step of the full-width cut per MoE impl and token shape, and the same step in transformers/torch."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+import traceback
+
+import flax.nnx as nnx
+import jax
+import numpy as np
+
+from cisjax import runtime, sharding
+from cisjax.bench import harness, mfu, tiny_model, torch_step
+from cisjax.bench import moe as bench_moe
+from cisjax.models import attention, hf_io, moe
+from cisjax.plan import flops as flops_lib
+from cisjax.records import TrainBatch
+from cisjax.rl.corrections import CorrectionSpec
+from cisjax.rl.loss import LossSpec
+from cisjax.train import optim
+from cisjax.train import state as state_lib
+from cisjax.train import step as step_lib
+
+# Qwen1.5-MoE-A2.7B's layers at full width (hidden 2048, 60 experts of 1408, top-4, a 5632-wide shared expert, vocab
+# 151,936), 4 of its 24 (2.9B parameters, 0.97B active); small: a toy of the same family for a CPU run.
+MODEL = {
+    "full": tiny_model.Sizes(2048, 4, 16, 16, 60, 4, 1408, 5632, 151936),
+    "small": tiny_model.Sizes(64, 1, 4, 2, 8, 2, 32, 64, 512),
+}
+# The train step's token shapes, rows x length: 8,192 tokens as 4 x 2,048; 16,384 as 8 x 2,048 and as one row.
+STEP_TOKENS = {"full": ((4, 2048), (8, 2048), (1, 16384)), "small": ((2, 32), (1, 64))}
+# The MoE layer table: the paper models' layer shapes (experts E, top-k, expert width F) at hidden D, N tokens, bf16.
+MOE_LAYER = {
+    "full": dict(
+        tokens=8192,
+        hidden=2048,
+        repeats=5,
+        shapes={"qwen15_moe": (60, 4, 1408), "deepseek_v2_lite": (64, 6, 1408), "qwen3_30b_a3b": (128, 8, 768)},
+    ),
+    "small": dict(
+        tokens=128,
+        hidden=64,
+        repeats=2,
+        shapes={"qwen15_moe": (6, 2, 32), "deepseek_v2_lite": (8, 3, 32), "qwen3_30b_a3b": (8, 4, 16)},
+    ),
+}
+TIMED_STEPS = {"full": 5, "small": 2}  # timed calls after the first (compiling) one
+
+
+def failure(err: BaseException) -> dict:
+    """An exception as a result: out of memory (XLA's RESOURCE_EXHAUSTED, torch's OutOfMemoryError) flagged as such."""
+    text = f"{type(err).__name__}: {err}"
+    oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemoryError" in text
+    return dict(status="oom" if oom else "error", error=text[:2000], traceback=traceback.format_exc()[-2000:])
+
+
+def versions() -> dict:
+    """Python and the installed versions of what the check uses (read from package metadata: nothing imported)."""
+    out = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers", "triton", "ml-collections"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    plugins = [
+        d.metadata["Name"] for d in importlib.metadata.distributions() if "jax-cuda" in (d.metadata["Name"] or "")
+    ]
+    out["jax_plugins"] = sorted(set(plugins))
+    return out
+
+
+def env() -> dict:
+    """JAX's view of the machine: backend, device kind, compute capability, memory limit, and what "auto" picks."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    backend = jax.default_backend()
+    return dict(
+        backend=backend,
+        devices=len(jax.devices()),
+        device_kind=dev.device_kind,
+        compute_capability=getattr(dev, "compute_capability", None),
+        memory_limit_gib=stats["bytes_limit"] / 2**30 if "bytes_limit" in stats else None,
+        mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        moe_impls=list(moe.IMPLS),
+        moe_default=moe.default_impl(backend),
+        attention_impls=list(attention.IMPLS),
+        attention_default_bf16=attention.default_impl(backend, "bfloat16"),
+    )
+
+
+def _memory() -> dict:
+    """This process's device memory so far (peak, limit) in GiB; the CPU backend keeps none."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return dict(peak_gib=None, memory_note=f"{jax.default_backend()}: no device memory statistics")
+    return dict(peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, limit_gib=stats.get("bytes_limit", 0) / 2**30)
+
+
+# ----------------------------------------------------------------------------- the MoE layer table
+
+
+def moe_layer(size: str, shapes: list[str], impls: list[str], deadline: float, save) -> dict:
+    """`cisjax bench moe`'s measurement (forward + backward, routing inside, against a dense SwiGLU MLP of equal
+    active FLOPs) per shape and impl, one impl per call (one that runs out of memory leaves the others): its ms,
+    ratio to the dense MLP, TFLOP/s and MFU. An impl that would start past `deadline` is skipped, saying so."""
+    spec = MOE_LAYER[size]
+    out = dict(tokens=spec["tokens"], hidden=spec["hidden"], dtype="bfloat16", shapes={})
+    last_s = 0.0
+    for name in shapes:
+        e, k, f = spec["shapes"][name]
+        rows = out["shapes"][name] = dict(E=e, k=k, F=f, impls={})
+        for impl in impls:
+            if time.time() + last_s > deadline:
+                rows["impls"][impl] = dict(status="skipped", reason=f"time box (an impl took ~{last_s:.0f} s)")
+                continue
+            t0 = time.time()
+            try:
+                r = bench_moe.bench_shape(
+                    e, k, f, n=spec["tokens"], d=spec["hidden"], impls=[impl], forced={impl}, tile=None,
+                    dtype_name="bfloat16", repeats=spec["repeats"], slow_repeats=2, seed=0,
+                )  # fmt: skip
+                by = {row["candidate"]: row for row in r["rows"]}
+                row = by[f"moe_{impl}"]
+                if "skipped" in row:  # the platform refuses it
+                    rows["impls"][impl] = dict(status="skipped", reason=row["skipped"])
+                else:
+                    rows["impls"][impl] = dict(status="ok", moe=row, dense_mlp=by["dense_mlp"])
+                out.update({key: r[key] for key in ("device_kind", "peak_tflops", "mfu_omitted") if key in r})
+            except Exception as err:  # noqa: BLE001  (out of memory or a failing kernel: recorded, the others go on)
+                rows["impls"][impl] = failure(err)
+            rows["impls"][impl]["seconds"] = last_s = time.time() - t0
+            save(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the train step
+
+
+def _base_config(precision: str, moe_impl: str):
+    """configs/base.py with the check's settings: `precision`, `moe_impl`, CIS."""
+    try:
+        from cisjax import config as config_lib  # lazy: ml_collections (carried to GPU machines: docs/gpu.md)
+    except ModuleNotFoundError as err:
+        raise RuntimeError(
+            f"configs/base.py needs ml_collections ({err}): carry its wheel (docs/gpu.md; launchers/gpu_check.sh WHEELS)"
+        ) from err
+    cfg = config_lib.load(None)
+    cfg.train.precision, cfg.model.moe_impl, cfg.correction.method = precision, moe_impl, "cis"
+    return cfg
+
+
+def step_spec(cfg) -> step_lib.StepSpec:
+    """The StepSpec of a config, field by field as cisjax.train.spec builds it (not imported: the rest of a run's spec
+    pulls in the rollout client, whose grpc a GPU machine may lack)."""
+
+    def section(cls, node, **given):
+        return cls(**{f.name: given.get(f.name, node.get(f.name)) for f in dataclasses.fields(cls)})
+
+    m = cfg.model
+    keys = ("dtype", "param_dtype", "router_dtype", "moe_impl", "moe_tile", "attention_impl", "remat", "scan_layers")
+    rt = runtime.make_runtime(cfg.train.precision, method=cfg.correction.method, **{k: m[k] for k in keys if k in m})
+    return step_lib.StepSpec(
+        runtime=rt,
+        temperature=float(cfg.logprobs.temperature),
+        chunk_size=int(cfg.logprobs.chunk_size),
+        correction=section(CorrectionSpec, cfg.correction),
+        loss=section(LossSpec, cfg.loss, gspo=cfg.correction.method == "gspo"),
+        optim=section(optim.OptimSpec, cfg.train),
+        proximal="step" if cfg.train.proximal == "auto" and int(cfg.train.updates_per_batch) == 1 else "rescore",
+    )
+
+
+def host_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> TrainBatch:
+    """One micro-batch [1, rows, seq] of random tokens, full rows: a quarter prompt, the rest response; advantages
+    +-1 per row; p_prox and q near each other (the step's weights need not agree with them: timing only)."""
+    rng = np.random.default_rng(seed)
+    shape = (1, rows, seq)
+    tokens = rng.integers(0, vocab, shape).astype(np.int32)
+    targets = np.concatenate([tokens[..., 1:], np.zeros((1, rows, 1), np.int32)], axis=-1)
+    mask = np.zeros(shape, bool)
+    mask[..., seq // 4 - 1 : seq - 1] = True
+    prox = -rng.exponential(2.0, shape).astype(np.float32)
+    infer = np.minimum(prox + 0.3 * rng.standard_normal(shape), 0.0).astype(np.float32)
+    adv = (np.where(rng.random((1, rows, 1)) < 0.5, 1.0, -1.0) * mask).astype(np.float32)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy()
+    return TrainBatch(tokens, positions, np.ones(shape, np.int32), targets, mask, infer, prox, adv)
+
+
+def model_of(size: str, seq: int, runtime_kwargs: dict):
+    """(HF config dict, the family's config) of MODEL[size] for sequences of `seq` tokens."""
+    hf = tiny_model.hf_config(argparse.Namespace(**dataclasses.asdict(MODEL[size])), max_positions=max(seq, 128))
+    return hf, hf_io.model_config(hf, **runtime_kwargs)
+
+
+def work(hf: dict, mcfg, rows: int, seq: int) -> dict:
+    """The step's analytic FLOPs (cisjax.plan.flops: forward and backward of one micro-batch) and parameter counts,
+    from the model's shapes alone (nothing allocated)."""
+    model = nnx.merge(*hf_io.abstract_model(hf, mcfg))
+    fwd = flops_lib.forward_flops(model, rows, seq)
+    return dict(
+        train_flops=sum(flops_lib.train_flops(fwd, 1).values()),
+        params=flops_lib.total_params(model),
+        active_params=flops_lib.active_params(model),
+    )
+
+
+def train_step(size: str, impl: str, rows: int, seq: int) -> dict:
+    """The jitted GRPO step with CIS (bf16 compute, fp32 master weights, AdamW) of the cut, random weights built on
+    the device (hf_io.init_model), `rows` x `seq` tokens: first call (compile), median step, tokens/s, analytic FLOPs
+    and MFU, peak device memory."""
+    cfg = _base_config("bf16", impl)
+    spec = step_spec(cfg)
+    mesh = sharding.make_mesh(cfg.mesh.to_dict())
+    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
+    hf, mcfg = model_of(size, seq, spec.runtime.model_kwargs())
+    graphdef, abstract = hf_io.abstract_model(hf, mcfg)
+    shardings = sharding.param_shardings(abstract, mesh, rules)
+    t0 = time.perf_counter()
+    params = jax.jit(lambda: nnx.split(hf_io.init_model(hf, mcfg, 0), nnx.Param)[1])()
+    params = jax.tree.map(
+        lambda v, sh: v.replace(jax.device_put(v[...], sh)),
+        params,
+        shardings,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    model = nnx.merge(graphdef, params)
+    tx = optim.make_optimizer(spec.optim)
+    graphdef, state = state_lib.create(model, tx, mesh=mesh)
+    del model, params
+    init_s = time.perf_counter() - t0
+    step = step_lib.make_train_step(graphdef, tx, spec, mesh, rules, state_lib.shardings(state))
+    batch = sharding.place(host_batch(rows, seq, MODEL[size].vocab), mesh, rules, sharding.BATCH_AXES)
+    t0 = time.perf_counter()
+    state, met = step(state, batch)
+    jax.block_until_ready(met)
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(TIMED_STEPS[size]):
+        t0 = time.perf_counter()
+        state, met = step(state, batch)
+        jax.block_until_ready(met)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    ref = mfu.peak(mfu.device_kind(), "bf16")
+    counts = work(hf, mcfg, rows, seq)
+    return dict(
+        status="ok",
+        impl=impl,
+        resolved_impl=moe.default_impl(jax.default_backend()) if impl == "auto" else impl,
+        rows=rows,
+        seq=seq,
+        tokens=rows * seq,
+        **counts,
+        init_s=init_s,
+        first_call_s=first_s,
+        step_s=times,
+        median_s=median,
+        tokens_per_s=rows * seq / median,
+        **mfu.utilization(counts["train_flops"], median, ref),
+        **ref,
+        proximal=spec.proximal,
+        loss=float(met["loss"]),
+        **_memory(),
+    )
+
+
+def train_steps(size: str, combos: list[list], deadline: float, save) -> dict:
+    """train_step per (impl, rows, seq), in order, each recorded as it ends (out of memory as such); one that would
+    start past `deadline` is skipped, saying so."""
+    out, last_s = {}, 0.0
+    for impl, rows, seq in combos:
+        key = f"{impl}@{rows}x{seq}"
+        if time.time() + last_s > deadline:
+            out[key] = dict(status="skipped", reason=f"time box (a step run took ~{last_s:.0f} s)")
+            continue
+        t0 = time.time()
+        try:
+            out[key] = train_step(size, impl, rows, seq)
+        except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
+            out[key] = dict(failure(err), impl=impl, rows=rows, seq=seq, **_memory())
+        out[key]["seconds"] = last_s = time.time() - t0
+        save(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the torch reference
+
+
+def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
+    """The same model and objective in transformers/torch (fp32 weights, bf16 autocast, sdpa attention, global-norm
+    clipping and AdamW, fused on CUDA), per (experts implementation, rows, seq); in a process without JAX on the
+    device (the two would share its memory)."""
+    try:
+        spec = step_spec(_base_config("bf16", "auto"))
+    except RuntimeError as err:  # no ml_collections: said once, for every combo
+        return {f"{e}@{r}x{t}": dict(failure(err), rows=r, seq=t) for e, r, t in combos}
+    dev = torch_step.device("cuda")  # "cpu" when torch sees no GPU
+    kind = torch_step.device_kind(dev)
+    ref = mfu.peak(kind, "bf16")
+    out, last_s = dict(device=dev, device_kind=kind, **ref), 0.0
+    for experts, rows, seq in combos:
+        key = f"{experts}@{rows}x{seq}"
+        if time.time() + last_s > deadline:
+            out[key] = dict(status="skipped", reason=f"time box (a step run took ~{last_s:.0f} s)")
+            continue
+        t0 = time.time()
+        model = run = None
+        try:
+            hf, mcfg = model_of(size, seq, spec.runtime.model_kwargs())
+            counts = work(hf, mcfg, rows, seq)
+            model = torch_step.build(hf, experts=experts, device=dev)
+            mb = host_batch(rows, seq, MODEL[size].vocab)
+            mb = TrainBatch(*(None if a is None else a[0] for a in mb))
+            run = torch_step.TorchFwdBwd(model, mb, spec, precision="bf16", optimizer=True)
+            info = run.info([harness.timed(run)[0] for _ in range(TIMED_STEPS[size])])
+            out[key] = dict(
+                status="ok",
+                rows=rows,
+                seq=seq,
+                tokens=rows * seq,
+                tokens_per_s=rows * seq / info["median_s"],
+                **counts,
+                **mfu.utilization(counts["train_flops"], info["median_s"], ref),
+                **info,
+            )
+        except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
+            out[key] = dict(failure(err), rows=rows, seq=seq)
+        del model, run
+        torch_step.release(dev)
+        out[key]["seconds"] = last_s = time.time() - t0
+        save(out)
+    return out

@@ -1,0 +1,239 @@
+"""The Hopper MoE dispatch ("mgpu"): SwiGLU experts on JAX's Mosaic GPU grouped matmuls, blocks chosen per shape."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+
+from cisjax import sharding
+from cisjax.models.gpu_grouped import triton_swiglu
+
+ROW_ALIGN = 128  # mgpu_swiglu pads the rows once to a multiple of every row block the kernels use (64 or 128)
+INTERPRET_SMS = 8  # "SMs" of the weight-gradient kernel in Mosaic GPU's interpreter (the forward's: 132, fixed)
+# Off a GPU, "mgpu" runs the kernels in Mosaic GPU's interpreter only once tests set this: jax 0.10.2's interpreter
+# lacks what the backward kernels use (a transposed wgmma operand, layout_cast), which tests/models/mgpu_interpret.py
+# supplies. Otherwise moe_ffn refuses "mgpu" off a GPU. A module knob, as expert_parallel.EXCHANGE.
+INTERPRET = False
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels multiply (wgmma); float32 runs the Triton kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One configuration of a Mosaic GPU grouped-matmul kernel: its keyword arguments."""
+
+    block_m: int  # tile rows (the weight gradient: rows of dW, the weight's K)
+    block_n: int  # tile columns
+    block_k: int  # contraction step (the weight gradient: rows of x and dy per step)
+    max_concurrent_steps: int  # pipeline stages in shared memory
+    grid_block_n: int  # N tiles per band of the tiles' order (a planar snake: L2 reuse)
+
+
+# Configurations measured on one H200 (bf16, jax 0.11.2; docs/results.md), by (kernel, K, N) of the call, for groups
+# of at least 128 rows on average (where they were measured); every other shape takes `blocks`' rule. "ragged_dot":
+# the forward and the input gradient (K, N of that call: the input gradient of x @ W[K, N] is a call with (N, K));
+# "transposed": the weight gradient (K, N of dW).
+BLOCKS = {
+    # 32,768 rows in 60 groups x 2,048 x 1,408 (Qwen1.5-MoE's gate/up projection): 0.449 ms = 421 TFLOP/s, the best
+    # of four configurations tried (a dense matmul of equal FLOPs: 702 TFLOP/s)
+    ("ragged_dot", 2048, 1408): Blocks(128, 128, 64, 4, 2),
+}
+
+
+def blocks(kernel: str, rows: int, groups: int, k: int, n: int) -> Blocks:
+    """The configuration of one call of `kernel` ("ragged_dot" or "transposed") on `rows` sorted rows in `groups`
+    groups, K = k, N = n: BLOCKS' entry where there is one and the groups average 128 rows or more, else the rule.
+
+    The rule generalises the measured one: tiles of 128 x 128 (64 along a dimension 128 does not divide; the
+    forward's tiles 64 rows high when the groups average under 128 rows, since a group's last tile computes rows of
+    the next and drops them), K steps of 64 (128 bytes of bf16: the kernels' swizzle), 4 pipeline stages, N bands of
+    2 tiles in the forward and 1 in the weight gradient (its 420 TFLOP/s at the shape above is the best of
+    (128, 128, 64), (64, 128, 64) and (128, 64, 128), each with 4 stages and bands of 1; which one was not recorded,
+    so it has no entry: the rule takes the first)."""
+    big = rows >= 128 * groups
+    hit = BLOCKS.get((kernel, k, n))
+    if hit is not None and big:
+        return hit
+
+    def tile(dim: int) -> int:
+        return 128 if dim % 128 == 0 else 64
+
+    if kernel == "ragged_dot":
+        return Blocks(128 if big else 64, tile(n), 64, 4, 2)
+    if kernel == "transposed":
+        return Blocks(tile(k), tile(n), 64, 4, 1)
+    raise ValueError(f"unknown kernel {kernel!r} (ragged_dot, transposed)")
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the GPU the program being traced runs on: the active mesh's devices (sharding.use_mesh, so
+    cisjax plan's deviceless targets say theirs), else JAX's default device; None for a device that is no CUDA GPU."""
+    ctx = sharding.active()
+    device = ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)  # "9.0" (a string in jax 0.10 and 0.11)
+    if not cc:
+        return None
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def _kernels():
+    """(ragged_dot, transposed_ragged_dot): JAX's Mosaic GPU kernels (the same signatures in jax 0.10.2 to 0.11.1)."""
+    # Mosaic GPU locates its runtime library (the CUDA plugin's) when first imported: after cisjax plan adds the plugin
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # lazy: mosaic_gpu
+
+    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+class _JaxSeeing:
+    """The jax module, but jax.devices() = `devices`. The weight-gradient kernel sizes its grid by
+    jax.devices()[0].core_count, the host's default device: a CPU host compiling for a GPU mesh (cisjax plan) or
+    running the interpreter has none, and kernels follow the mesh, never the host."""
+
+    def __init__(self, devices):
+        self._devices = list(devices)
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    def devices(self, backend=None):
+        return self._devices
+
+
+def _seeing(fn, sms: int | None):
+    """fn, a function of a kernel module, run with jax.devices()[0].core_count = sms (fn itself when sms is None or
+    what the host's default device says)."""
+    if sms is None or getattr(jax.devices()[0], "core_count", None) == sms:
+        return fn
+    device = types.SimpleNamespace(core_count=sms)
+    g = types.FunctionType(fn.__code__, {**fn.__globals__, "jax": _JaxSeeing([device])}, fn.__name__, fn.__defaults__)
+    g.__kwdefaults__ = fn.__kwdefaults__
+    return g
+
+
+def _sms() -> int | None:
+    """The SMs of the GPU the program being traced runs on (the active mesh's devices: cisjax plan's targets say
+    theirs); None without a mesh (the kernel asks JAX's default device itself). Taken when the forward is traced:
+    the backward runs after the mesh's context has closed."""
+    ctx = sharding.active()
+    return None if ctx is None else getattr(ctx[0].devices.flat[0], "core_count", None)
+
+
+@contextlib.contextmanager
+def _interpreted(interpret: bool):
+    """Trace the kernels in Mosaic GPU's interpreter (CPU tests) when `interpret`."""
+    if not interpret:
+        yield
+        return
+    # jax keeps the interpreter's switch private
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode  # lazy: tests
+
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        yield
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_to(a, shape):
+    pads = [(0, s - d) for s, d in zip(shape, a.shape)]
+    return a if not any(p for _, p in pads) else jnp.pad(a, pads)
+
+
+def _ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool):
+    """out[r] = lhs[r] @ rhs[group(r)], rhs [G, K, N] (transpose_rhs: given [G, N, K], multiplied transposed), on
+    JAX's Hopper kernel. Rows, K and N are padded with zeros to whole blocks (the kernel needs K % block_k; whole row
+    and N blocks keep every copy in bounds) and sliced back; rows past the groups come out unwritten."""
+    r, k = lhs_RxK.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    b = blocks("ragged_dot", r, g, k, n)
+    rp, kp, np_ = _round_up(r, b.block_m), _round_up(k, b.block_k), _round_up(n, b.block_n)
+    lhs_PxK = _pad_to(lhs_RxK, (rp, kp))
+    rhs = _pad_to(rhs, (g, np_, kp) if transpose_rhs else (g, kp, np_))
+    ragged_dot, _ = _kernels()
+    with _interpreted(interpret):
+        out_PxN = ragged_dot(lhs_PxK, rhs, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **dataclasses.asdict(b))
+    return out_PxN[:r, :n]
+
+
+def _transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, interpret: bool, sms: int | None):
+    """dW[g] = x[rows of g]^T @ dy[rows of g], [G, K, N], on JAX's Hopper weight-gradient kernel (an empty group gets
+    zeros). K and N are padded to whole blocks (the kernel needs them), the rows to whole K steps (every copy in
+    bounds; padding rows in no group), and sliced back. Rows in no group must be finite, in x and dy: a step shared
+    with another group zeroes their x by multiplying it by 0."""
+    r, k = x_RxK.shape
+    n = dy_RxN.shape[1]
+    g = sizes_G.shape[0]
+    b = blocks("transposed", r, g, k, n)
+    rp, kp, np_ = _round_up(r, b.block_k), _round_up(k, b.block_m), _round_up(n, b.block_n)
+    _, transposed = _kernels()
+    with _interpreted(interpret):
+        out_GxKxN = _seeing(transposed, INTERPRET_SMS if interpret else sms)(
+            _pad_to(x_RxK, (rp, kp)), _pad_to(dy_RxN, (rp, np_)), group_sizes=sizes_G, **dataclasses.asdict(b)
+        )
+    return out_GxKxN[:, :k, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gmm(x_RxK, w_GxKxN, sizes_G, interpret: bool = False, sms: int | None = None):
+    """Grouped matmul on rows sorted by group: out[r] = x[r] @ W[group(r)] on JAX's Hopper kernels, x and W of one
+    16-bit float dtype, sum(sizes) <= rows. Backward: the input gradient is the same kernel with W transposed inside,
+    the weight gradient the transposed ragged dot; both visit only the groups' rows. Rows past the groups come out
+    unwritten (out and dx) and must hold finite values (x and the cotangent: see _transposed_ragged_dot).
+    interpret: Mosaic GPU's interpreter (CPU tests); on a GPU of compute capability 9.x the kernels. sms: the GPU's
+    SM count, which sizes the weight-gradient kernel's grid (_sms; None: the kernel asks JAX's default device)."""
+    return _ragged_dot(x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, interpret=interpret)
+
+
+def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
+    return gmm(x_RxK, w_GxKxN, sizes_G, interpret, sms), (x_RxK, w_GxKxN, sizes_G)
+
+
+def _gmm_bwd(interpret, sms, res, dout_RxN):
+    x_RxK, w_GxKxN, sizes_G = res
+    dx_RxK = _ragged_dot(dout_RxN, w_GxKxN, sizes_G, transpose_rhs=True, interpret=interpret)
+    dw_GxKxN = _transposed_ragged_dot(x_RxK, dout_RxN, sizes_G, interpret=interpret, sms=sms)
+    return dx_RxK.astype(x_RxK.dtype), dw_GxKxN.astype(w_GxKxN.dtype), None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def mgpu_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
+    """SwiGLU experts on expert-sorted rows with the Hopper grouped matmuls (moe_ffn's "mgpu"), in the rows' dtype
+    (the weights are cast to it: the kernels take one dtype). The rows are padded once to a multiple of ROW_ALIGN
+    (zeros in no group), so no kernel call pads them again. The gate and up rows past the groups (that padding, an
+    expert-parallel buffer's tail: rows the kernels leave unwritten) are zeroed (a select) before anything multiplies
+    them, so neither they nor their cotangents (the select's: zero) can carry a NaN into a weight gradient. Output
+    rows past the groups are unspecified (moe_ffn masks them).
+
+    float32 runs gpu_grouped.triton_swiglu instead: wgmma multiplies float32 in TF32 and the Mosaic kernels take no
+    precision, while an fp32 program must compute in full fp32 (cisjax.runtime.matmul_precision); the Triton kernels
+    multiply at HIGHEST."""
+    if jnp.dtype(xs_RxD.dtype) not in KERNEL_DTYPES:
+        return triton_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret)
+    r = xs_RxD.shape[0]
+    p = _round_up(max(r, 1), ROW_ALIGN)
+    xs_PxD = _pad_to(xs_RxD, (p, xs_RxD.shape[1]))
+    wg_ExDxF, wu_ExDxF, wo_ExFxD = (w.astype(xs_RxD.dtype) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
+    valid_Px1 = (jnp.arange(p) < jnp.sum(sizes_E))[:, None]
+    sms = _sms()
+    g_PxF, u_PxF = (jnp.where(valid_Px1, gmm(xs_PxD, w, sizes_E, interpret, sms), 0) for w in (wg_ExDxF, wu_ExDxF))
+    return gmm(jax.nn.silu(g_PxF) * u_PxF, wo_ExFxD, sizes_E, interpret, sms)[:r]
+
+
+def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:
+    """An upper bound of the FLOPs the Mosaic kernels compute for one SwiGLU over `assignments` expert-sorted rows in
+    `groups` groups, hidden d, expert width f (cisjax plan: plgpu.kernel carries no cost estimate, so XLA's cost
+    model sees nothing). Every matmul of the three (gate, up, down) runs over the rows padded to 128, plus one tile of
+    128 rows per group boundary (a tile shared by two groups is computed for each); the backward takes dx (three more
+    ragged_dots) and dW (three transposed ones) over the same rows."""
+    rows = _round_up(assignments, 128) + max(groups - 1, 0) * 128
+    forward = 3 * 2.0 * rows * d * f
+    return forward * (3 if backward else 1)

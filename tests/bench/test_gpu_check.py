@@ -1,0 +1,186 @@
+"""The GPU check (launchers/gpu_check.sh, cisjax.bench.gpu_check) at toy sizes on the CPU, end to end through the
+launcher; its exactness check failing on a wrong reference; the time boxes; MFU's peak table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cisjax.bench import gpu_check, gpu_exact, gpu_parts, mfu, torch_step
+from cisjax.models import attention, moe
+from cisjax.plan import hardware
+from tests import xla_flags
+from tests.test_launchers import REPO
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """launchers/gpu_check.sh with this Python, one CPU device and the suite's cheap compile: (exit code, JSON, output)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "PYTHONPATH")}
+    env.update(
+        OUT=str(out), PYTHON=sys.executable, BUDGET_S="600", JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(xla_flags.COMPILE)
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "launchers" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900
+    )
+    res = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
+    return r.returncode, res, r.stdout + r.stderr
+
+
+def _real(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_every_section_small_on_cpu(checked):
+    code, res, output = checked
+    assert code == 0 and res is not None, output[-3000:]
+    assert res["size"] == "small" and res["env"]["backend"] == "cpu" and res["env"]["device_kind"] == "cpu"
+    assert res["environment"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.93"  # the launcher's
+    assert res["env"]["versions"]["jax"] and res["env"]["versions"]["python"]
+    secs = res["sections"]
+    assert set(secs) == set(gpu_check.SECTIONS)
+    assert all(run["status"] == "ok" for s in secs.values() for run in s["runs"]), output[-3000:]
+    assert not any(s["skipped_parts"] for s in secs.values())
+
+    ex = secs["exactness"]
+    assert ex["ok"] and not ex["failures"] and res["summary"]["exactness"]["ok"] is True
+    assert set(ex["moe"]) == set(moe.IMPLS) - {"auto"} and set(ex["attention"]) == set(attention.IMPLS) - {"auto"}
+    measured = set()
+    for kind in ("moe", "attention"):
+        for impl, row in ex[kind].items():
+            assert set(row) == set(gpu_exact.DTYPES)
+            for dtype, r in row.items():
+                if "skipped" in r:  # refused by the platform (a GPU-only kernel), said so
+                    assert r["skipped"].startswith("not on cpu"), (impl, r)
+                    continue
+                measured.add(impl)
+                # real figures: the kernel's output and gradients differ from float64 by rounding, within the bound
+                assert all(_real(e) for e in r["max_rel"].values()), (kind, impl, dtype, r)
+                assert r["worst"] <= gpu_exact.BOUNDS[dtype] and r["ok"]
+                if kind == "moe":
+                    assert set(r["max_rel"]) == {"y", "dx", "dwg", "dwu", "dwo", "dw"} and r["empty_groups_zero_grad"]
+    assert {"tiled", "ragged", "dense", "einsum"} <= measured  # XLA's own impls run everywhere
+    sizes = ex["moe_group_sizes"]
+    assert 0 in sizes and len(set(s for s in sizes if s)) > 1  # empty and ragged groups
+
+    layer = secs["moe_layer"]
+    assert list(layer["shapes"]) == list(gpu_parts.MOE_LAYER["small"]["shapes"])
+    for shape in layer["shapes"].values():
+        row = shape["impls"][res["env"]["moe_default"]]
+        assert row["status"] == "ok" and _real(row["moe"]["ratio"]) and _real(row["moe"]["tflops"])
+        assert row["moe"]["mfu"] is None  # no peak for a CPU: omitted, with the reason
+    assert "no documented peak" in layer["mfu_omitted"]
+
+    steps = secs["train_step"]
+    combos = [k for k in steps if "@" in k]
+    assert combos == [f"{res['env']['moe_default']}@{r}x{t}" for r, t in gpu_parts.STEP_TOKENS["small"]]
+    for key in combos:
+        r = steps[key]
+        assert r["status"] == "ok" and _real(r["tokens_per_s"]) and _real(r["train_flops"]) and r["mfu"] is None
+        assert r["peak_gib"] is None and r["memory_note"] and math.isfinite(r["loss"])
+    torch = secs["torch_step"]
+    assert torch["device"] == "cpu" and any(k.startswith("fastest@") for k in torch)
+    assert all(torch[k]["status"] == "ok" and _real(torch[k]["tokens_per_s"]) for k in torch if "@" in k)
+    assert _real(res["summary"]["train_step"]["vs_torch"])
+    assert "exactness" in output and "train step" in output and "torch step" in output  # the printed tables
+
+
+def test_exactness_fails_on_a_wrong_reference():
+    """The check compares against the float64 reference for real: one wrong gradient entry of the reference, or a
+    reference attention that ignores the segments, and the kernel fails."""
+    inputs = gpu_exact.moe_inputs("small")
+    assert gpu_exact.check_moe("ragged", "float32", inputs)["ok"]
+
+    def off(*args):
+        out = gpu_exact.moe_reference(*args)
+        out["dwo"][0, 0, 0] += 0.05 * np.abs(out["dwo"]).max()
+        return out
+
+    r = gpu_exact.check_moe("ragged", "float32", inputs, reference=off)
+    assert not r["ok"] and r["max_rel"]["dwo"] > gpu_exact.BOUNDS["float32"] and r["max_rel"]["y"] < 1e-5
+
+    a = gpu_exact.attention_inputs("small")
+    assert gpu_exact.check_attention("einsum", "bfloat16", a)["ok"]
+    one_segment = lambda q, k, v, ids, ct, scale: gpu_exact.attention_reference(q, k, v, ids > 0, ct, scale)  # noqa: E731
+    assert not gpu_exact.check_attention("einsum", "bfloat16", a, reference=one_segment)["ok"]
+
+
+def test_parts_past_their_deadline_are_skipped_saying_so():
+    saved = []
+    res = gpu_exact.run("small", time.time() - 1, saved.append)
+    rows = [r for kind in ("moe", "attention") for row in res[kind].values() for r in row.values()]
+    assert rows and all(r["skipped"].startswith("time box") for r in rows) and res["ok"]
+    steps = gpu_parts.train_steps("small", [["tiled", 2, 32]], time.time() - 1, saved.append)
+    assert steps["tiled@2x32"]["status"] == "skipped" and "time box" in steps["tiled@2x32"]["reason"]
+
+
+def test_out_of_memory_is_recorded_as_such():
+    try:
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 47.00GiB")
+    except RuntimeError as err:
+        assert gpu_parts.failure(err)["status"] == "oom"
+    try:
+        raise ValueError("bad shape")
+    except ValueError as err:
+        assert gpu_parts.failure(err)["status"] == "error"
+
+
+def test_plans_put_the_default_impl_first_and_leave_refused_ones_out():
+    env = dict(moe_default="triton", moe_impls=["auto", "tiled", "gmm", "triton", "ragged", "dense"])
+    refused = dict(skipped="not on gpu: a TPU kernel")
+    sections = dict(exactness=dict(moe={"gmm": {"float32": refused, "bfloat16": refused}}))
+    layer = gpu_check.plans("moe_layer", "full", env, sections)
+    assert len(layer) == 3 and layer[0]["impls"] == ["triton", "tiled", "ragged", "dense"]  # gmm refused; dense last
+    steps = gpu_check.plans("train_step", "full", env, sections)
+    assert all(len(p["combos"]) == 1 for p in steps)  # one process each on a GPU
+    combos = [p["combos"][0] for p in steps]
+    assert combos[:3] == [["triton", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
+    assert [c[0] for c in combos[3:]] == ["tiled", "ragged", "dense"]
+    measured = {i: dict(moe=dict(ratio=r)) for i, r in dict(tiled=9.0, ragged=3.0).items()}
+    sections["moe_layer"] = dict(shapes=dict(qwen15_moe=dict(impls=measured)))
+    combos = [p["combos"][0] for p in gpu_check.plans("train_step", "full", env, sections)]
+    assert [c[0] for c in combos[3:]] == ["ragged", "tiled", "dense"]  # the faster layer first, unmeasured last
+
+
+def test_peak_table():
+    for kind, peak in hardware.DEVICE_PEAKS.items():
+        assert (
+            peak.kind == kind and peak.bf16 > 0 and ("data sheet" in peak.source or "cloud.google.com" in peak.source)
+        )
+        assert peak.fp32 is None or 0 < peak.fp32 < peak.bf16
+    for chip, spec in hardware.GPU_CHIPS.values():  # the plan's GPUs: the same bf16 peak under their device names
+        assert hardware.device_peak(spec.description).bf16 == chip.peak_flops
+    h100 = mfu.peak("NVIDIA H100 80GB HBM3", "bfloat16")
+    assert h100["peak_tflops"] == pytest.approx(989.4) and "H100" in h100["peak_source"]
+    assert mfu.utilization(494.7e12, 1.0, h100) == dict(tflops=pytest.approx(494.7), mfu=pytest.approx(0.5))
+    assert "no documented float32 peak" in mfu.peak("TPU v5", "float32")["mfu_omitted"]
+    cpu = mfu.peak("cpu", "bf16")
+    assert "mfu_omitted" in cpu and mfu.utilization(1e12, 2.0, cpu) == dict(tflops=0.5, mfu=None)
+
+
+def test_the_checking_process_never_starts_jax():
+    """The process that runs the parts must not start a JAX backend: on a GPU it would reserve most of the memory the
+    parts need."""
+    code = (
+        "from jax._src import xla_bridge as xb; from cisjax.bench import gpu_check as g; g._environment(); "
+        "g.gpu_parts.versions(); g.gpu_report.summary(dict(sections={}, env={})); print(bool(xb._backends))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "False", r.stderr
+
+
+def test_torch_side_follows_the_jax_device_and_asks_for_grouped_mm_first():
+    assert torch_step.device("cpu") == "cpu" and torch_step.device_kind("cpu") == "cpu"
+    assert torch_step.experts_kwargs(torch_step.FASTEST) == [{"experts_implementation": "grouped_mm"}, {}]
+    assert torch_step.experts_kwargs("eager") == [{"experts_implementation": "eager"}] and torch_step.experts_kwargs(
+        None
+    ) == [{}]
