@@ -97,9 +97,12 @@ class Tree:
                 continue  # a recycled pid: not ours
             try:
                 # read again at every poll: a child seen between its fork and its exec shows its parent's command line
-                self.cmdlines[c.pid] = " ".join(c.cmdline())
+                # (an exited one reads empty: its last one stays)
+                cmdline = " ".join(c.cmdline())
             except psutil.Error:
                 continue
+            if cmdline or c.pid not in self.cmdlines:
+                self.cmdlines[c.pid] = cmdline
             self.seen.setdefault(c.pid, c)
 
     def matching(self, text: str) -> list:

@@ -379,6 +379,7 @@ def test_model_runtime_carries_every_runtime_field():
         dtype="float16", param_dtype="bfloat16", router_dtype="bfloat16", moe_impl="dense", moe_tile=16, remat="full"
     )
     chosen["scan_layers"] = False
+    chosen["attention_impl"] = "splash"
     for name, value in chosen.items():
         cfg.model[name] = value
     assert {f.name for f in dataclasses.fields(hf_config.RuntimeOptions)} == set(chosen)
