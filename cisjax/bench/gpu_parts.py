@@ -274,17 +274,27 @@ def train_step(size: str, impl: str, rows: int, seq: int) -> dict:
 def train_steps(size: str, combos: list[list], deadline: float, save) -> dict:
     """train_step per (impl, rows, seq), in order, each recorded as it ends (out of memory as such); one that would
     start past `deadline` is skipped, saying so."""
-    out, last_s = {}, 0.0
-    for impl, rows, seq in combos:
-        key = f"{impl}@{rows}x{seq}"
+
+    def one(impl, rows, seq):
+        try:
+            return train_step(size, impl, rows, seq)
+        except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
+            return dict(failure(err), impl=impl, rows=rows, seq=seq, **_memory())
+
+    return _time_boxed({}, combos, deadline, save, one)
+
+
+def _time_boxed(out: dict, combos: list[list], deadline: float, save, run) -> dict:
+    """out[f"{a}@{rows}x{seq}"] = run(a, rows, seq) for each combo in order, with its seconds, saved as each ends; one
+    that would start past `deadline` (now + the last run's time) is skipped, saying so."""
+    last_s = 0.0
+    for a, rows, seq in combos:
+        key = f"{a}@{rows}x{seq}"
         if time.time() + last_s > deadline:
             out[key] = dict(status="skipped", reason=f"time box (a step run took ~{last_s:.0f} s)")
             continue
         t0 = time.time()
-        try:
-            out[key] = train_step(size, impl, rows, seq)
-        except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
-            out[key] = dict(failure(err), impl=impl, rows=rows, seq=seq, **_memory())
+        out[key] = run(a, rows, seq)
         out[key]["seconds"] = last_s = time.time() - t0
         save(out)
     return out
@@ -304,13 +314,8 @@ def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
     dev = torch_step.device("cuda")  # "cpu" when torch sees no GPU
     kind = torch_step.device_kind(dev)
     ref = mfu.peak(kind, "bf16")
-    out, last_s = dict(device=dev, device_kind=kind, **ref), 0.0
-    for experts, rows, seq in combos:
-        key = f"{experts}@{rows}x{seq}"
-        if time.time() + last_s > deadline:
-            out[key] = dict(status="skipped", reason=f"time box (a step run took ~{last_s:.0f} s)")
-            continue
-        t0 = time.time()
+
+    def one(experts, rows, seq):
         model = run = None
         try:
             hf, mcfg = model_of(size, seq, spec.runtime.model_kwargs())
@@ -320,7 +325,7 @@ def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
             mb = TrainBatch(*(None if a is None else a[0] for a in mb))
             run = torch_step.TorchFwdBwd(model, mb, spec, precision="bf16", optimizer=True)
             info = run.info([harness.timed(run)[0] for _ in range(TIMED_STEPS[size])])
-            out[key] = dict(
+            result = dict(
                 status="ok",
                 rows=rows,
                 seq=seq,
@@ -331,9 +336,9 @@ def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
                 **info,
             )
         except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
-            out[key] = dict(failure(err), rows=rows, seq=seq)
+            result = dict(failure(err), rows=rows, seq=seq)
         del model, run
         torch_step.release(dev)
-        out[key]["seconds"] = last_s = time.time() - t0
-        save(out)
-    return out
+        return result
+
+    return _time_boxed(dict(device=dev, device_kind=kind, **ref), combos, deadline, save, one)
