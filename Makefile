@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 WORKERS ?= 2
 DIST    ?= loadgroup
 
-.PHONY: setup test test-fast lint format demo bench plan clean
+.PHONY: setup test test-fast test-jax011 lint format demo bench plan clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,18 @@ lint: setup
 	$(BIN)/ruff check cisjax tests configs launchers
 	$(BIN)/ruff format --check cisjax tests configs launchers
 
+# The GPU code on the JAX the GPU machines have (jax 0.11.2 on Python 3.12; docs/gpu.md), checked on this CPU in an
+# environment of its own (requirements-jax011.txt, ~6 GB: not part of `make test`): the models' and kernels' tests
+# (Pallas's and Mosaic GPU's interpreters; an sm_90a compile through the CUDA 13 plugin) and the GPU check at toy sizes.
+PYTHON_JAX011 ?= python3.12
+VENV_JAX011   ?= .venv-jax011
+test-jax011:
+	[ -x $(VENV_JAX011)/bin/python ] || $(PYTHON_JAX011) -m venv $(VENV_JAX011)
+	$(VENV_JAX011)/bin/pip install --quiet -r requirements-jax011.txt
+	$(VENV_JAX011)/bin/pip install --quiet --no-deps --target $(VENV_JAX011)/cuda-plugin -r requirements-jax011-plugin.txt
+	PYTHONPATH=$(CURDIR) $(VENV_JAX011)/bin/python -m pytest -q -n $(WORKERS) -p no:cacheprovider tests/models tests/plan/test_flops.py
+	PYTHON=$(VENV_JAX011)/bin/python OUT=runs/gpu_check_jax011 bash launchers/gpu_check.sh --size small
+
 format: setup
 	$(BIN)/ruff check --fix cisjax tests configs launchers
 	$(BIN)/ruff format cisjax tests configs launchers
@@ -60,4 +72,4 @@ plan: setup
 	$(BIN)/cisjax plan --config configs/qwen3_30b_a3b.py --topology v5p-64 --search rows --json runs/plan/qwen3_30b_a3b.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV_JAX011) .pytest_cache

@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from cisjax import config as config_lib
 from cisjax import sharding
-from cisjax.bench import harness, serving, tiny_model
+from cisjax.bench import harness, serving, synthetic, tiny_model
 from cisjax.bench.serving import Server, engine_env
-from cisjax.records import TrainBatch
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.build import build
 from cisjax.train.publish import Publisher
@@ -110,16 +108,8 @@ def _config(args):
 
 
 def _batch(args, run, vocab: int, seed: int):
-    rng = np.random.default_rng(seed)
-    b, t = -(-args.batch // run.rows_multiple) * run.rows_multiple, args.seq  # rows: a multiple of the batch shards
-    tokens = rng.integers(0, vocab, (1, b, t)).astype(np.int32)
-    targets = np.concatenate([tokens[..., 1:], np.zeros((1, b, 1), np.int32)], axis=-1)
-    mask = np.zeros((1, b, t), bool)
-    mask[..., t // 4 - 1 : t - 1] = True
-    adv = (np.where(rng.random((1, b, 1)) < 0.5, 1.0, -1.0) * mask).astype(np.float32)
-    zeros = np.zeros((1, b, t), np.float32)
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (1, b, t)).copy()
-    host = TrainBatch(tokens, positions, np.ones((1, b, t), np.int32), targets, mask, zeros, zeros, adv)
+    rows = -(-args.batch // run.rows_multiple) * run.rows_multiple  # a multiple of the batch shards
+    host = synthetic.train_batch(1, rows, args.seq, vocab, seed)
     return sharding.place(host, run.mesh, run.rules, sharding.BATCH_AXES)
 
 

@@ -14,10 +14,9 @@ import traceback
 
 import flax.nnx as nnx
 import jax
-import numpy as np
 
 from cisjax import runtime, sharding
-from cisjax.bench import harness, mfu, tiny_model, torch_step
+from cisjax.bench import harness, mfu, synthetic, tiny_model, torch_step
 from cisjax.bench import moe as bench_moe
 from cisjax.models import attention, hf_io, moe
 from cisjax.plan import flops as flops_lib
@@ -177,22 +176,6 @@ def step_spec(cfg) -> step_lib.StepSpec:
     )
 
 
-def host_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> TrainBatch:
-    """One micro-batch [1, rows, seq] of random tokens, full rows: a quarter prompt, the rest response; advantages
-    +-1 per row; p_prox and q near each other (the step's weights need not agree with them: timing only)."""
-    rng = np.random.default_rng(seed)
-    shape = (1, rows, seq)
-    tokens = rng.integers(0, vocab, shape).astype(np.int32)
-    targets = np.concatenate([tokens[..., 1:], np.zeros((1, rows, 1), np.int32)], axis=-1)
-    mask = np.zeros(shape, bool)
-    mask[..., seq // 4 - 1 : seq - 1] = True
-    prox = -rng.exponential(2.0, shape).astype(np.float32)
-    infer = np.minimum(prox + 0.3 * rng.standard_normal(shape), 0.0).astype(np.float32)
-    adv = (np.where(rng.random((1, rows, 1)) < 0.5, 1.0, -1.0) * mask).astype(np.float32)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy()
-    return TrainBatch(tokens, positions, np.ones(shape, np.int32), targets, mask, infer, prox, adv)
-
-
 def model_of(size: str, seq: int, runtime_kwargs: dict):
     """(HF config dict, the family's config) of MODEL[size] for sequences of `seq` tokens."""
     hf = tiny_model.hf_config(argparse.Namespace(**dataclasses.asdict(MODEL[size])), max_positions=max(seq, 128))
@@ -236,7 +219,9 @@ def train_step(size: str, impl: str, rows: int, seq: int) -> dict:
     del model, params
     init_s = time.perf_counter() - t0
     step = step_lib.make_train_step(graphdef, tx, spec, mesh, rules, state_lib.shardings(state))
-    batch = sharding.place(host_batch(rows, seq, MODEL[size].vocab), mesh, rules, sharding.BATCH_AXES)
+    batch = sharding.place(
+        synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True), mesh, rules, sharding.BATCH_AXES
+    )
     t0 = time.perf_counter()
     state, met = step(state, batch)
     jax.block_until_ready(met)
@@ -321,7 +306,7 @@ def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
             hf, mcfg = model_of(size, seq, spec.runtime.model_kwargs())
             counts = work(hf, mcfg, rows, seq)
             model = torch_step.build(hf, experts=experts, device=dev)
-            mb = host_batch(rows, seq, MODEL[size].vocab)
+            mb = synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True)
             mb = TrainBatch(*(None if a is None else a[0] for a in mb))
             run = torch_step.TorchFwdBwd(model, mb, spec, precision="bf16", optimizer=True)
             info = run.info([harness.timed(run)[0] for _ in range(TIMED_STEPS[size])])

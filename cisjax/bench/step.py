@@ -15,7 +15,7 @@ import numpy as np
 
 from cisjax import config as config_lib
 from cisjax import forward, sharding
-from cisjax.bench import harness, mfu, tiny_model, torch_step
+from cisjax.bench import harness, mfu, synthetic, tiny_model, torch_step
 from cisjax.models import moe as moe_lib
 from cisjax.plan import flops as flops_lib
 from cisjax.records import TrainBatch
@@ -68,23 +68,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="where to save the random HF model (default: a temp dir)")
     harness.add_seed(parser)
     harness.add_json(parser)
-
-
-def _host_batch(args, vocab: int):
-    """M x B full rows (no padding): a quarter prompt, the rest response; advantages +-1 per row; infer logprobs are
-    filled after the proximal rescoring."""
-    rng = np.random.default_rng(args.seed)
-    m, b, t = args.micro_batches, args.batch, args.seq
-    tokens = rng.integers(0, vocab, (m, b, t)).astype(np.int32)
-    targets = np.concatenate([tokens[..., 1:], np.zeros((m, b, 1), np.int32)], axis=-1)
-    mask = np.zeros((m, b, t), bool)
-    mask[..., t // 4 - 1 : t - 1] = True
-    adv = np.where(rng.random((m, b, 1)) < 0.5, 1.0, -1.0) * mask
-    zeros = np.zeros((m, b, t), np.float32)
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (m, b, t)).copy()
-    return TrainBatch(
-        tokens, positions, np.ones((m, b, t), np.int32), targets, mask, zeros, zeros, adv.astype(np.float32)
-    )
 
 
 def bench(args) -> dict:
@@ -179,7 +162,7 @@ def _batches(args, run: Run, params, vocab: int) -> tuple[TrainBatch, dict]:
     """The host batch with the proximal logprobs of the model and infer logprobs near them, and each step's batch on
     the mesh (cis+replay's carrying the routers' own ids as the engine's routing)."""
     mesh, rules = run.mesh, run.rules
-    host = _host_batch(args, vocab)
+    host = synthetic.train_batch(args.micro_batches, args.batch, args.seq, vocab, args.seed)
     prox = np.asarray(run.rescore(params, sharding.place(host, mesh, rules, sharding.BATCH_AXES)))
     noise = 0.3 * np.random.default_rng(args.seed + 1).standard_normal(prox.shape)
     host = host._replace(

@@ -11,6 +11,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
 from cisjax import errors, sharding
+from cisjax.models.padding import pad_axes, round_up
 
 # auto: by the platform of the program's mesh (sharding.current_platform(), never the host's) and its compute dtype:
 # splash on TPU, triton on GPU (einsum for float32 there: the Triton kernel multiplies float32 in TF32), einsum on
@@ -97,16 +98,6 @@ def attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, mask, scale: float, impl: str = "
 # ----------------------------------------------------------------------------- kernels on each device's rows
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad_axis(x, axis: int, size: int, value=0):
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value) if size != x.shape[axis] else x
-
-
 def _on_each_device(kernel, q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, ids_BxL):
     """kernel on each device's rows and heads (shard_map over the active mesh; plain kernel without one): GSPMD does
     not partition a Pallas kernel. Rows split as "batch", heads as "act_heads" (the key/value heads too where the
@@ -133,13 +124,13 @@ def _splash(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     (zeros: no score or output changes), q pre-scaled (splash has no scale), one kernel vmapped over the rows."""
     b, l, n, h = q_BxLxNxH.shape
     vdim = v_BxLxKxV.shape[-1]
-    block = min(SPLASH_BLOCK, _round_up(l, SPLASH_LANES))
-    lp, hp, vp = _round_up(l, block), _round_up(h, SPLASH_LANES), _round_up(vdim, SPLASH_LANES)
+    block = min(SPLASH_BLOCK, round_up(l, SPLASH_LANES))
+    lp, hp, vp = round_up(l, block), round_up(h, SPLASH_LANES), round_up(vdim, SPLASH_LANES)
     q = (q_BxLxNxH.astype(jnp.float32) * scale).astype(q_BxLxNxH.dtype)
-    q_BxNxLxH = _pad_axis(_pad_axis(q, 1, lp), 3, hp).transpose(0, 2, 1, 3)
-    k_BxKxLxH = _pad_axis(_pad_axis(k_BxLxKxH, 1, lp), 3, hp).transpose(0, 2, 1, 3)
-    v_BxKxLxV = _pad_axis(_pad_axis(v_BxLxKxV, 1, lp), 3, vp).transpose(0, 2, 1, 3)
-    ids = _pad_axis(ids_BxL.astype(jnp.int32), 1, lp, _PAD_SEGMENT)
+    q_BxNxLxH = pad_axes(q, {1: lp, 3: hp}).transpose(0, 2, 1, 3)
+    k_BxKxLxH = pad_axes(k_BxLxKxH, {1: lp, 3: hp}).transpose(0, 2, 1, 3)
+    v_BxKxLxV = pad_axes(v_BxLxKxV, {1: lp, 3: vp}).transpose(0, 2, 1, 3)
+    ids = pad_axes(ids_BxL.astype(jnp.int32), {1: lp}, _PAD_SEGMENT)
     blocks = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -165,10 +156,10 @@ def _triton(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     kv, vdim = k_BxLxKxH.shape[2], v_BxLxKxV.shape[-1]
     if vdim > h:
         raise errors.UserError(f"attention_impl=triton: value heads wider than query heads ({vdim} > {h})")
-    lp = _round_up(l, TRITON_BLOCK)
+    lp = round_up(l, TRITON_BLOCK)
     k_BxLxNxH, v_BxLxNxH = (jnp.repeat(a, n // kv, axis=2) if kv != n else a for a in (k_BxLxKxH, v_BxLxKxV))
-    q, k, v = (_pad_axis(a, 1, lp) for a in (q_BxLxNxH, k_BxLxNxH, _pad_axis(v_BxLxNxH, 3, h)))
-    ids = _pad_axis(ids_BxL.astype(jnp.int32), 1, lp, _PAD_SEGMENT)
+    q, k, v = (pad_axes(a, {1: lp}) for a in (q_BxLxNxH, k_BxLxNxH, pad_axes(v_BxLxNxH, {3: h})))
+    ids = pad_axes(ids_BxL.astype(jnp.int32), {1: lp}, _PAD_SEGMENT)
     o_BxLxNxH = gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=True, interpret=interpret)
     return o_BxLxNxH[:, :l, :, :vdim].astype(v_BxLxKxV.dtype)
 
@@ -183,13 +174,13 @@ def kernel_flops(impl: str, rows: int, seq_len: int, heads: int, qk: int, v: int
     Forward: s = q.k and o = p.v per block. Backward (both kernels): a dk/dv pass (s again, dp = do.v, dv, dk) and a
     dq pass (s again, dp again, dq): the recomputation a flash backward trades for never holding the scores."""
     if impl == "splash":
-        block = min(SPLASH_BLOCK, _round_up(seq_len, SPLASH_LANES))
+        block = min(SPLASH_BLOCK, round_up(seq_len, SPLASH_LANES))
         fwd_block = bwd_block = block
-        padded = _round_up(seq_len, block)
-        qk, v = _round_up(qk, SPLASH_LANES), _round_up(v, SPLASH_LANES)
+        padded = round_up(seq_len, block)
+        qk, v = round_up(qk, SPLASH_LANES), round_up(v, SPLASH_LANES)
     elif impl == "triton":
         fwd_block, bwd_block = TRITON_BLOCK, 32
-        padded = _round_up(seq_len, TRITON_BLOCK)
+        padded = round_up(seq_len, TRITON_BLOCK)
         qk = v = 1 << (qk - 1).bit_length()  # one head width, padded to a power of two inside the kernel
     else:
         return 0.0

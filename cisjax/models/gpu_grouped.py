@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from cisjax.models.padding import pad_axes, round_up
+
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
 # Every tl.dot at HIGHEST: fp32 blocks multiply in full fp32 (Triton's default, like XLA's on GPU, is TF32: 3e-4
 # relative error measured on an H200, so an fp32 run would not be fp32); bf16 blocks are unaffected (no TF32 there).
@@ -21,15 +23,6 @@ def _block(dim: int, pref: int) -> int:
     while dim % b:
         b //= 2
     return b
-
-
-def _pad_to(a, axis: int, size: int):
-    extra = size - a.shape[axis]
-    return a if extra == 0 else jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def row_block(rows: int, groups: int) -> int:
@@ -85,10 +78,10 @@ def _gmm(x_RxK, w_GxKxN, sizes_G, *, trans_w: bool, interpret: bool):
     r, k = x_RxK.shape
     g = w_GxKxN.shape[0]
     n = w_GxKxN.shape[1 if trans_w else 2]
-    kp, np_ = _round_up(k, MIN_BLOCK), _round_up(n, MIN_BLOCK)
+    kp, np_ = round_up(k, MIN_BLOCK), round_up(n, MIN_BLOCK)
     bm, bk, bn = row_block(r, g), _block(kp, 64), _block(np_, 128)
-    x_PxK = _pad_to(_pad_to(x_RxK, 0, r + bm), 1, kp)
-    w = _pad_to(_pad_to(w_GxKxN, 1, np_ if trans_w else kp), 2, kp if trans_w else np_)
+    x_PxK = pad_axes(x_RxK, {0: r + bm, 1: kp})
+    w = pad_axes(w_GxKxN, {1: np_ if trans_w else kp, 2: kp if trans_w else np_})
     max_tiles = -(-r // bm) + g
     tiles = _tiles(sizes_G, bm, max_tiles)
     kernel = functools.partial(_gmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=kp, trans_w=trans_w)
@@ -135,10 +128,10 @@ def _tgmm(x_RxK, dy_RxN, sizes_G, out_dtype, *, interpret: bool):
     r, k = x_RxK.shape
     n = dy_RxN.shape[1]
     g = sizes_G.shape[0]
-    kp, np_ = _round_up(k, MIN_BLOCK), _round_up(n, MIN_BLOCK)
+    kp, np_ = round_up(k, MIN_BLOCK), round_up(n, MIN_BLOCK)
     bm, bk, bn = row_block(r, g), _block(kp, 64), _block(np_, 64)
-    x_PxK = _pad_to(_pad_to(x_RxK, 0, r + bm), 1, kp)
-    dy_PxN = _pad_to(_pad_to(dy_RxN, 0, r + bm), 1, np_)
+    x_PxK = pad_axes(x_RxK, {0: r + bm, 1: kp})
+    dy_PxN = pad_axes(dy_RxN, {0: r + bm, 1: np_})
     ends_G = jnp.cumsum(sizes_G).astype(jnp.int32)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn)
     # at most: every group's rows in full bm steps (R + G * bm rows), read once per (K block, N block)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from cisjax import sharding
 from cisjax.models.gpu_grouped import triton_swiglu
+from cisjax.models.padding import pad_axes, round_up
 
 ROW_ALIGN = 128  # mgpu_swiglu pads the rows once to a multiple of every row block the kernels use (64 or 128)
 INTERPRET_SMS = 8  # "SMs" of the weight-gradient kernel in Mosaic GPU's interpreter (the forward's: 132, fixed)
@@ -136,15 +137,6 @@ def _interpreted(interpret: bool):
         yield
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad_to(a, shape):
-    pads = [(0, s - d) for s, d in zip(shape, a.shape)]
-    return a if not any(p for _, p in pads) else jnp.pad(a, pads)
-
-
 def _ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool):
     """out[r] = lhs[r] @ rhs[group(r)], rhs [G, K, N] (transpose_rhs: given [G, N, K], multiplied transposed), on
     JAX's Hopper kernel. Rows, K and N are padded with zeros to whole blocks (the kernel needs K % block_k; whole row
@@ -153,9 +145,9 @@ def _ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool):
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     b = blocks("ragged_dot", r, g, k, n)
-    rp, kp, np_ = _round_up(r, b.block_m), _round_up(k, b.block_k), _round_up(n, b.block_n)
-    lhs_PxK = _pad_to(lhs_RxK, (rp, kp))
-    rhs = _pad_to(rhs, (g, np_, kp) if transpose_rhs else (g, kp, np_))
+    rp, kp, np_ = round_up(r, b.block_m), round_up(k, b.block_k), round_up(n, b.block_n)
+    lhs_PxK = pad_axes(lhs_RxK, {0: rp, 1: kp})
+    rhs = pad_axes(rhs, {1: np_, 2: kp} if transpose_rhs else {1: kp, 2: np_})
     ragged_dot, _ = _kernels()
     with _interpreted(interpret):
         out_PxN = ragged_dot(lhs_PxK, rhs, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **dataclasses.asdict(b))
@@ -171,11 +163,14 @@ def _transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, interpret: bool, sms: int 
     n = dy_RxN.shape[1]
     g = sizes_G.shape[0]
     b = blocks("transposed", r, g, k, n)
-    rp, kp, np_ = _round_up(r, b.block_k), _round_up(k, b.block_m), _round_up(n, b.block_n)
+    rp, kp, np_ = round_up(r, b.block_k), round_up(k, b.block_m), round_up(n, b.block_n)
     _, transposed = _kernels()
     with _interpreted(interpret):
         out_GxKxN = _seeing(transposed, INTERPRET_SMS if interpret else sms)(
-            _pad_to(x_RxK, (rp, kp)), _pad_to(dy_RxN, (rp, np_)), group_sizes=sizes_G, **dataclasses.asdict(b)
+            pad_axes(x_RxK, {0: rp, 1: kp}),
+            pad_axes(dy_RxN, {0: rp, 1: np_}),
+            group_sizes=sizes_G,
+            **dataclasses.asdict(b),
         )
     return out_GxKxN[:, :k, :n]
 
@@ -219,8 +214,8 @@ def mgpu_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
     if jnp.dtype(xs_RxD.dtype) not in KERNEL_DTYPES:
         return triton_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret)
     r = xs_RxD.shape[0]
-    p = _round_up(max(r, 1), ROW_ALIGN)
-    xs_PxD = _pad_to(xs_RxD, (p, xs_RxD.shape[1]))
+    p = round_up(max(r, 1), ROW_ALIGN)
+    xs_PxD = pad_axes(xs_RxD, {0: p})
     wg_ExDxF, wu_ExDxF, wo_ExFxD = (w.astype(xs_RxD.dtype) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
     valid_Px1 = (jnp.arange(p) < jnp.sum(sizes_E))[:, None]
     sms = _sms()
@@ -234,6 +229,6 @@ def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: boo
     model sees nothing). Every matmul of the three (gate, up, down) runs over the rows padded to 128, plus one tile of
     128 rows per group boundary (a tile shared by two groups is computed for each); the backward takes dx (three more
     ragged_dots) and dW (three transposed ones) over the same rows."""
-    rows = _round_up(assignments, 128) + max(groups - 1, 0) * 128
+    rows = round_up(assignments, 128) + max(groups - 1, 0) * 128
     forward = 3 * 2.0 * rows * d * f
     return forward * (3 if backward else 1)

@@ -9,7 +9,6 @@ import flax.nnx as nnx
 import jax
 
 from cisjax import sharding
-from cisjax.models import attention, moe
 from cisjax.plan import costs, hardware, inputs, report
 from cisjax.plan import flops as flops_lib
 from cisjax.plan.programs import StepPrograms
@@ -80,11 +79,6 @@ def plan(
     return out
 
 
-def _capability(target) -> tuple[int, int] | None:
-    """A GPU target's compute capability (the MoE's "auto" dispatch picks by it), None for a TPU."""
-    return hardware.GPU_CHIPS[target.chip.name][1].compute_capability if target.platform == "cuda" else None
-
-
 def _describe(cfg, target, hf: dict, hf_source: str, progs: StepPrograms, shape: dict) -> dict:
     """The report before anything compiles: target, model, mesh, parameters per chip, batch shape, versions."""
     mesh, rules = progs.mesh, progs.rules
@@ -99,17 +93,9 @@ def _describe(cfg, target, hf: dict, hf_source: str, progs: StepPrograms, shape:
             dtype=str(jax.numpy.dtype(progs.mcfg.dtype)),
             param_dtype=str(jax.numpy.dtype(progs.mcfg.param_dtype)),
             moe_impl=cfg.model.moe_impl,
-            moe_impl_resolved=(
-                moe.default_impl(target.platform, _capability(target))
-                if cfg.model.moe_impl == "auto"
-                else cfg.model.moe_impl
-            ),
+            moe_impl_resolved=progs.moe_impl,
             attention_impl=cfg.model.attention_impl,
-            attention_impl_resolved=(
-                attention.default_impl(target.platform, progs.mcfg.dtype)
-                if cfg.model.attention_impl == "auto"
-                else cfg.model.attention_impl
-            ),
+            attention_impl_resolved=progs.attention_impl,
         ),
         mesh={k: int(v) for k, v in mesh.shape.items()},
         params_per_chip=params_per_chip(progs.params, mesh, rules, progs.mcfg.dtype),

@@ -198,6 +198,14 @@ class StepPrograms:
         self.state = state_lib.abstract(self.params, self.tx, mesh)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
+        # the kernels the programs run: "auto" resolved once, by the mesh's devices (a GPU target's compute capability)
+        with sharding.use_mesh(mesh, rules):
+            self.moe_impl = moe.default_impl() if self.mcfg.moe_impl == "auto" else self.mcfg.moe_impl
+        self.attention_impl = (
+            attention.default_impl(sharding.mesh_platform(mesh), self.mcfg.dtype)
+            if self.mcfg.attention_impl == "auto"
+            else self.mcfg.attention_impl
+        )
 
     def batch(self, micro_batches: int, rows: int, seq_len: int) -> TrainBatch:
         sh = sharding.batch_sharding(self.mesh, self.rules)
@@ -324,11 +332,7 @@ class StepPrograms:
         """Per chip, the FLOPs of the Hopper (Mosaic GPU) grouped matmuls when the layer runs them
         (moe_hopper.kernel_flops, an upper bound); 0 for every other dispatch, whose kernels carry their estimates or
         which XLA counts itself. Each device takes its batch shard's rows in all the groups; F splits over the rest."""
-        impl = self.mcfg.moe_impl
-        if impl == "auto":
-            with sharding.use_mesh(self.mesh, self.rules):
-                impl = moe.default_impl()
-        if impl != "mgpu" or jnp.dtype(self.mcfg.dtype) == jnp.float32:  # float32 runs the Triton kernels
+        if self.moe_impl != "mgpu" or jnp.dtype(self.mcfg.dtype) == jnp.float32:  # float32 runs the Triton kernels
             return 0.0
         _, groups, d, f = moe_.wg_ExDxF.shape
         batch_shards = sharding.axis_multiple(self.mesh, self.rules, "batch")
@@ -339,11 +343,8 @@ class StepPrograms:
     def _attention_kernel_flops(self, rows: int, seq_len: int, backward: bool) -> float:
         """Per chip, the FLOPs of the attention kernel the layer runs (attention.kernel_flops; 0 for the einsum, which
         XLA counts itself): XLA's cost model counts neither splash nor the Triton kernel."""
-        impl = self.mcfg.attention_impl
-        if impl == "auto":
-            impl = attention.default_impl(sharding.mesh_platform(self.mesh), self.mcfg.dtype)
         heads, qk, v = self.mcfg.attention_dims()
-        flops = attention.kernel_flops(impl, rows, seq_len, heads, qk, v, backward=backward)
+        flops = attention.kernel_flops(self.attention_impl, rows, seq_len, heads, qk, v, backward=backward)
         return flops / self.mesh.devices.size
 
     def head_chunks(self, rows: int, seq_len: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import numpy as np
 
 from cisjax import errors
 from cisjax import rows as rows_lib
+from cisjax.models.padding import round_up
 from cisjax.records import SamplingSupport, TrainBatch
 from cisjax.rl import advantages as adv_lib
 from cisjax.rl.advantages import AdvantageSpec
@@ -28,10 +29,6 @@ class Rollout:
     routing: np.ndarray | None = None
     # truncated sampling: each response token's sampling support (the ids top-k / top-p kept), or None
     support: SamplingSupport | None = None
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def build_batch(
@@ -71,12 +68,12 @@ def build_batch(
                 raise ValueError(f"a rollout has {len(r.response_ids)} response tokens but {len(r.logprobs)} logprobs")
     rows = [r for g in groups for r in g]
     longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows) - 1
-    t = _round_up(max(longest, 1), length_multiple)
+    t = round_up(max(longest, 1), length_multiple)
     if max_length and t > max_length:
         raise errors.UserError(f"a sequence needs {longest} positions, above the configured maximum {max_length}")
     if micro_batches < 1 or rows_multiple < 1:
         raise errors.UserError(f"micro_batches ({micro_batches}) and rows_multiple ({rows_multiple}) must be >= 1")
-    b = _round_up(-(-len(rows) // micro_batches), rows_multiple)
+    b = round_up(-(-len(rows) // micro_batches), rows_multiple)
     total = micro_batches * b
 
     if replay:

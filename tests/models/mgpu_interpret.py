@@ -1,4 +1,6 @@
-"""Mosaic GPU's interpreter (jax 0.10.2) made to run JAX's Hopper grouped matmuls on CPU, for tests: what it lacks."""
+"""Mosaic GPU's interpreter made to run JAX's Hopper grouped matmuls on CPU, for tests: what it lacks (jax 0.10.2)."""
+
+import inspect
 
 import jax
 import numpy as np
@@ -96,6 +98,7 @@ def enable(monkeypatch) -> None:
     if not _LOWERED:  # a lowering rule cannot be taken back; the identity is right wherever it applies
         mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, **kw: [x], platform="cpu")
         _LOWERED.append(True)
-    monkeypatch.setattr(gpu_callbacks, "wgmma", _wgmma)
+    if "device_id" in inspect.signature(gpu_callbacks.wgmma).parameters:  # jax 0.10.2's; 0.11 reads transposes
+        monkeypatch.setattr(gpu_callbacks, "wgmma", _wgmma)
     monkeypatch.setattr(plgpu, "planar_snake", _planar_snake)
     monkeypatch.setattr(moe_hopper, "INTERPRET", True)
