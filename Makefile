@@ -47,7 +47,7 @@ test-jax011:
 	[ -x $(VENV_JAX011)/bin/python ] || $(PYTHON_JAX011) -m venv $(VENV_JAX011)
 	$(VENV_JAX011)/bin/pip install --quiet -r requirements-jax011.txt
 	$(VENV_JAX011)/bin/pip install --quiet --no-deps --target $(VENV_JAX011)/cuda-plugin -r requirements-jax011-plugin.txt
-	PYTHONPATH=$(CURDIR) $(VENV_JAX011)/bin/python -m pytest -q -n $(WORKERS) -p no:cacheprovider tests/models tests/plan/test_flops.py
+	PYTHONPATH=$(CURDIR) $(VENV_JAX011)/bin/python -m pytest -q -n $(WORKERS) -p no:cacheprovider tests/models tests/plan/test_flops.py tests/bench/test_gpu_tune.py
 	PYTHON=$(VENV_JAX011)/bin/python OUT=runs/gpu_check_jax011 bash launchers/gpu_check.sh --size small
 
 format: setup

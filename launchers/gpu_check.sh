@@ -4,6 +4,7 @@
 # active FLOPs at the paper's three layer shapes, the train step of the full-width 4-layer Qwen1.5-MoE-A2.7B cut per MoE
 # impl at 4 x 2048, 8 x 2048 and 1 x 16384 tokens (tokens/s, MFU, peak memory; out of memory recorded as such), and
 # transformers' step on the same GPU in a process of its own. One JSON and a printed table, within BUDGET_S seconds.
+# `--only tune` runs the block sweep of the Hopper grouped matmuls instead (minutes: a second call; docs/gpu.md).
 # It installs nothing into the environment: it runs on the JAX, torch and transformers it finds and records their
 # versions. Without a GPU it runs the same sections at toy sizes (about a minute on a CPU).
 #

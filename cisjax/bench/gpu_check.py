@@ -1,5 +1,6 @@
 """`python -m cisjax.bench.gpu_check`: one call checks a GPU machine (kernel exactness, the MoE layer table, the train
-step per MoE impl, transformers' step), each part in a process of its own under one time budget; one JSON, a table."""
+step per MoE impl, transformers' step; on request the Hopper kernels' block sweep), each part in a process of its own
+under one time budget; one JSON, a table."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from cisjax.bench import gpu_exact, gpu_parts, gpu_report
+from cisjax.bench import gpu_exact, gpu_parts, gpu_report, gpu_tune
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("exactness", "moe_layer", "train_step", "torch_step")
+SECTIONS = ("exactness", "moe_layer", "train_step", "torch_step", "tune")
+DEFAULT_SECTIONS = SECTIONS[:4]  # "tune" (the block sweep, minutes of compiles) runs only when asked for (--only)
 # Each section's share of the budget (after the environment probe); what one leaves unused passes to the next.
-SHARES = {"exactness": 0.15, "moe_layer": 0.30, "train_step": 0.40, "torch_step": 0.15}
+SHARES = {"exactness": 0.15, "moe_layer": 0.30, "train_step": 0.40, "torch_step": 0.15, "tune": 0.40}
 DEFAULT_BUDGET_S = 330.0  # 5.5 minutes: within 6 on one H100 / H200 with the machine's start-up outside it
 ENV_S = 60.0  # the environment probe's own time box (a JAX start on the device)
 GRACE_S = 20.0  # a part's process may run this long past its deadline (ending its current unit) before it is killed
@@ -41,7 +43,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "saying so (default: %(default)s)",
     )
     parser.add_argument(
-        "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the sections to run (default: all)"
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(DEFAULT_SECTIONS),
+        help="the sections to run (default: %(default)s; tune: the block sweep of the Hopper grouped matmuls at the "
+        "MoE layer table's shapes, best configurations printed as moe_hopper.BLOCKS entries)",
     )
     # a part's own process (the check starts these)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -72,6 +79,8 @@ def run_part(name: str, plan: dict, deadline: float, out_path: str) -> None:
         save(gpu_parts.train_steps(size, plan["combos"], deadline, save))
     elif name == "torch_step":
         save(gpu_parts.torch_steps(size, plan["combos"], deadline, save))
+    elif name == "tune":
+        save(gpu_tune.run(size, deadline, save))
     else:
         raise SystemExit(f"unknown part {name!r}")
 
@@ -134,7 +143,7 @@ def plans(section: str, size: str, env: dict, sections: dict) -> list[dict]:
     impls = sorted(_runnable(sections.get("exactness", {}), impls), key=lambda i: (i != default, i == "dense"))
     tokens = [list(t) for t in gpu_parts.STEP_TOKENS[size]]
     small = size == "small"
-    if section == "exactness":
+    if section in ("exactness", "tune"):
         return [dict(size=size)]
     if section == "moe_layer":
         shapes = list(gpu_parts.MOE_LAYER[size]["shapes"])

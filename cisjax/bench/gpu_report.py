@@ -53,6 +53,15 @@ def summary(res: dict) -> dict:
         vs_torch_met=None if speedup is None else speedup >= TARGETS["vs_torch_min"],
         fits={k: v.get("status") for k, v in steps.items() if isinstance(v, dict) and k.startswith(f"{default}@")},
     )
+    if "tune" in secs:
+        tune = secs["tune"]
+        out["tune"] = dict(
+            skipped=tune.get("skipped"),
+            speedup_over_rule={
+                k: (c.get("best") or {}).get("speedup_over_rule") for k, c in tune.get("calls", {}).items()
+            },
+            blocks_entries=tune.get("table", []),
+        )
     return out
 
 
@@ -105,6 +114,24 @@ def _step_rows(steps: dict):
         )
 
 
+def _tune_rows(tune: dict):
+    for key, c in tune.get("calls", {}).items():
+        rule = c["candidates"][0] if c["candidates"] else {}
+        best = c.get("best") or {}
+        tried = [r for r in c["candidates"] if r.get("status") != "skipped"]
+        yield (
+            f"{key} ({c['rows_in_groups']:,} rows, {c['groups']} groups)",
+            str(tuple(c["rule"])),
+            _num(rule.get("ms"), ".3f"),
+            _num(rule.get("tflops"), ".0f"),
+            str(tuple(best["blocks"])) if best else "-",
+            _num(best.get("ms"), ".3f"),
+            _num(best.get("tflops"), ".0f"),
+            _num(best.get("speedup_over_rule"), ".2f"),
+            f"{len(tried)} / {sum(r.get('status') == 'error' for r in tried)} / {sum(r.get('agrees') is False for r in tried)}",
+        )
+
+
 def show(res: dict) -> None:
     """The check as tables on the console: exactness, the MoE layer, the train step (JAX, torch), the verdicts."""
     console = harness.console(150)
@@ -132,6 +159,16 @@ def show(res: dict) -> None:
             f"MFU against {layer.get('peak_tflops')} TFLOP/s" if layer.get("peak_tflops") else layer.get("mfu_omitted")
         )
         console.print(harness.table(title, cols, list(_layer_rows(layer)), note))
+    if "tune" in secs:
+        tune = secs["tune"]
+        if tune.get("skipped"):
+            console.print(f"[yellow]tune: skipped[/] {escape(tune['skipped'])}")
+        else:
+            cols = ("call", "rule", "rule ms", "TF/s", "best", "best ms", "TF/s", "x rule", "tried / errors / disagree")
+            note = "blocks: (block_m, block_n, block_k, stages, grid_block_n); bf16; moe_hopper.BLOCKS entries below"
+            console.print(harness.table("Hopper grouped-matmul block sweep", cols, list(_tune_rows(tune)), note))
+            for line in tune.get("table", []):
+                console.print(escape(line), soft_wrap=True)
     cols = ("impl@rows x seq", "tokens", "median s", "tokens/s", "MFU", "peak GiB", "first s", "status")
     for name in ("train_step", "torch_step"):
         if name in secs:

@@ -34,10 +34,13 @@ class Blocks:
     grid_block_n: int  # N tiles per band of the tiles' order (a planar snake: L2 reuse)
 
 
-# Configurations measured on one H200 (bf16, jax 0.11.2; docs/results.md), by (kernel, K, N) of the call, for groups
-# of at least 128 rows on average (where they were measured); every other shape takes `blocks`' rule. "ragged_dot":
-# the forward and the input gradient (K, N of that call: the input gradient of x @ W[K, N] is a call with (N, K));
-# "transposed": the weight gradient (K, N of dW).
+# The kernel calls a configuration is chosen for: "ragged_dot" the forward (x @ W), "ragged_dot_t" the input gradient
+# (dy @ W^T: the same kernel reading W transposed), "transposed" the weight gradient (x^T @ dy per group).
+KERNELS = ("ragged_dot", "ragged_dot_t", "transposed")
+# Configurations measured on one H200 (bf16, jax 0.11.2; docs/results.md), by (kernel, K, N) of the call (the input
+# gradient of x @ W[K, N] is a "ragged_dot_t" call with (N, K); the weight gradient's K, N are dW's), for groups of at
+# least 128 rows on average (where they were measured); every other shape takes `blocks`' rule. The GPU check's
+# "tune" section (cisjax.bench.gpu_tune) times candidates per call and prints the entries to put here.
 BLOCKS = {
     # 32,768 rows in 60 groups x 2,048 x 1,408 (Qwen1.5-MoE's gate/up projection): 0.449 ms = 421 TFLOP/s, the best
     # of four configurations tried (a dense matmul of equal FLOPs: 702 TFLOP/s)
@@ -46,8 +49,8 @@ BLOCKS = {
 
 
 def blocks(kernel: str, rows: int, groups: int, k: int, n: int) -> Blocks:
-    """The configuration of one call of `kernel` ("ragged_dot" or "transposed") on `rows` sorted rows in `groups`
-    groups, K = k, N = n: BLOCKS' entry where there is one and the groups average 128 rows or more, else the rule.
+    """The configuration of one call of `kernel` (one of KERNELS) on `rows` sorted rows in `groups` groups, K = k,
+    N = n: BLOCKS' entry where there is one and the groups average 128 rows or more, else the rule.
 
     The rule generalises the measured one: tiles of 128 x 128 (64 along a dimension 128 does not divide; the
     forward's tiles 64 rows high when the groups average under 128 rows, since a group's last tile computes rows of
@@ -63,11 +66,11 @@ def blocks(kernel: str, rows: int, groups: int, k: int, n: int) -> Blocks:
     def tile(dim: int) -> int:
         return 128 if dim % 128 == 0 else 64
 
-    if kernel == "ragged_dot":
+    if kernel in ("ragged_dot", "ragged_dot_t"):
         return Blocks(128 if big else 64, tile(n), 64, 4, 2)
     if kernel == "transposed":
         return Blocks(tile(k), tile(n), 64, 4, 1)
-    raise ValueError(f"unknown kernel {kernel!r} (ragged_dot, transposed)")
+    raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -83,7 +86,7 @@ def compute_capability() -> tuple[int, int] | None:
 
 
 def _kernels():
-    """(ragged_dot, transposed_ragged_dot): JAX's Mosaic GPU kernels (the same signatures in jax 0.10.2 to 0.11.1)."""
+    """(ragged_dot, transposed_ragged_dot): JAX's Mosaic GPU kernels (the same signatures in jax 0.10.2 to 0.11.2)."""
     # Mosaic GPU locates its runtime library (the CUDA plugin's) when first imported: after cisjax plan adds the plugin
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # lazy: mosaic_gpu
 
@@ -137,32 +140,33 @@ def _interpreted(interpret: bool):
         yield
 
 
-def _ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool):
+def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool, config: Blocks | None = None):
     """out[r] = lhs[r] @ rhs[group(r)], rhs [G, K, N] (transpose_rhs: given [G, N, K], multiplied transposed), on
-    JAX's Hopper kernel. Rows, K and N are padded with zeros to whole blocks (the kernel needs K % block_k; whole row
-    and N blocks keep every copy in bounds) and sliced back; rows past the groups come out unwritten."""
+    JAX's Hopper kernel with `config` (None: `blocks`' choice). Rows, K and N are padded with zeros to whole blocks
+    (the kernel needs K % block_k; whole row and N blocks keep every copy in bounds) and sliced back; rows past the
+    groups come out unwritten."""
     r, k = lhs_RxK.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    b = blocks("ragged_dot", r, g, k, n)
+    b = config or blocks("ragged_dot_t" if transpose_rhs else "ragged_dot", r, g, k, n)
     rp, kp, np_ = round_up(r, b.block_m), round_up(k, b.block_k), round_up(n, b.block_n)
     lhs_PxK = pad_axes(lhs_RxK, {0: rp, 1: kp})
     rhs = pad_axes(rhs, {1: np_, 2: kp} if transpose_rhs else {1: kp, 2: np_})
-    ragged_dot, _ = _kernels()
+    kernel, _ = _kernels()
     with _interpreted(interpret):
-        out_PxN = ragged_dot(lhs_PxK, rhs, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **dataclasses.asdict(b))
+        out_PxN = kernel(lhs_PxK, rhs, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **dataclasses.asdict(b))
     return out_PxN[:r, :n]
 
 
-def _transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, interpret: bool, sms: int | None):
-    """dW[g] = x[rows of g]^T @ dy[rows of g], [G, K, N], on JAX's Hopper weight-gradient kernel (an empty group gets
-    zeros). K and N are padded to whole blocks (the kernel needs them), the rows to whole K steps (every copy in
-    bounds; padding rows in no group), and sliced back. Rows in no group must be finite, in x and dy: a step shared
-    with another group zeroes their x by multiplying it by 0."""
+def transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, interpret: bool, sms: int | None, config: Blocks | None = None):
+    """dW[g] = x[rows of g]^T @ dy[rows of g], [G, K, N], on JAX's Hopper weight-gradient kernel with `config` (None:
+    `blocks`' choice; an empty group gets zeros). K and N are padded to whole blocks (the kernel needs them), the rows
+    to whole K steps (every copy in bounds; padding rows in no group), and sliced back. Rows in no group must be
+    finite, in x and dy: a step shared with another group zeroes their x by multiplying it by 0."""
     r, k = x_RxK.shape
     n = dy_RxN.shape[1]
     g = sizes_G.shape[0]
-    b = blocks("transposed", r, g, k, n)
+    b = config or blocks("transposed", r, g, k, n)
     rp, kp, np_ = round_up(r, b.block_k), round_up(k, b.block_m), round_up(n, b.block_n)
     _, transposed = _kernels()
     with _interpreted(interpret):
@@ -180,10 +184,10 @@ def gmm(x_RxK, w_GxKxN, sizes_G, interpret: bool = False, sms: int | None = None
     """Grouped matmul on rows sorted by group: out[r] = x[r] @ W[group(r)] on JAX's Hopper kernels, x and W of one
     16-bit float dtype, sum(sizes) <= rows. Backward: the input gradient is the same kernel with W transposed inside,
     the weight gradient the transposed ragged dot; both visit only the groups' rows. Rows past the groups come out
-    unwritten (out and dx) and must hold finite values (x and the cotangent: see _transposed_ragged_dot).
+    unwritten (out and dx) and must hold finite values (x and the cotangent: see transposed_ragged_dot).
     interpret: Mosaic GPU's interpreter (CPU tests); on a GPU of compute capability 9.x the kernels. sms: the GPU's
     SM count, which sizes the weight-gradient kernel's grid (_sms; None: the kernel asks JAX's default device)."""
-    return _ragged_dot(x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, interpret=interpret)
+    return ragged_dot(x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, interpret=interpret)
 
 
 def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
@@ -192,8 +196,8 @@ def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
 
 def _gmm_bwd(interpret, sms, res, dout_RxN):
     x_RxK, w_GxKxN, sizes_G = res
-    dx_RxK = _ragged_dot(dout_RxN, w_GxKxN, sizes_G, transpose_rhs=True, interpret=interpret)
-    dw_GxKxN = _transposed_ragged_dot(x_RxK, dout_RxN, sizes_G, interpret=interpret, sms=sms)
+    dx_RxK = ragged_dot(dout_RxN, w_GxKxN, sizes_G, transpose_rhs=True, interpret=interpret)
+    dw_GxKxN = transposed_ragged_dot(x_RxK, dout_RxN, sizes_G, interpret=interpret, sms=sms)
     return dx_RxK.astype(x_RxK.dtype), dw_GxKxN.astype(w_GxKxN.dtype), None
 
 

@@ -177,6 +177,9 @@ def test_blocks_table_and_rule():
     assert moe_hopper.blocks("ragged_dot", 32768, 60, 96, 80) == moe_hopper.Blocks(128, 64, 64, 4, 2)
     assert moe_hopper.blocks("transposed", 32768, 60, 2048, 1408) == moe_hopper.Blocks(128, 128, 64, 4, 1)
     assert moe_hopper.blocks("transposed", 100, 60, 96, 768) == moe_hopper.Blocks(64, 128, 64, 4, 1)
+    # the input gradient: the forward's rule, not its table entry (measured for the forward alone)
+    assert moe_hopper.blocks("ragged_dot_t", 32768, 60, 2048, 1408) == moe_hopper.Blocks(128, 128, 64, 4, 2)
+    assert moe_hopper.blocks("ragged_dot_t", 32768, 60, 2048, 1000) == moe_hopper.Blocks(128, 64, 64, 4, 2)
     with pytest.raises(ValueError, match="unknown kernel"):
         moe_hopper.blocks("nope", 1, 1, 64, 64)
 

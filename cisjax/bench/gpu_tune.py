@@ -1,0 +1,234 @@
+"""The GPU check's block sweep: each Mosaic GPU grouped-matmul call of the MoE layer table's shapes timed per block
+configuration, the best per (kernel, K, N) printed as moe_hopper.BLOCKS entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cisjax.bench import gpu_exact, gpu_parts
+from cisjax.models import moe_hopper
+from cisjax.models.moe_hopper import Blocks
+from cisjax.models.padding import round_up
+
+# Candidates per kernel after the rule's own choice (moe_hopper.blocks, measured first: the baseline every other is
+# timed and checked against): one knob of the measured configuration at a time, then a few pairs. Drawn from the
+# space JAX's own sweeps search (ragged_dot_mgpu.main: tiles of 64 / 128 / 192, K steps of 64, 2-6 stages, N bands
+# of 1-16); tiles of 256 columns with 3 stages (4 would pass the 227 KiB of shared memory). A configuration the
+# kernel or the GPU refuses is recorded as an error and the sweep goes on.
+CANDIDATES = {
+    "ragged_dot": (
+        Blocks(128, 128, 64, 4, 1),
+        Blocks(128, 128, 64, 4, 4),
+        Blocks(128, 128, 64, 2, 2),
+        Blocks(128, 128, 64, 6, 2),
+        Blocks(128, 256, 64, 3, 2),
+        Blocks(128, 192, 64, 4, 2),
+        Blocks(64, 128, 64, 4, 2),
+        Blocks(128, 64, 64, 4, 2),
+        Blocks(128, 128, 128, 2, 2),
+        Blocks(128, 128, 64, 5, 8),
+    ),
+    "transposed": (
+        Blocks(128, 128, 64, 4, 2),
+        Blocks(64, 128, 64, 4, 1),
+        Blocks(128, 64, 128, 4, 1),
+        Blocks(128, 128, 64, 2, 1),
+        Blocks(128, 128, 64, 6, 1),
+        Blocks(128, 256, 64, 3, 1),
+        Blocks(128, 192, 64, 4, 1),
+        Blocks(64, 256, 64, 4, 1),
+        Blocks(128, 128, 128, 3, 1),
+        Blocks(128, 128, 64, 4, 4),
+    ),
+}
+CANDIDATES["ragged_dot_t"] = CANDIDATES["ragged_dot"]
+# Calls per timing round and rounds (the median round counts): rounds of back-to-back calls, so the host's dispatch
+# overlaps the device's work and a sub-millisecond kernel is timed, not the launch.
+CALLS = {"full": 20, "small": 1}
+ROUNDS = {"full": 3, "small": 1}
+# A candidate agrees with the baseline when max |got - baseline| / max |baseline| is within this: both round the
+# same fp32 sums to bf16 once (a differently ordered sum may round one unit of 2^-8 the other way), so two units.
+AGREE = 2 * 2.0**-8
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One kernel call of a SwiGLU MoE layer: `kernel` (moe_hopper.KERNELS) with the call's K and N, on `rows` sorted
+    rows (padded as mgpu_swiglu pads them) whose groups have `sizes`; `shape` names the layer shape it came from."""
+
+    kernel: str
+    k: int
+    n: int
+    rows: int
+    sizes: tuple[int, ...]
+    shape: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel} {self.k}x{self.n}"
+
+    @property
+    def flops(self) -> float:
+        """The useful FLOPs: 2 x (rows in groups) x K x N."""
+        return 2.0 * sum(self.sizes) * self.k * self.n
+
+
+def group_sizes(tokens: int, experts: int, k: int, seed: int) -> tuple[int, ...]:
+    """Rows per expert when each of `tokens` tokens picks `k` distinct experts uniformly at random (a router near
+    balance, as a trained one is kept by its balancing loss)."""
+    rng = np.random.default_rng(seed)
+    picks = np.argpartition(rng.random((tokens, experts)), k, axis=1)[:, :k]
+    return tuple(int(c) for c in np.bincount(picks.ravel(), minlength=experts))
+
+
+def calls(size: str) -> list[Call]:
+    """The six kernel calls of each MoE layer shape (forward gate/up and down, their input and weight gradients),
+    one per (kernel, K, N): a later shape with the same key (DeepSeek-V2-Lite's 2048 x 1408 after Qwen1.5-MoE's) is
+    not timed again, since BLOCKS is keyed by (kernel, K, N)."""
+    spec = gpu_parts.MOE_LAYER[size]
+    d, out, seen = spec["hidden"], [], set()
+    for i, (name, (e, k, f)) in enumerate(spec["shapes"].items()):
+        sizes = group_sizes(spec["tokens"], e, k, seed=i)
+        rows = round_up(sum(sizes), moe_hopper.ROW_ALIGN)
+        for kernel, kk, n in (
+            ("ragged_dot", d, f),  # gate and up: x @ W[D, F]
+            ("ragged_dot", f, d),  # down: h @ W[F, D]
+            ("ragged_dot_t", f, d),  # dx of gate and up: dy[R, F] @ W[D, F]^T
+            ("ragged_dot_t", d, f),  # dh of down: dy[R, D] @ W[F, D]^T
+            ("transposed", d, f),  # dW of gate and up
+            ("transposed", f, d),  # dW of down
+        ):
+            c = Call(kernel, kk, n, rows, sizes, name)
+            if c.key not in seen:
+                seen.add(c.key)
+                out.append(c)
+    return out
+
+
+def _operands(c: Call, dtype, seed: int):
+    """Random operands of a call in `dtype`: (lhs, rhs, group sizes); rows past the groups zero (finite)."""
+    rng = np.random.default_rng(seed)
+    g, used = len(c.sizes), sum(c.sizes)
+    lhs = np.zeros((c.rows, c.k), np.float32)
+    lhs[:used] = rng.standard_normal((used, c.k))
+    if c.kernel == "transposed":  # x [R, K] and dy [R, N]
+        rhs = np.zeros((c.rows, c.n), np.float32)
+        rhs[:used] = rng.standard_normal((used, c.n))
+    else:  # W [G, K, N], or [G, N, K] read transposed
+        rhs = rng.standard_normal((g, c.n, c.k) if c.kernel == "ragged_dot_t" else (g, c.k, c.n)) / np.sqrt(c.k)
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(c.sizes, jnp.int32)
+
+
+def program(c: Call, config: Blocks, interpret: bool):
+    """The call on moe_hopper's padded kernels with `config`, jitted: f(lhs, rhs, sizes) -> the output (rows past
+    the groups zeroed: the kernels leave them unwritten)."""
+
+    def f(lhs, rhs, sizes):
+        if c.kernel == "transposed":
+            return moe_hopper.transposed_ragged_dot(lhs, rhs, sizes, interpret=interpret, sms=None, config=config)
+        out = moe_hopper.ragged_dot(
+            lhs, rhs, sizes, transpose_rhs=c.kernel == "ragged_dot_t", interpret=interpret, config=config
+        )
+        return jnp.where((jnp.arange(out.shape[0]) < jnp.sum(sizes))[:, None], out, 0)
+
+    return jax.jit(f)
+
+
+def measure(c: Call, config: Blocks, operands, size: str, interpret: bool) -> tuple[dict, jax.Array | None]:
+    """One candidate: (its row, its output). Compile time, then ROUNDS rounds of CALLS back-to-back calls: ms per
+    call (the median round), TFLOP/s. A configuration that fails to compile or run is a row with its error."""
+    row = dict(blocks=dataclasses.astuple(config))
+    try:
+        t0 = time.perf_counter()
+        compiled = program(c, config, interpret).lower(*operands).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        out = jax.block_until_ready(compiled(*operands))
+        per_call = []
+        for _ in range(ROUNDS[size]):
+            t0 = time.perf_counter()
+            for _ in range(CALLS[size]):
+                out = compiled(*operands)
+            jax.block_until_ready(out)
+            per_call.append((time.perf_counter() - t0) / CALLS[size])
+        seconds = float(np.median(per_call))
+        row.update(status="ok", ms=seconds * 1e3, tflops=c.flops / seconds / 1e12)
+        return row, out
+    except Exception as err:  # noqa: BLE001  (a configuration the kernel refuses: recorded, the sweep goes on)
+        row.update(status="error", error=f"{type(err).__name__}: {err}"[:500])
+        return row, None
+
+
+def table_line(c: Call, best: dict, rule: dict, device_kind: str) -> str:
+    """The BLOCKS entry of a call's best configuration, as Python with what it was measured at."""
+    b = ", ".join(str(x) for x in best["blocks"])
+    return (
+        f'("{c.kernel}", {c.k}, {c.n}): Blocks({b}),  # {best["ms"]:.3f} ms = {best["tflops"]:.0f} TFLOP/s (the '
+        f"rule: {rule['ms']:.3f} ms), {sum(c.sizes):,} rows in {len(c.sizes)} groups, {device_kind}"
+    )
+
+
+def run(size: str, deadline: float, save, interpret: bool | None = None) -> dict:
+    """The sweep: every call's rule configuration first, then the candidates round by round across the calls (a
+    time box that cuts the sweep leaves each call with as many candidates tried as the others, give or take one).
+    Each candidate is checked against the rule's output (AGREE); the best agreeing one per call, its speed-up over
+    the rule, and the BLOCKS lines. On a device that is no Hopper GPU (and not `interpret`: tests) it says so."""
+    interpret = moe_hopper.INTERPRET if interpret is None else interpret
+    cc = moe_hopper.compute_capability()
+    kind = jax.devices()[0].device_kind
+    if not interpret and (cc is None or cc[0] != 9):
+        return dict(skipped=f"needs a GPU of compute capability 9.x (Mosaic GPU); this is {kind} (cc {cc})")
+    todo = calls(size)
+    res = dict(device_kind=kind, dtype="bfloat16", tokens=gpu_parts.MOE_LAYER[size]["tokens"], calls={})
+    state = {}
+    for i, c in enumerate(todo):
+        rule = moe_hopper.blocks(c.kernel, c.rows, len(c.sizes), c.k, c.n)
+        ops = _operands(c, jnp.bfloat16, seed=i)
+        queue = [rule] + [b for b in CANDIDATES[c.kernel] if b != rule]
+        state[c.key] = dict(call=c, ops=ops, queue=queue, ref=None)
+        res["calls"][c.key] = dict(
+            kernel=c.kernel, k=c.k, n=c.n, rows=c.rows, groups=len(c.sizes), rows_in_groups=sum(c.sizes),
+            shape=c.shape, rule=dataclasses.astuple(rule), candidates=[],
+        )  # fmt: skip
+    last_s, depth = 0.0, max(len(s["queue"]) for s in state.values())
+    for step in range(depth):
+        for key, s in state.items():
+            if step >= len(s["queue"]):
+                continue
+            entry = res["calls"][key]
+            if time.time() + last_s > deadline:
+                entry["candidates"].append(
+                    dict(blocks=dataclasses.astuple(s["queue"][step]), status="skipped", reason="time box")
+                )
+                continue
+            t0 = time.time()
+            row, out = measure(s["call"], s["queue"][step], s["ops"], size, interpret)
+            if step == 0:
+                s["ref"] = out
+            if out is not None and s["ref"] is not None:
+                row["max_rel_to_rule"] = gpu_exact.max_rel(out.astype(jnp.float32), s["ref"].astype(jnp.float32))
+                row["agrees"] = row["max_rel_to_rule"] <= AGREE
+            entry["candidates"].append(row)
+            last_s = time.time() - t0
+        _conclude(res, state)
+        save(res)
+    return res
+
+
+def _conclude(res: dict, state: dict) -> None:
+    """Each call's best agreeing candidate so far, its speed-up over the rule, and the BLOCKS lines."""
+    res["table"] = []
+    for key, entry in res["calls"].items():
+        ok = [r for r in entry["candidates"] if r.get("status") == "ok" and r.get("agrees", True)]
+        rule = entry["candidates"][0] if entry["candidates"] else {}
+        if not ok or rule.get("status") != "ok":
+            entry["best"] = None
+            continue
+        best = min(ok, key=lambda r: r["ms"])
+        entry["best"] = dict(best, speedup_over_rule=rule["ms"] / best["ms"])
+        if best["blocks"] != rule["blocks"]:
+            res["table"].append(table_line(state[key]["call"], best, rule, res["device_kind"]))
