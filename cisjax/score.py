@@ -16,6 +16,7 @@ from rich.progress import Progress
 from cisjax import errors, forward, runtime, sharding
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
+from cisjax.models.padding import round_up
 
 
 def read_items(path: str | Path, vocab_size: int) -> list[rows_lib.Seq]:
@@ -127,7 +128,7 @@ class Scorer:
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.rules, self.top_k, self.row_tokens = mesh, rules, int(top_k), int(row_tokens)
         multiple = sharding.axis_multiple(mesh, rules, "batch")
-        self.rows_per_call = -(-int(rows_per_call) // multiple) * multiple
+        self.rows_per_call = round_up(int(rows_per_call), multiple)
         self.fn = forward.make_scorer(
             self.graphdef,
             mesh,
@@ -140,7 +141,7 @@ class Scorer:
 
     def prepare(self, seqs: list[rows_lib.Seq]) -> list[rows_lib.Rows]:
         """The host rows of every call (packing first-fit-decreasing; row_tokens 0 = the longest, rounded to 128)."""
-        row_tokens = self.row_tokens or -(-max(s.positions for s in seqs) // 128) * 128
+        row_tokens = self.row_tokens or round_up(max(s.positions for s in seqs), 128)
         layout = rows_lib.pack(seqs, row_tokens)
         n = self.rows_per_call
         return [rows_lib.build(seqs, layout[i : i + n], row_tokens, rows=n) for i in range(0, len(layout), n)]

@@ -16,6 +16,7 @@ from cisjax import config as config_lib
 from cisjax import sharding
 from cisjax.bench import harness, serving, synthetic, tiny_model
 from cisjax.bench.serving import Server, engine_env
+from cisjax.models.padding import round_up
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.build import build
 from cisjax.train.publish import Publisher
@@ -108,7 +109,7 @@ def _config(args):
 
 
 def _batch(args, run, vocab: int, seed: int):
-    rows = -(-args.batch // run.rows_multiple) * run.rows_multiple  # a multiple of the batch shards
+    rows = round_up(args.batch, run.rows_multiple)  # a multiple of the batch shards
     host = synthetic.train_batch(1, rows, args.seq, vocab, seed)
     return sharding.place(host, run.mesh, run.rules, sharding.BATCH_AXES)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cisjax.models.padding import round_up
+
 GMM_MAX_ROW_TILE = 512  # rows per kernel tile at most (MaxText's megablox default)
 
 
@@ -16,7 +18,7 @@ def gmm_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
     def lanes(dim: int) -> int:
         return next((t for t in (512, 256, 128) if dim % t == 0), dim)
 
-    return min(GMM_MAX_ROW_TILE, -(-max(rows, 1) // 16) * 16), lanes(k), lanes(n)
+    return min(GMM_MAX_ROW_TILE, round_up(max(rows, 1), 16)), lanes(k), lanes(n)
 
 
 def megablox_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):

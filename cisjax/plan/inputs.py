@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from cisjax import errors, sharding
+from cisjax.models.padding import round_up
 from cisjax.sampler.engine import bucket
 
 
@@ -40,7 +41,7 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
     m = int(cfg.train.micro_batches)
     samples = int(cfg.data.prompts_per_step) * int(cfg.rollout.group_size)
     per_micro_batch = -(-samples // (m * int(cfg.train.updates_per_batch)))  # ceil
-    rows = rows or -(-per_micro_batch // rows_multiple) * rows_multiple
+    rows = rows or round_up(per_micro_batch, rows_multiple)
     if rows % rows_multiple:
         raise errors.UserError(f"--rows {rows}: must be a multiple of the mesh's batch shards ({rows_multiple})")
     if not seq_len:
@@ -50,7 +51,7 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
             )
         longest = int(cfg.data.max_prompt_tokens) + int(cfg.rollout.max_new_tokens) - 1
         multiple = int(cfg.train.length_multiple)
-        seq_len = -(-longest // multiple) * multiple
+        seq_len = round_up(longest, multiple)
     return dict(micro_batches=m, rows=rows, seq_len=seq_len, rows_multiple=rows_multiple, samples_per_step=samples)
 
 

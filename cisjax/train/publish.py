@@ -18,6 +18,7 @@ from cisjax import distributed, errors, forward, sharding
 from cisjax import rows as rows_lib
 from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
+from cisjax.models.padding import round_up
 from cisjax.records import TrainBatch
 from cisjax.rollout import canary as canary_lib
 from cisjax.rollout.fleet import RolloutFleet
@@ -124,7 +125,7 @@ def canary_shape(canary: CanarySpec, mesh, rules) -> tuple[int, int]:
     rows_multiple, length_multiple = (sharding.axis_multiple(mesh, rules, name) for name in ("batch", "length"))
     length = int(canary.prompt_len) + int(canary.response_len)
     rows = int(canary.num_sequences)
-    return -(-rows // rows_multiple) * rows_multiple, -(-length // length_multiple) * length_multiple
+    return round_up(rows, rows_multiple), round_up(length, length_multiple)
 
 
 def canary_logprobs_fn(graphdef, spec: PublishSpec, mesh, rules):
