@@ -18,8 +18,9 @@ from cisjax.models.padding import round_up
 # Candidates per kernel after the rule's own choice (moe_hopper.blocks, measured first: the baseline every other is
 # timed and checked against): one knob of the measured configuration at a time, then a few pairs. Drawn from the
 # space JAX's own sweeps search (ragged_dot_mgpu.main: tiles of 64 / 128 / 192, K steps of 64, 2-6 stages, N bands
-# of 1-16); tiles of 256 columns with 3 stages (4 would pass the 227 KiB of shared memory). A configuration the
-# kernel or the GPU refuses is recorded as an error and the sweep goes on.
+# of 1-16). Every one compiles for sm_90a at the MoE layer table's shapes (deviceless, jax 0.10.2 and 0.11.2:
+# docs/results.md), so each fits the 227 KiB of shared memory (6 stages of 128 x 256 tiles would not: refused at
+# compile). A configuration the kernel or the GPU refuses is recorded as an error and the sweep goes on.
 CANDIDATES = {
     "ragged_dot": (
         Blocks(128, 128, 64, 4, 1),
@@ -32,6 +33,7 @@ CANDIDATES = {
         Blocks(128, 64, 64, 4, 2),
         Blocks(128, 128, 128, 2, 2),
         Blocks(128, 128, 64, 5, 8),
+        Blocks(64, 256, 64, 4, 2),  # half the rows computed past a group's end (each boundary costs a tile), wider
     ),
     "transposed": (
         Blocks(128, 128, 64, 4, 2),
