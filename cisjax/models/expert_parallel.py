@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cisjax import sharding
-from cisjax.models.routing import sort_by_expert
+from cisjax.models.routing import inverse_permutation, sort_by_expert, sorted_rows, unsorted_rows
 
 # How tokens reach the experts' shards under expert parallelism: "a2a" (ragged all-to-all of the assignments),
 # "gather" (all-gather the tokens, reduce-scatter the outputs), or "auto" (plan's rule). A module
@@ -103,7 +103,8 @@ def ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
         n, d = x_NxD.shape
         me = jax.lax.axis_index(e_axes)
         order_R, counts_E = sort_by_expert(ids_NxK, e)
-        xs_RxD = x_NxD[order_R // k]
+        inv_R = inverse_permutation(order_R)
+        xs_RxD = sorted_rows(x_NxD, order_R, inv_R, k)
         # counts of every chip: c[i, j, l] = rows chip i sends to local expert l of chip j
         c_PxPxL = jax.lax.all_gather(counts_E, e_axes).reshape(ep_size, ep_size, e_loc)
         per_expert_PxL = c_PxPxL.sum(0)  # rows each chip's local experts receive
@@ -134,7 +135,7 @@ def ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
             counts_E,
             e_axes,
         )
-        y_RxD = jnp.zeros_like(ys_RxD).at[order_R].set(ys_RxD)
+        y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
         return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
 
     def gather(x_NxD, wg, wu, wo, ids_NxK, w_NxK):
@@ -147,8 +148,9 @@ def ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
         key_R = jnp.where((local_R >= 0) & (local_R < e_loc), local_R, e_loc)
         order_R = jnp.argsort(key_R, stable=True).astype(jnp.int32)
         sizes_L = jnp.bincount(key_R, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-        ys_RxD = rows_fn(x_NxD[order_R // k], wg, wu, wo, sizes_L)
-        y_RxD = jnp.zeros_like(ys_RxD).at[order_R].set(ys_RxD)
+        inv_R = inverse_permutation(order_R)
+        ys_RxD = rows_fn(sorted_rows(x_NxD, order_R, inv_R, k), wg, wu, wo, sizes_L)
+        y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
         y_NxD = jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
         if split:
             y_NxD = jax.lax.psum_scatter(y_NxD, split, scatter_dimension=0, tiled=True)

@@ -1,6 +1,9 @@
-"""MoE routing, pure functions: the fp32 router's top-k, gate weights of replayed ids, assignments sorted by expert."""
+"""MoE routing, pure functions: the fp32 router's top-k, gate weights of replayed ids, assignments sorted by expert
+and the rows moved into and out of that order."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,3 +65,48 @@ def sort_by_expert(ids_NxK: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     flat_ids_R = ids_NxK.reshape(-1)
     order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
     return order_R, jnp.bincount(flat_ids_R, length=num_experts).astype(jnp.int32)
+
+
+def inverse_permutation(order_R: jax.Array) -> jax.Array:
+    """inv_R with inv[order[r]] = r (order a permutation of 0..R-1): where each assignment went in the sorted order.
+    An integer scatter of R indices (unique: no two write one place)."""
+    r = order_R.shape[0]
+    return jnp.zeros_like(order_R).at[order_R].set(jnp.arange(r, dtype=order_R.dtype), unique_indices=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sorted_rows(x_NxD: jax.Array, order_R: jax.Array, inv_R: jax.Array, k: int) -> jax.Array:
+    """xs[r] = x[order[r] // k]: each token's row once per assignment (k per token), in the sorted order (a gather).
+    Its gradient gathers the rows back by the inverse permutation and sums each token's k rows in fp32, rounding once:
+    no scatter-add (which a GPU runs with atomics, in the rows' dtype and in no fixed order)."""
+    return x_NxD[order_R // k]
+
+
+def _sorted_rows_fwd(x_NxD, order_R, inv_R, k):
+    return sorted_rows(x_NxD, order_R, inv_R, k), inv_R
+
+
+def _sorted_rows_bwd(k, inv_R, dxs_RxD):
+    dx_NxKxD = dxs_RxD[inv_R].astype(jnp.float32).reshape(-1, k, dxs_RxD.shape[1])
+    return jnp.sum(dx_NxKxD, axis=1).astype(dxs_RxD.dtype), None, None
+
+
+sorted_rows.defvjp(_sorted_rows_fwd, _sorted_rows_bwd)
+
+
+@jax.custom_vjp
+def unsorted_rows(ys_RxD: jax.Array, order_R: jax.Array, inv_R: jax.Array) -> jax.Array:
+    """y[order[r]] = ys[r]: the sorted rows back in (token, slot) order, as a gather by the inverse permutation; its
+    gradient the gather by order. Neither direction scatters."""
+    return ys_RxD[inv_R]
+
+
+def _unsorted_rows_fwd(ys_RxD, order_R, inv_R):
+    return unsorted_rows(ys_RxD, order_R, inv_R), order_R
+
+
+def _unsorted_rows_bwd(order_R, dy_RxD):
+    return dy_RxD[order_R], None, None
+
+
+unsorted_rows.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)

@@ -1,10 +1,13 @@
-"""MoE routing: hand-computed routes (greedy, group-limited, renormalised, scaled) and the sort by expert."""
+"""MoE routing: hand-computed routes (greedy, group-limited, renormalised, scaled), the sort by expert and the rows
+moved into and out of the sorted order (values and gradients)."""
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cisjax.models import routing
+from cisjax.models import moe, routing
 
 
 def _route(p_NxE, **kw):
@@ -67,3 +70,69 @@ def test_sort_by_expert_is_stable_and_counts_every_group():
     np.testing.assert_array_equal(order_R, [1, 2, 5, 0, 3, 4])  # token order within a group
     np.testing.assert_array_equal(sizes_E, [3, 0, 2, 1, 0])
     assert order_R.dtype == jnp.int32 and sizes_E.dtype == jnp.int32
+
+
+# tokens 0, 1, 2 (k = 2) with experts [[1, 0], [0, 1], [1, 1]]: flat ids [1, 0, 0, 1, 1, 1], sorted (stable) order
+# [1, 2, 0, 3, 4, 5] (expert 0: assignments 1, 2; expert 1: 0, 3, 4, 5)
+ORDER = [1, 2, 0, 3, 4, 5]
+
+
+def test_inverse_permutation_by_hand():
+    order = jnp.asarray(ORDER, jnp.int32)
+    inv = routing.inverse_permutation(order)
+    assert inv.tolist() == [2, 0, 1, 3, 4, 5]  # assignment 0 went to place 2, 1 to 0, 2 to 1
+    assert order[inv].tolist() == list(range(6)) and inv.dtype == jnp.int32
+
+
+def test_rows_into_and_out_of_the_sorted_order_by_hand():
+    """xs[r] = x[order[r] // 2]; un-sorting puts row r back at order[r]. Gradients: a token's row collects the
+    cotangents of its two assignments (summed); the un-sort's cotangent goes back where the row came from."""
+    order = jnp.asarray(ORDER, jnp.int32)
+    inv = routing.inverse_permutation(order)
+    x = jnp.asarray([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    xs = routing.sorted_rows(x, order, inv, 2)
+    assert xs.tolist() == [[1, 10], [2, 20], [1, 10], [2, 20], [3, 30], [3, 30]]
+    # cotangent c[r] = r + 1 on every column: token 0's rows are sorted places 0 and 2 (1 + 3), token 1's 1 and 3
+    # (2 + 4), token 2's 4 and 5 (5 + 6)
+    c = jnp.arange(1.0, 7.0)[:, None] * jnp.ones((1, 2))
+    dx = jax.grad(lambda x: jnp.sum(routing.sorted_rows(x, order, inv, 2) * c))(x)
+    assert dx.tolist() == [[4, 4], [6, 6], [11, 11]]
+    ys = jnp.arange(6.0)[:, None] * jnp.asarray([[1.0, -1.0]])  # sorted row r holds (r, -r)
+    y = routing.unsorted_rows(ys, order, inv)
+    assert y[:, 0].tolist() == [2, 0, 1, 3, 4, 5]  # assignment a gets the sorted row at inv[a]
+    assert routing.unsorted_rows(xs, order, inv).tolist() == np.repeat(np.asarray(x), 2, axis=0).tolist()
+    dys = jax.grad(lambda ys: jnp.sum(routing.unsorted_rows(ys, order, inv) * c))(ys)
+    assert dys[:, 0].tolist() == [2, 3, 1, 4, 5, 6]  # sorted row r gets c[order[r]] = order[r] + 1
+
+
+def test_bf16_gradient_sums_in_fp32():
+    """A token's k cotangents summed in fp32 and rounded once: 1 + 2^-8 + 2^-8 = 1 + 2^-7, one bf16 unit above 1
+    (bf16 adds one at a time would round the tie 1 + 2^-8 back to 1, twice)."""
+    order = jnp.asarray([0, 1, 2], jnp.int32)
+    x = jnp.zeros((1, 1), jnp.bfloat16)
+    c = jnp.asarray([[1.0], [2.0**-8], [2.0**-8]], jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x: routing.sorted_rows(x, order, routing.inverse_permutation(order), 3), x)
+    (dx,) = vjp(c)
+    assert dx.dtype == jnp.bfloat16 and float(dx[0, 0]) == 1.0 + 2.0**-7
+
+
+def test_moe_ffn_gradient_has_no_float_scatter():
+    """The kernels' dispatch (sorted rows in, un-sorted rows out) moves rows by gathers only, forward and backward: the
+    only scatters left are integer ones (the inverse permutation)."""
+    n, d, f, e, k = 8, 4, 4, 4, 2
+    rng = np.random.default_rng(0)
+    x, wg, wu = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((n, d), (e, d, f), (e, d, f)))
+    wo = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
+    ids = jnp.asarray([[i % e, (i + 1) % e] for i in range(n)], jnp.int32)
+    w = jnp.full((n, k), 0.5, jnp.float32)
+    loss = lambda x, wg: jnp.sum(moe.moe_ffn(x, wg, wu, wo, ids, w, impl="ragged") ** 2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, wg)
+    scatters = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name.startswith("scatter")]
+    assert scatters and all(jnp.issubdtype(v.aval.dtype, jnp.integer) for s in scatters for v in s.outvars)
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
