@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import jax.numpy as jnp
 import pytest
 
 from cisjax.bench import gpu_check, gpu_parts, gpu_report, gpu_tune
@@ -86,28 +87,33 @@ def test_sweep_in_the_interpreter(monkeypatch):
 
 def test_the_best_must_agree_with_the_rule():
     """A faster candidate whose output differs from the rule's is never the best; the rule stays when it is."""
-    call = gpu_tune.Call("ragged_dot", 2048, 1408, 32768, (32768,), "qwen15_moe")
+    key = "ragged_dot 2048x1408"
     calls = {
-        call.key: dict(
+        key: dict(
+            kernel="ragged_dot",
+            k=2048,
+            n=1408,
+            rows_in_groups=32768,
+            groups=1,
             candidates=[
                 dict(blocks=(128, 128, 64, 4, 2), status="ok", ms=0.5, tflops=1.0, agrees=True),
                 dict(blocks=(64, 64, 64, 2, 1), status="ok", ms=0.1, tflops=5.0, agrees=False),
                 dict(blocks=(128, 256, 64, 3, 2), status="error", error="no"),
                 dict(blocks=(128, 128, 64, 4, 1), status="ok", ms=0.4, tflops=1.2, agrees=True),
-            ]
+            ],
         )
     }
     res = dict(device_kind="NVIDIA H200", calls=calls)
-    gpu_tune._conclude(res, {call.key: dict(call=call)})
-    best = calls[call.key]["best"]
+    gpu_tune._conclude(res)
+    best = calls[key]["best"]
     assert best["blocks"] == (128, 128, 64, 4, 1) and best["speedup_over_rule"] == pytest.approx(1.25)
     assert res["table"] == [
         '("ragged_dot", 2048, 1408): Blocks(128, 128, 64, 4, 1),  # 0.400 ms = 1 TFLOP/s (the rule: 0.500 ms), '
         "32,768 rows in 1 groups, NVIDIA H200"
     ]
-    calls[call.key]["candidates"][3]["agrees"] = False  # the rule is the best left: no line
-    gpu_tune._conclude(res, {call.key: dict(call=call)})
-    assert calls[call.key]["best"]["blocks"] == (128, 128, 64, 4, 2) and res["table"] == []
+    calls[key]["candidates"][3]["agrees"] = False  # the rule is the best left: no line
+    gpu_tune._conclude(res)
+    assert calls[key]["best"]["blocks"] == (128, 128, 64, 4, 2) and res["table"] == []
 
 
 def test_past_the_deadline_every_candidate_is_skipped(monkeypatch):
@@ -146,3 +152,9 @@ def test_report_shows_a_sweep(capsys):
     gpu_report.show(res)
     shown = capsys.readouterr().out
     assert "block sweep" in shown and "ragged_dot 2048x1408" in shown and "421" in shown and "1.00" in shown
+
+
+def test_agreement_measure_by_hand():
+    """max |got - ref| / max |ref| on the device: |[1, 2] - [1, 4]| / 4 = 0.5; an all-zero reference gives max |got|."""
+    assert float(gpu_tune._max_rel(jnp.asarray([1.0, 2.0]), jnp.asarray([1.0, 4.0]))) == 0.5
+    assert float(gpu_tune._max_rel(jnp.asarray([0.0, -3.0], jnp.bfloat16), jnp.zeros(2, jnp.bfloat16))) == 3.0
