@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cisjax import sharding
-from cisjax.models.routing import inverse_permutation, sort_by_expert, sorted_rows, unsorted_rows
+from cisjax.models.routing import sort_by_expert, through_sorted
 
 # How tokens reach the experts' shards under expert parallelism: "a2a" (ragged all-to-all of the assignments),
 # "gather" (all-gather the tokens, reduce-scatter the outputs), or "auto" (plan's rule). A module
@@ -103,8 +103,6 @@ def ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
         n, d = x_NxD.shape
         me = jax.lax.axis_index(e_axes)
         order_R, counts_E = sort_by_expert(ids_NxK, e)
-        inv_R = inverse_permutation(order_R)
-        xs_RxD = sorted_rows(x_NxD, order_R, inv_R, k)
         # counts of every chip: c[i, j, l] = rows chip i sends to local expert l of chip j
         c_PxPxL = jax.lax.all_gather(counts_E, e_axes).reshape(ep_size, ep_size, e_loc)
         per_expert_PxL = c_PxPxL.sum(0)  # rows each chip's local experts receive
@@ -113,45 +111,43 @@ def ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
         out_off_E = (group_start_PxL + before_PxPxL[me]).reshape(e)
         recv_PxL = c_PxPxL[:, me]  # from each sender, for each of my experts
         buf_rows = ep_size * n * k  # the worst case: every assignment of every chip comes here
-        xb_BxD = ragged_all_to_all(
-            xs_RxD,
-            jnp.zeros((buf_rows, d), x_NxD.dtype),
-            _exclusive_cumsum(counts_E),
-            counts_E,
-            out_off_E,
-            recv_PxL.reshape(e),
-            e_axes,
-        )
-        yb_BxD = rows_fn(xb_BxD, wg, wu, wo, per_expert_PxL[me])
         # back: my slice (sender i, expert l) sits at group_start[me, l] + before[i, me, l]; it goes to where sender i
         # took it from, its own exclusive cumsum over the global experts
         sent_at_PxE = _exclusive_cumsum(c_PxPxL.reshape(ep_size, e))
-        ys_RxD = ragged_all_to_all(
-            yb_BxD,
-            jnp.zeros_like(xs_RxD),
-            (group_start_PxL[me][None, :] + before_PxPxL[:, me]).reshape(e),
-            recv_PxL.reshape(e),
-            jax.lax.dynamic_slice_in_dim(sent_at_PxE, me * e_loc, e_loc, axis=1).reshape(e),
-            counts_E,
-            e_axes,
-        )
-        y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
-        return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
+
+        def exchange(xs_RxD):
+            xb_BxD = ragged_all_to_all(
+                xs_RxD,
+                jnp.zeros((buf_rows, d), x_NxD.dtype),
+                _exclusive_cumsum(counts_E),
+                counts_E,
+                out_off_E,
+                recv_PxL.reshape(e),
+                e_axes,
+            )
+            yb_BxD = rows_fn(xb_BxD, wg, wu, wo, per_expert_PxL[me])
+            return ragged_all_to_all(
+                yb_BxD,
+                jnp.zeros_like(xs_RxD),
+                (group_start_PxL[me][None, :] + before_PxPxL[:, me]).reshape(e),
+                recv_PxL.reshape(e),
+                jax.lax.dynamic_slice_in_dim(sent_at_PxE, me * e_loc, e_loc, axis=1).reshape(e),
+                counts_E,
+                e_axes,
+            )
+
+        return through_sorted(exchange, x_NxD, order_R, w_NxK)
 
     def gather(x_NxD, wg, wu, wo, ids_NxK, w_NxK):
         if split:
             x_NxD, ids_NxK, w_NxK = (jax.lax.all_gather(a, split, tiled=True) for a in (x_NxD, ids_NxK, w_NxK))
-        n, d = x_NxD.shape
         first = jax.lax.axis_index(e_axes) * e_loc
         local_R = ids_NxK.reshape(-1) - first
         # assignments to other chips' experts sort last, into no group
         key_R = jnp.where((local_R >= 0) & (local_R < e_loc), local_R, e_loc)
         order_R = jnp.argsort(key_R, stable=True).astype(jnp.int32)
         sizes_L = jnp.bincount(key_R, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-        inv_R = inverse_permutation(order_R)
-        ys_RxD = rows_fn(sorted_rows(x_NxD, order_R, inv_R, k), wg, wu, wo, sizes_L)
-        y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
-        y_NxD = jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
+        y_NxD = through_sorted(lambda xs_RxD: rows_fn(xs_RxD, wg, wu, wo, sizes_L), x_NxD, order_R, w_NxK)
         if split:
             y_NxD = jax.lax.psum_scatter(y_NxD, split, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y_NxD, rest) if rest else y_NxD

@@ -15,14 +15,7 @@ from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 from cisjax.models.moe_tiled import choose_tile, tiled_ffn, tiled_rows
 from cisjax.models.moe_tpu import megablox_swiglu
-from cisjax.models.routing import (
-    inverse_permutation,
-    replay_weights,
-    route,
-    sort_by_expert,
-    sorted_rows,
-    unsorted_rows,
-)
+from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "ragged", "dense")
 
@@ -52,15 +45,9 @@ def _ragged_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
 
 def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
     """Sort the assignments by expert (routing.sort_by_expert), run swiglu(rows, wg, wu, wo, group sizes) on the sorted
-    rows, un-sort and sum each token's k outputs, weighted. The rows move by gathers both ways, forward and backward
-    (routing.sorted_rows / unsorted_rows)."""
-    n, d = x_NxD.shape
-    k = ids_NxK.shape[1]
+    rows, un-sort and sum each token's k outputs, weighted (routing.through_sorted: gathers both ways)."""
     order_R, sizes_E = sort_by_expert(ids_NxK, wg_ExDxF.shape[0])
-    inv_R = inverse_permutation(order_R)
-    ys_RxD = swiglu(sorted_rows(x_NxD, order_R, inv_R, k), wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E)
-    y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
-    return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
+    return through_sorted(lambda xs_RxD: swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E), x_NxD, order_R, w_NxK)
 
 
 def _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):

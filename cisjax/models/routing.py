@@ -110,3 +110,16 @@ def _unsorted_rows_bwd(order_R, dy_RxD):
 
 
 unsorted_rows.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)
+
+
+def through_sorted(fn, x_NxD: jax.Array, order_R: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """sum_k w[n, k] * fn(xs)[slot (n, k)]: each token's row once per assignment (k per token) in `order` (sorted
+    by expert: sort_by_expert), fn on those sorted rows ([R, D] -> [R, D], the experts and any exchange between),
+    the rows back in (token, slot) order and each token's k outputs summed with its routing weights. The rows move
+    by gathers both ways, forward and backward (sorted_rows / unsorted_rows)."""
+    n, d = x_NxD.shape
+    k = w_NxK.shape[1]
+    inv_R = inverse_permutation(order_R)
+    ys_RxD = fn(sorted_rows(x_NxD, order_R, inv_R, k))
+    y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
+    return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)

@@ -105,6 +105,28 @@ def test_rows_into_and_out_of_the_sorted_order_by_hand():
     assert dys[:, 0].tolist() == [2, 3, 1, 4, 5, 6]  # sorted row r gets c[order[r]] = order[r] + 1
 
 
+def test_through_sorted_by_hand():
+    """fn sees the sorted rows (it scales sorted row r by r + 1, so a wrong order shows), and each token's two
+    outputs come back to it summed with its weights: token 0's assignments sit at sorted places 2 and 0 (scales 3, 1),
+    token 1's at 1 and 3 (2, 4), token 2's at 4 and 5 (5, 6)."""
+    order = jnp.asarray(ORDER, jnp.int32)
+    x = jnp.asarray([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    w = jnp.asarray([[1.0, 0.5], [0.25, 1.0], [2.0, -1.0]])
+    seen = []
+
+    def fn(xs_RxD):
+        seen.append(xs_RxD)
+        return xs_RxD * jnp.arange(1.0, 7.0)[:, None]
+
+    y = routing.through_sorted(fn, x, order, w)
+    assert seen[0].tolist() == [[1, 10], [2, 20], [1, 10], [2, 20], [3, 30], [3, 30]]
+    # token 0: 1 * 3 + 0.5 * 1 = 3.5; token 1: 0.25 * 2 + 1 * 4 = 4.5; token 2: 2 * 5 - 1 * 6 = 4
+    assert y.tolist() == [[3.5, 35.0], [9.0, 90.0], [12.0, 120.0]]
+    # d sum(y) / dx: token n's row gets sum_k w[n, k] * scale(slot): the same numbers per unit of x
+    dx = jax.grad(lambda x: jnp.sum(routing.through_sorted(fn, x, order, w)))(x)
+    assert dx.tolist() == [[3.5, 3.5], [4.5, 4.5], [4.0, 4.0]]
+
+
 def test_bf16_gradient_sums_in_fp32():
     """A token's k cotangents summed in fp32 and rounded once: 1 + 2^-8 + 2^-8 = 1 + 2^-7, one bf16 unit above 1
     (bf16 adds one at a time would round the tie 1 + 2^-8 back to 1, twice)."""
