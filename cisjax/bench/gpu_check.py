@@ -16,8 +16,10 @@ from pathlib import Path
 from cisjax.bench import gpu_exact, gpu_parts, gpu_report, gpu_tune
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("exactness", "moe_layer", "train_step", "torch_step", "tune")
-DEFAULT_SECTIONS = SECTIONS[:4]  # "tune" (the block sweep, minutes of compiles) runs only when asked for (--only)
+# In this order. "tune" (the block sweep, minutes of compiles) runs only when asked for (--only), before the MoE layer
+# and the train step, which then run the Hopper kernels with the blocks it found best (gpu_tune.tuned_blocks).
+SECTIONS = ("exactness", "tune", "moe_layer", "train_step", "torch_step")
+DEFAULT_SECTIONS = ("exactness", "moe_layer", "train_step", "torch_step")
 # Each section's share of the budget (after the environment probe); what one leaves unused passes to the next.
 SHARES = {"exactness": 0.15, "moe_layer": 0.30, "train_step": 0.40, "torch_step": 0.15, "tune": 0.40}
 DEFAULT_BUDGET_S = 330.0  # 5.5 minutes: within 6 on one H100 / H200 with the machine's start-up outside it
@@ -48,7 +50,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         choices=SECTIONS,
         default=list(DEFAULT_SECTIONS),
         help="the sections to run (default: %(default)s; tune: the block sweep of the Hopper grouped matmuls at the "
-        "MoE layer table's shapes, best configurations printed as moe_hopper.BLOCKS entries)",
+        "MoE layer table's shapes, best configurations printed as moe_hopper.BLOCKS entries and used by the MoE "
+        "layer and train step sections that follow it)",
     )
     # a part's own process (the check starts these)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -69,6 +72,7 @@ def run_part(name: str, plan: dict, deadline: float, out_path: str) -> None:
         os.replace(tmp, out_path)
 
     size = plan.get("size", "small")
+    gpu_tune.apply_blocks(plan.get("blocks", {}))
     if name == "env":
         save(dict(gpu_parts.env(), versions=gpu_parts.versions()))
     elif name == "exactness":
@@ -145,19 +149,21 @@ def plans(section: str, size: str, env: dict, sections: dict) -> list[dict]:
     small = size == "small"
     if section in ("exactness", "tune"):
         return [dict(size=size)]
+    tuned = gpu_tune.tuned_blocks(sections.get("tune", {}))
+    base = dict(size=size, blocks=tuned) if tuned else dict(size=size)
     if section == "moe_layer":
         shapes = list(gpu_parts.MOE_LAYER[size]["shapes"])
         if small:
-            return [dict(size=size, shapes=shapes, impls=[default])]
-        return [dict(size=size, shapes=[s], impls=impls) for s in shapes]
+            return [dict(base, shapes=shapes, impls=[default])]
+        return [dict(base, shapes=[s], impls=impls) for s in shapes]
     if section == "train_step":
         combos = [[default, *t] for t in tokens]
         if small:
-            return [dict(size=size, combos=combos)]
+            return [dict(base, combos=combos)]
         others = sorted(
             (i for i in impls if i != default), key=lambda i: _layer_ratio(sections.get("moe_layer", {}), i)
         )
-        return [dict(size=size, combos=[c]) for c in combos + [[i, *tokens[0]] for i in others]]
+        return [dict(base, combos=[c]) for c in combos + [[i, *tokens[0]] for i in others]]
     combos = [["fastest", *tokens[0]], ["fastest", *tokens[1]], ["eager", *tokens[0]]]
     return [dict(size=size, combos=combos)]
 
@@ -206,6 +212,8 @@ def check(args) -> dict:
                 parts.append(spawn(section, plan, unit_deadline, min(unit_deadline, end) + GRACE_S, tmp))
                 print(f"   part {i + 1}/{len(units)}: {parts[-1]['run']['status']}", flush=True)
             res["sections"][section] = dict(_merge(section, parts), skipped_parts=skipped)
+            if units and "blocks" in units[0]:  # the Hopper kernels ran with the sweep's blocks
+                res["sections"][section]["tuned_blocks"] = units[0]["blocks"]
             res["sections"][section]["seconds"] = used = time.time() - t_section
             carry = max(share + carry - used, 0.0)
     res["seconds"] = time.time() - start

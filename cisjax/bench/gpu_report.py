@@ -35,6 +35,12 @@ def summary(res: dict) -> dict:
         ratio = row.get("moe", {}).get("ratio")
         layer[name] = dict(impl=default, ratio=ratio, met=None if ratio is None else ratio <= TARGETS["moe_ratio_max"])
     out["moe_layer"] = layer
+    # the Hopper kernels' blocks in the MoE layer and train step sections: the sweep's, when it ran before them
+    for name in ("moe_layer", "train_step"):
+        tuned = secs.get(name, {}).get("tuned_blocks")
+        out.setdefault("blocks", {})[name] = (
+            f"the sweep's ({len(tuned)} {'entry' if len(tuned) == 1 else 'entries'})" if tuned else "as shipped"
+        )
     steps, torch = secs.get("train_step", {}), secs.get("torch_step", {})
     first = [k for k in steps if k.startswith(f"{default}@")]
     head = steps.get(first[0], {}) if first else {}
@@ -158,6 +164,7 @@ def show(res: dict) -> None:
         note = (
             f"MFU against {layer.get('peak_tflops')} TFLOP/s" if layer.get("peak_tflops") else layer.get("mfu_omitted")
         )
+        note = f"{note}; Hopper kernel blocks: {s.get('blocks', {}).get('moe_layer', 'as shipped')}"
         console.print(harness.table(title, cols, list(_layer_rows(layer)), note))
     if "tune" in secs:
         tune = secs["tune"]
@@ -172,7 +179,10 @@ def show(res: dict) -> None:
     cols = ("impl@rows x seq", "tokens", "median s", "tokens/s", "MFU", "peak GiB", "first s", "status")
     for name in ("train_step", "torch_step"):
         if name in secs:
-            console.print(harness.table(name.replace("_", " "), cols, list(_step_rows(secs[name]))))
+            note = (
+                f"Hopper kernel blocks: {s.get('blocks', {}).get(name, 'as shipped')}" if name == "train_step" else None
+            )
+            console.print(harness.table(name.replace("_", " "), cols, list(_step_rows(secs[name])), note))
     t = s["train_step"]
     console.print(
         f"targets: exactness {s['exactness']['ok']}; MoE layer <= {TARGETS['moe_ratio_max']}x dense: "

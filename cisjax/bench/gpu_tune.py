@@ -232,6 +232,27 @@ def run(size: str, deadline: float, save, interpret: bool | None = None) -> dict
     return res
 
 
+def tuned_blocks(res: dict) -> dict[str, list[int]]:
+    """The sweep's result (`run`'s) as moe_hopper.BLOCKS entries to apply: {"kernel K N": blocks} for each call whose
+    best agreeing candidate is not the rule's own choice ({} for a sweep that did not run or found nothing better).
+    JSON-shaped: the GPU check passes it to the sections after the sweep, each in its own process."""
+    out = {}
+    for entry in res.get("calls", {}).values():
+        best = entry.get("best")
+        if best and list(best["blocks"]) != list(entry["rule"]):
+            out[f"{entry['kernel']} {entry['k']} {entry['n']}"] = list(best["blocks"])
+    return out
+
+
+def apply_blocks(tuned: dict[str, list[int]]) -> None:
+    """Put `tuned_blocks`' entries into moe_hopper.BLOCKS (this process's), so that moe_hopper.blocks chooses them."""
+    for key, b in tuned.items():
+        kernel, k, n = key.split()
+        if kernel not in moe_hopper.KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r} in tuned blocks; one of {moe_hopper.KERNELS}")
+        moe_hopper.BLOCKS[(kernel, int(k), int(n))] = Blocks(*(int(x) for x in b))
+
+
 def _conclude(res: dict) -> None:
     """Each call's best agreeing candidate so far, its speed-up over the rule, and the BLOCKS lines."""
     res["table"] = []

@@ -158,3 +158,56 @@ def test_agreement_measure_by_hand():
     """max |got - ref| / max |ref| on the device: |[1, 2] - [1, 4]| / 4 = 0.5; an all-zero reference gives max |got|."""
     assert float(gpu_tune._max_rel(jnp.asarray([1.0, 2.0]), jnp.asarray([1.0, 4.0]))) == 0.5
     assert float(gpu_tune._max_rel(jnp.asarray([0.0, -3.0], jnp.bfloat16), jnp.zeros(2, jnp.bfloat16))) == 3.0
+
+
+def _swept(best_blocks, rule=(128, 128, 64, 4, 2), kernel="ragged_dot", k=2048, n=1408):
+    best = None if best_blocks is None else dict(blocks=list(best_blocks), ms=0.4, tflops=1.0, speedup_over_rule=1.1)
+    return dict(kernel=kernel, k=k, n=n, rule=list(rule), best=best)
+
+
+def test_tuned_blocks_are_the_bests_that_differ_from_the_rule(monkeypatch):
+    """The entries the sections after the sweep apply: a best that is not the rule's own choice; none where the rule
+    won or nothing agreed; applied, moe_hopper.blocks chooses them (for groups of 128 rows or more on average)."""
+    res = dict(
+        calls={
+            "ragged_dot 2048x1408": _swept((64, 128, 64, 4, 2)),
+            "transposed 2048x1408": _swept((128, 128, 64, 4, 1), rule=(128, 128, 64, 4, 1), kernel="transposed"),
+            "ragged_dot_t 1408x2048": _swept(None, kernel="ragged_dot_t", k=1408, n=2048),
+            "ragged_dot 1408x2048": _swept((128, 256, 64, 3, 2), k=1408, n=2048),
+        }
+    )
+    tuned = gpu_tune.tuned_blocks(res)
+    assert tuned == {"ragged_dot 2048 1408": [64, 128, 64, 4, 2], "ragged_dot 1408 2048": [128, 256, 64, 3, 2]}
+    assert gpu_tune.tuned_blocks({}) == {} and gpu_tune.tuned_blocks(dict(skipped="not a Hopper GPU")) == {}
+    monkeypatch.setattr(moe_hopper, "BLOCKS", dict(moe_hopper.BLOCKS))
+    assert moe_hopper.blocks("ragged_dot", 32768, 60, 1408, 2048) == Blocks(128, 128, 64, 4, 2)  # the rule
+    gpu_tune.apply_blocks(json.loads(json.dumps(tuned)))  # as a part's process gets it
+    assert moe_hopper.blocks("ragged_dot", 32768, 60, 1408, 2048) == Blocks(128, 256, 64, 3, 2)
+    assert moe_hopper.blocks("ragged_dot", 32768, 60, 2048, 1408) == Blocks(64, 128, 64, 4, 2)
+    assert moe_hopper.blocks("ragged_dot", 1024, 60, 1408, 2048).block_m == 64  # small groups: the rule still
+    with pytest.raises(ValueError, match="unknown kernel"):
+        gpu_tune.apply_blocks({"gmm 8 8": [64, 64, 64, 2, 1]})
+
+
+def test_sections_after_the_sweep_run_with_its_blocks(monkeypatch, tmp_path):
+    """The check runs the sweep before the MoE layer and the train step, whose plans then carry its blocks, and each
+    part applies them in its own process before measuring; without a sweep (or a better block) the plans carry none."""
+    assert (
+        gpu_check.SECTIONS.index("tune")
+        < gpu_check.SECTIONS.index("moe_layer")
+        < gpu_check.SECTIONS.index("train_step")
+    )
+    env = dict(moe_default="mgpu", moe_impls=["auto", "mgpu", "triton"])
+    tune = dict(calls={"ragged_dot 2048x1408": _swept((64, 128, 64, 4, 2))})
+    for section in ("moe_layer", "train_step"):
+        plans = gpu_check.plans(section, "full", env, dict(tune=tune))
+        assert plans and all(p["blocks"] == {"ragged_dot 2048 1408": [64, 128, 64, 4, 2]} for p in plans)
+        assert all("blocks" not in p for p in gpu_check.plans(section, "full", env, {}))
+    monkeypatch.setattr(moe_hopper, "BLOCKS", dict(moe_hopper.BLOCKS))
+    plan = gpu_check.plans("moe_layer", "small", env, dict(tune=tune))[0]
+    gpu_check.run_part("env", json.loads(json.dumps(plan)), time.time() + 60, str(tmp_path / "env.json"))
+    assert moe_hopper.BLOCKS[("ragged_dot", 2048, 1408)] == Blocks(64, 128, 64, 4, 2)
+    res = dict(
+        size="full", seconds=1.0, budget_s=300, env={}, sections=dict(moe_layer=dict(tuned_blocks=plan["blocks"]))
+    )
+    assert gpu_report.summary(res)["blocks"] == {"moe_layer": "the sweep's (1 entry)", "train_step": "as shipped"}
