@@ -139,7 +139,8 @@ def _tune_rows(tune: dict):
 
 
 def show(res: dict) -> None:
-    """The check as tables on the console: exactness, the MoE layer, the train step (JAX, torch), the verdicts."""
+    """The check as tables on the console: exactness, the block sweep, the MoE layer, the train step (JAX, torch), the
+    verdicts (the sections' order)."""
     console = harness.console(150)
     env, secs, s = res.get("env", {}), res["sections"], res["summary"]
     v = env.get("versions", {})
@@ -157,15 +158,6 @@ def show(res: dict) -> None:
         )
         rows = list(_exactness_rows(ex))
         console.print(harness.table("exactness", ("kernel", "fp32", "bf16"), rows, note))
-    if "moe_layer" in secs:
-        layer = secs["moe_layer"]
-        title = f"MoE layer fwd+bwd, {layer.get('tokens')} tokens, hidden {layer.get('hidden')}, bf16"
-        cols = ("shape (E, k, F)", "impl", "dense ms", "dense TF/s", "moe ms", "moe TF/s", "x dense", "MFU", "status")
-        note = (
-            f"MFU against {layer.get('peak_tflops')} TFLOP/s" if layer.get("peak_tflops") else layer.get("mfu_omitted")
-        )
-        note = f"{note}; Hopper kernel blocks: {s.get('blocks', {}).get('moe_layer', 'as shipped')}"
-        console.print(harness.table(title, cols, list(_layer_rows(layer)), note))
     if "tune" in secs:
         tune = secs["tune"]
         if tune.get("skipped"):
@@ -176,6 +168,15 @@ def show(res: dict) -> None:
             console.print(harness.table("Hopper grouped-matmul block sweep", cols, list(_tune_rows(tune)), note))
             for line in tune.get("table", []):
                 console.print(escape(line), soft_wrap=True)
+    if "moe_layer" in secs:
+        layer = secs["moe_layer"]
+        title = f"MoE layer fwd+bwd, {layer.get('tokens')} tokens, hidden {layer.get('hidden')}, bf16"
+        cols = ("shape (E, k, F)", "impl", "dense ms", "dense TF/s", "moe ms", "moe TF/s", "x dense", "MFU", "status")
+        note = (
+            f"MFU against {layer.get('peak_tflops')} TFLOP/s" if layer.get("peak_tflops") else layer.get("mfu_omitted")
+        )
+        note = f"{note}; Hopper kernel blocks: {s.get('blocks', {}).get('moe_layer', 'as shipped')}"
+        console.print(harness.table(title, cols, list(_layer_rows(layer)), note))
     cols = ("impl@rows x seq", "tokens", "median s", "tokens/s", "MFU", "peak GiB", "first s", "status")
     for name in ("train_step", "torch_step"):
         if name in secs:

@@ -6,7 +6,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
@@ -160,6 +159,10 @@ def _triton(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     k_BxLxNxH, v_BxLxNxH = (jnp.repeat(a, n // kv, axis=2) if kv != n else a for a in (k_BxLxKxH, v_BxLxKxV))
     q, k, v = (pad_axes(a, {1: lp}) for a in (q_BxLxNxH, k_BxLxNxH, pad_axes(v_BxLxNxH, {3: h})))
     ids = pad_axes(ids_BxL.astype(jnp.int32), {1: lp}, _PAD_SEGMENT)
+    # jax 0.11 deprecates this module (for tokamax, which the GPU machines here lack): imported where the kernel is
+    # traced, so that its warning, and one day its removal, reach only programs that run it
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # lazy: deprecated in jax 0.11
+
     o_BxLxNxH = gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=True, interpret=interpret)
     return o_BxLxNxH[:, :l, :, :vdim].astype(v_BxLxKxV.dtype)
 
