@@ -23,8 +23,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_vocab", "tensor"),
+    ("act_heads", "tensor"),  # attention heads
+    ("act_mlp", "tensor"),  # the MLP's hidden units (SwiGLU's product)
     # parameters
     ("layers", None),  # stacked decoder layers (transformer.stack_layers): every chip holds every layer
     ("vocab", "tensor"),

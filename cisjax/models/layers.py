@@ -54,7 +54,7 @@ class MLP(nnx.Module):
         x = x_BxLxD.astype(self.dtype)
         g_BxLxF = jnp.einsum("bld,df->blf", x, self.wg_DxF[...].astype(self.dtype))
         u_BxLxF = jnp.einsum("bld,df->blf", x, self.wu_DxF[...].astype(self.dtype))
-        h_BxLxF = sharding.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_heads"))
+        h_BxLxF = sharding.constrain(jax.nn.silu(g_BxLxF) * u_BxLxF, ("batch", "length", "act_mlp"))
         return jnp.einsum("blf,fd->bld", h_BxLxF, self.wo_FxD[...].astype(self.dtype))
 
 
