@@ -41,6 +41,15 @@ def routing_flips(own_XxBxTxK, replayed_XxBxTxK, valid_BxT) -> Flips:
     return Flips(jnp.sum(differ_XxBxT, axis=0, dtype=jnp.int32), jnp.sum(differ_XxBxT, axis=(1, 2), dtype=jnp.int32))
 
 
+def chunk_tokens(chunk_size: int, mesh, rules) -> int:
+    """Tokens per logprob chunk of the whole batch for `chunk_size` tokens per chunk on each device
+    (logprobs.chunk_size): times the shards of the batch axis, over which every chunk's tokens are spread. Per device,
+    a chunk's [tokens, vocab] logits then take the same memory on any mesh, and the unembedding, read once per chunk,
+    serves as many tokens on each device: a chunk counted over the whole batch left a v5p-16 chip 128 tokens per read
+    of Qwen's 151,936 x 2048 unembedding, 4.4x below the reads' cost (docs/results.md)."""
+    return int(chunk_size) * sharding.axis_multiple(mesh, rules, "batch")
+
+
 def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):
     """`(params, tokens, positions, segments, targets[, routing[, support]]) [B, T] -> Output`: the model's hidden
     states, then the chunked token_logprobs at `temperature` (never a [B, T, V] logits tensor). `routing_BxTxXxK` (the
@@ -48,8 +57,9 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
     `support_BxTxS` (each target's sampling support, -1 padded) renormalises: the stats' logprobs_N is then log p
     over the support, log p(target) - log sum_{v in S} p(v), and support_logmass_N the subtracted log mass. Refuses
     a model whose compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
-    temperature, chunk_size, top_k = float(temperature), int(chunk_size), int(top_k)
+    temperature, top_k = float(temperature), int(top_k)
     rules = dict(rules)
+    chunk = chunk_tokens(chunk_size, mesh, rules)
 
     def forward(
         params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT, routing_BxTxXxK=None, support_BxTxS=None
@@ -65,7 +75,7 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
                     model.unembedding_DxV(),
                     targets_BxT,
                     temperature=temperature,
-                    chunk_size=chunk_size,
+                    chunk_size=chunk,
                     top_k=top_k,
                     support=support_BxTxS,
                 )

@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- training-side logprobs (cisjax.logprobs) ------------------------------------------
     c.logprobs = ml_collections.ConfigDict()
-    c.logprobs.chunk_size = 1024  # tokens per chunk: the fp32 [tokens, vocab] matrix is never whole
+    c.logprobs.chunk_size = 1024  # tokens per chunk on each device: the fp32 [tokens, vocab] matrix is never whole
     c.logprobs.temperature = 1.0  # the sampling temperature; p is computed at the same temperature
     c.logprobs.top_k = 0  # also return the top-k (ids, logprobs) per token when > 0
 

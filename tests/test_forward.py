@@ -167,3 +167,15 @@ def test_packed_scoring_replays_each_sequences_routing(tiny):
     other = [rows.Seq(s.prompt_ids, s.response_ids, (s.routing + 1) % 8) for s in with_own]
     moved = score.score_items(model, other, mesh, rules, **kw)
     assert max(np.abs(np.subtract(a["logprobs"], b["logprobs"])).max() for a, b in zip(moved, plain)) > 1e-2
+
+
+def test_chunk_tokens_are_per_device():
+    """logprobs.chunk_size counts one device's tokens: the whole batch's chunk is that times the shards of the batch
+    axis (data x fsdp x expert in the default rules), and the same where nothing splits the batch."""
+    rules = sharding.rules_from_config(None)
+    devices = jax.devices()[:8]
+    assert forward.chunk_tokens(1024, sharding.make_mesh({"fsdp": 8}, devices), rules) == 8192
+    assert forward.chunk_tokens(1024, sharding.make_mesh({"data": 2, "tensor": 4}, devices), rules) == 2048
+    assert forward.chunk_tokens(1024, sharding.make_mesh({"fsdp": 2, "expert": 4}, devices), rules) == 8192
+    assert forward.chunk_tokens(512, sharding.make_mesh({"tensor": 8}, devices), rules) == 512
+    assert forward.chunk_tokens(1024, sharding.make_mesh({"fsdp": 1}, devices[:1]), rules) == 1024

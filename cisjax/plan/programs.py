@@ -16,6 +16,7 @@ from jax._src.lib import _jax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cisjax import forward as forward_lib
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.models import attention, hf_io, moe, moe_hopper
@@ -348,8 +349,10 @@ class StepPrograms:
         return flops / self.mesh.devices.size
 
     def head_chunks(self, rows: int, seq_len: int) -> tuple[int, int]:
-        """(chunks, tokens per chunk) of the chunked logprob over a [rows, seq_len] micro-batch."""
-        return logprobs_lib.chunk_layout(rows * seq_len, int(self.cfg.logprobs.chunk_size))
+        """(chunks, tokens per chunk) of the chunked logprob over a [rows, seq_len] micro-batch (forward.chunk_tokens:
+        logprobs.chunk_size tokens per chunk on each device)."""
+        chunk = forward_lib.chunk_tokens(int(self.cfg.logprobs.chunk_size), self.mesh, self.rules)
+        return logprobs_lib.chunk_layout(rows * seq_len, chunk)
 
     def head_part(self, rows: int, seq_len: int, *, backward: bool) -> Compiled:
         """The final norm and the logprob of ONE chunk, forward (the step loops over head_chunks of them); with

@@ -30,7 +30,7 @@ class StepSpec:
 
     runtime: runtime_lib.Runtime  # the precision (the model was built with the same Runtime)
     temperature: float  # logprobs.temperature: p at the sampling temperature
-    chunk_size: int  # logprobs.chunk_size: tokens per logsumexp chunk
+    chunk_size: int  # logprobs.chunk_size: tokens per logsumexp chunk on each device (forward.chunk_tokens)
     correction: corrections.CorrectionSpec
     loss: loss_lib.LossSpec
     optim: optim.OptimSpec
