@@ -45,8 +45,8 @@ def chunk_tokens(chunk_size: int, mesh, rules) -> int:
     """Tokens per logprob chunk of the whole batch for `chunk_size` tokens per chunk on each device
     (logprobs.chunk_size): times the shards of the batch axis, over which every chunk's tokens are spread. Per device,
     a chunk's [tokens, vocab] logits then take the same memory on any mesh, and the unembedding, read once per chunk,
-    serves as many tokens on each device: a chunk counted over the whole batch left a v5p-16 chip 128 tokens per read
-    of Qwen's 151,936 x 2048 unembedding, 4.4x below the reads' cost (docs/results.md)."""
+    serves as many tokens on each device. (A chunk counted over the whole batch left a v5p-16 chip 128 tokens per read
+    of Qwen's 151,936 x 2048 unembedding: in the cost model the head took 4.4x its matmuls' time; docs/results.md.)"""
     return int(chunk_size) * sharding.axis_multiple(mesh, rules, "batch")
 
 
