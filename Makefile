@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 WORKERS ?= 2
 DIST    ?= loadgroup
 
-.PHONY: setup test test-fast test-jax011 lint format demo bench plan clean
+.PHONY: setup test test-fast test-jax011 gpu-wheels lint format demo bench plan clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,23 @@ test-jax011:
 	$(VENV_JAX011)/bin/pip install --quiet --no-deps --target $(VENV_JAX011)/cuda-plugin -r requirements-jax011-plugin.txt
 	PYTHONPATH=$(CURDIR) $(VENV_JAX011)/bin/python -m pytest -q -n $(WORKERS) -p no:cacheprovider tests/models tests/plan/test_flops.py tests/bench/test_gpu_tune.py
 	PYTHON=$(VENV_JAX011)/bin/python OUT=runs/gpu_check_jax011 bash launchers/gpu_check.sh --size small
+
+# The wheels a GPU machine lacks for the loop and the GPU check (docs/gpu.md, the carry recipe), at constraints.txt's
+# pins, for its Python 3.12 on x86-64 Linux, into GPU_WHEELS_DIR (ignored; a device call carries it): ml-collections,
+# math-verify with its dependencies, tensorboardX, grpcio-tools, and grpcio and protobuf because the stubs grpcio-tools
+# generates refuse an older runtime. launchers/carried_wheels.sh installs them there (tests/test_launchers.py checks
+# the list against the machine's packages).
+GPU_WHEELS     ?= ml-collections math-verify latex2sympy2_extended antlr4-python3-runtime tensorboardX grpcio-tools \
+                  grpcio protobuf
+GPU_WHEELS_DIR ?= build/wheels
+gpu-wheels: setup
+	mkdir -p $(GPU_WHEELS_DIR)
+	rm -f $(GPU_WHEELS_DIR)/*.whl
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: -c constraints.txt \
+	  --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	ls -s --block-size=K $(GPU_WHEELS_DIR)
+	du -sh $(GPU_WHEELS_DIR)
 
 format: setup
 	$(BIN)/ruff check --fix cisjax tests configs launchers

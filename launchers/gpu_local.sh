@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU machine: the rollout server (`cisjax serve`, vLLM on the local GPU(s)) in the background, or REPLICAS of them
-# (a fleet: one per GPU group), then `cisjax train` against it (them) on the trainer's GPUs; the servers are stopped when
-# the script exits (end of the run, error, Ctrl-C).
+# One GPU machine: the rollout server (`cisjax serve`, vLLM or the transformers engine on the local GPU(s)) in the
+# background, or REPLICAS of them (a fleet: one per GPU group), then `cisjax train` against it (them) on the trainer's
+# GPUs; the servers are stopped when the script exits (end of the run, error, Ctrl-C).
 #
 #   CONFIG=configs/FILE.py bash launchers/gpu_local.sh [--config.x=y ...] [--resume]
 #
@@ -14,11 +14,17 @@
 #                (TP = a group's size), on ports PORT, PORT+1, ..., logs RUN/rollout_server0.log, ...; the trainer
 #                spreads prompts over them and publishes to all (docs/rollout.md, the rollout fleet)
 #   TRAIN_GPUS   CUDA_VISIBLE_DEVICES of the trainer (default 0); its mesh spans them (--config.mesh.* to shape it)
-#   GPU_MEM      the server's share of each of its GPUs' memory (default 0.45; vLLM's --gpu-memory-utilization)
+#   GPU_MEM      the server's share of each of its GPUs' memory (default 0.45; serve's --gpu-memory-utilization: vLLM's
+#                weights + KV cache; the transformers engine's torch memory cap, on a GPU only)
 #   TRAIN_MEM    the trainer's share (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.45 when it shares a GPU with the
 #                server, else JAX's own); GPU_MEM + TRAIN_MEM must stay below 1 on a shared GPU
-#   PORT (50051), DTYPE (bfloat16: the engine's), MAX_LEN (vLLM context length; 0 = the model's), STARTUP_S (900),
-#   BACKEND (vllm; transformers = the torch reference engine, for a run without a GPU), BIN (.venv/bin)
+#   PORT (50051), DTYPE (bfloat16: the engine's), MAX_LEN (vLLM context length; 0 = the model's), STARTUP_S (900)
+#   BACKEND      vllm (default) or transformers (the torch reference engine: on the first GPU of its group when torch
+#                sees one, else on the CPU, as in a run without a GPU)
+#   BIN          the project's environment (default .venv/bin); PYTHON the interpreter (default BIN/python, or python3
+#                where there is none: a GPU machine's own Python with this checkout on PYTHONPATH, cisjax run as
+#                `python -m cisjax`); WHEELS the carried wheels installed when a module is missing (default
+#                build/wheels; `make gpu-wheels`, launchers/carried_wheels.sh)
 #   HOST         the address the servers bind (default 127.0.0.1; the trainer dials 127.0.0.1): another address lets
 #                other hosts reach them (an eval, a measurement) and needs CISJAX_ROLLOUT_TOKEN and TLS
 #   TLS_CERT, TLS_KEY  the servers serve TLS with this certificate (it must name 127.0.0.1, or set TLS_SERVER_NAME)
@@ -34,6 +40,11 @@ usage() {  # the comment above; exit code $1 (2: bad input)
 }
 case "${1:-}" in -h | --help) usage 0 ;; esac
 BIN=${BIN:-.venv/bin}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  [ -x "$BIN/python" ] && PYTHON=$BIN/python
+fi
+WHEELS=${WHEELS:-build/wheels}
 CONFIG=${CONFIG:-}
 PORT=${PORT:-50051}
 BACKEND=${BACKEND:-vllm}
@@ -74,8 +85,16 @@ for a in "$@"; do
   case "$a" in --config.* | --resume) ;; *) echo "gpu_local.sh: '$a' is not an argument of cisjax train" >&2; usage ;; esac
 done
 
+# cisjax from this checkout, as `python -m cisjax` (the same as .venv/bin/cisjax), also on a machine without the
+# project's environment; the modules such a machine lacks from the carried wheels (removed at exit, below)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source launchers/carried_wheels.sh
+carried_wheels "$PYTHON" "$WHEELS"
+remove_site() { [ -z "$CARRIED_SITE" ] || rm -rf "$CARRIED_SITE"; }
+trap remove_site EXIT
+
 # the model and run directory the trainer will use (the config with the arguments applied), unless given
-resolved=$("$BIN/python" - "$CONFIG" "$@" <<'PY'
+resolved=$("$PYTHON" - "$CONFIG" "$@" <<'PY'
 import sys
 from cisjax import config
 cfg = config.load(sys.argv[1], config.split_overrides(sys.argv[2:])[1])
@@ -90,18 +109,33 @@ mkdir -p "$RUN/exports"
 RUN=$(cd "$RUN" && pwd)
 TP=${TP:-$per}
 
-vllm_args=()
-if [ "$BACKEND" = vllm ]; then
-  vllm_args=(--gpu-memory-utilization "$GPU_MEM" --tensor-parallel-size "$TP" --max-model-len "$MAX_LEN")
+# the servers' engine options: vLLM's; the transformers engine's GPU and memory cap when torch sees a GPU there
+server_on_gpu=1
+if [ "$BACKEND" = transformers ]; then
+  CUDA_VISIBLE_DEVICES=${server_gpus[0]} "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
+    2> /dev/null || server_on_gpu=0
 fi
-shared=0
+server_args=()
+if [ "$BACKEND" = vllm ]; then
+  server_args=(--gpu-memory-utilization "$GPU_MEM" --tensor-parallel-size "$TP" --max-model-len "$MAX_LEN")
+elif [ "$server_on_gpu" = 1 ]; then
+  server_args=(--device cuda --gpu-memory-utilization "$GPU_MEM")
+else
+  echo "gpu_local.sh: the rollout server (transformers) runs on the CPU: torch sees no GPU" >&2
+fi
+shared_gpus=()
 for g in ${TRAIN_GPUS//,/ }; do
-  case ",$SERVER_GPUS," in *",$g,"*) shared=1 ;; esac
+  case ",$SERVER_GPUS," in *",$g,"*) shared_gpus+=("$g") ;; esac
 done
-if [ "$shared" = 1 ]; then
+if [ "${#shared_gpus[@]}" -gt 0 ]; then
   TRAIN_MEM=${TRAIN_MEM:-0.45}
   awk -v a="$GPU_MEM" -v b="$TRAIN_MEM" 'BEGIN { exit !(a + b < 1) }' \
     || { echo "gpu_local.sh: GPU_MEM + TRAIN_MEM ($GPU_MEM + $TRAIN_MEM) must be below 1 on a shared GPU" >&2; exit 2; }
+  if [ "$server_on_gpu" = 1 ]; then
+    s=; [ "${#shared_gpus[@]}" = 1 ] || s=s
+    echo "gpu_local.sh: GPU$s $(IFS=,; echo "${shared_gpus[*]}") shared: server ($BACKEND) $GPU_MEM, trainer (JAX)" \
+      "$TRAIN_MEM of its memory" >&2
+  fi
 fi
 
 server_pids=()
@@ -119,7 +153,7 @@ stop_server() {
     wait "$pid" 2>/dev/null || true
   done
 }
-trap stop_server EXIT
+trap 'stop_server; remove_site' EXIT
 trap 'exit 130' INT TERM
 
 # each in its own session: a Ctrl-C at the terminal goes to the trainer (which finishes its step, publishing to the
@@ -131,9 +165,9 @@ for ((i = 0; i < REPLICAS; i++)); do
   log="$RUN/rollout_server.log"
   [ "$REPLICAS" = 1 ] || log="$RUN/rollout_server$i.log"
   echo "gpu_local.sh: starting rollout server $i ($BACKEND on GPUs $gpus, port $port, log $log)" >&2
-  offsets+=("$(wc -c <"$log" 2>/dev/null || echo 0)")  # the log is appended to: --resume keeps the old one
-  CUDA_VISIBLE_DEVICES=$gpus setsid "$BIN/cisjax" serve --backend "$BACKEND" --model "$MODEL" --port "$port" \
-    --host "$HOST" --dtype "$DTYPE" --export-root "$RUN/exports" ${vllm_args[@]+"${vllm_args[@]}"} \
+  offsets+=("$(if [ -f "$log" ]; then wc -c <"$log"; else echo 0; fi)")  # appended to: --resume keeps the old log
+  CUDA_VISIBLE_DEVICES=$gpus setsid "$PYTHON" -m cisjax serve --backend "$BACKEND" --model "$MODEL" --port "$port" \
+    --host "$HOST" --dtype "$DTYPE" --export-root "$RUN/exports" ${server_args[@]+"${server_args[@]}"} \
     ${tls_serve[@]+"${tls_serve[@]}"} >>"$log" 2>&1 </dev/null &
   server_pids+=("$!")
   logs+=("$log")
@@ -160,5 +194,6 @@ trap ':' INT  # from here Ctrl-C is the trainer's (again to abort); the script g
 if [ -n "${TRAIN_MEM:-}" ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$TRAIN_MEM
 fi
-CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$BIN/cisjax" train --config "$CONFIG" --config.model.path="$MODEL" --config.run.dir="$RUN" \
-  --config.rollout.server="$ROLLOUT" --config.publish.dir="$RUN/exports" ${tls_train[@]+"${tls_train[@]}"} "$@"
+CUDA_VISIBLE_DEVICES=$TRAIN_GPUS "$PYTHON" -m cisjax train --config "$CONFIG" --config.model.path="$MODEL" \
+  --config.run.dir="$RUN" --config.rollout.server="$ROLLOUT" --config.publish.dir="$RUN/exports" \
+  ${tls_train[@]+"${tls_train[@]}"} "$@"

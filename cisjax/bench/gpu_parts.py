@@ -16,7 +16,7 @@ import flax.nnx as nnx
 import jax
 
 from cisjax import runtime, sharding
-from cisjax.bench import harness, mfu, synthetic, tiny_model, torch_step
+from cisjax.bench import gpu_profile, harness, mfu, synthetic, tiny_model, torch_step
 from cisjax.bench import moe as bench_moe
 from cisjax.models import attention, hf_io, moe
 from cisjax.plan import flops as flops_lib
@@ -50,6 +50,8 @@ MOE_LAYER = {
         shapes={"qwen15_moe": (6, 2, 32), "deepseek_v2_lite": (8, 3, 32), "qwen3_30b_a3b": (8, 4, 16)},
     ),
 }
+# The MoE layer table's token counts: 8,192 and 16,384 (small: the toy's one).
+LAYER_TOKENS = {"full": (8192, 16384), "small": (MOE_LAYER["small"]["tokens"],)}
 TIMED_STEPS = {"full": 5, "small": 2}  # timed calls after the first (compiling) one
 
 
@@ -105,37 +107,37 @@ def _memory() -> dict:
 # ----------------------------------------------------------------------------- the MoE layer table
 
 
-def moe_layer(size: str, shapes: list[str], impls: list[str], deadline: float, save) -> dict:
+def moe_layer(size: str, units: list[list], deadline: float, save) -> dict:
     """`cisjax bench moe`'s measurement (forward + backward, routing inside, against a dense SwiGLU MLP of equal
-    active FLOPs) per shape and impl, one impl per call (one that runs out of memory leaves the others): its ms,
-    ratio to the dense MLP, TFLOP/s and MFU. An impl that would start past `deadline` is skipped, saying so."""
+    active FLOPs) per unit [shape, impl, tokens], one impl per call (one that runs out of memory leaves the others):
+    its ms, ratio to the dense MLP, TFLOP/s and MFU, under shapes["<shape>@<tokens>"]. A unit that would start past
+    `deadline` is skipped, saying so."""
     spec = MOE_LAYER[size]
-    out = dict(tokens=spec["tokens"], hidden=spec["hidden"], dtype="bfloat16", shapes={})
+    out = dict(hidden=spec["hidden"], dtype="bfloat16", shapes={})
     last_s = 0.0
-    for name in shapes:
+    for name, impl, tokens in units:
         e, k, f = spec["shapes"][name]
-        rows = out["shapes"][name] = dict(E=e, k=k, F=f, impls={})
-        for impl in impls:
-            if time.time() + last_s > deadline:
-                rows["impls"][impl] = dict(status="skipped", reason=f"time box (an impl took ~{last_s:.0f} s)")
-                continue
-            t0 = time.time()
-            try:
-                r = bench_moe.bench_shape(
-                    e, k, f, n=spec["tokens"], d=spec["hidden"], impls=[impl], forced={impl}, tile=None,
-                    dtype_name="bfloat16", repeats=spec["repeats"], slow_repeats=2, seed=0,
-                )  # fmt: skip
-                by = {row["candidate"]: row for row in r["rows"]}
-                row = by[f"moe_{impl}"]
-                if "skipped" in row:  # the platform refuses it
-                    rows["impls"][impl] = dict(status="skipped", reason=row["skipped"])
-                else:
-                    rows["impls"][impl] = dict(status="ok", moe=row, dense_mlp=by["dense_mlp"])
-                out.update({key: r[key] for key in ("device_kind", "peak_tflops", "mfu_omitted") if key in r})
-            except Exception as err:  # noqa: BLE001  (out of memory or a failing kernel: recorded, the others go on)
-                rows["impls"][impl] = failure(err)
-            rows["impls"][impl]["seconds"] = last_s = time.time() - t0
-            save(out)
+        rows = out["shapes"].setdefault(f"{name}@{tokens}", dict(shape=name, E=e, k=k, F=f, tokens=tokens, impls={}))
+        if time.time() + last_s > deadline:
+            rows["impls"][impl] = dict(status="skipped", reason=f"time box (a unit took ~{last_s:.0f} s)")
+            continue
+        t0 = time.time()
+        try:
+            r = bench_moe.bench_shape(
+                e, k, f, n=tokens, d=spec["hidden"], impls=[impl], forced={impl}, tile=None,
+                dtype_name="bfloat16", repeats=spec["repeats"], slow_repeats=2, seed=0,
+            )  # fmt: skip
+            by = {row["candidate"]: row for row in r["rows"]}
+            row = by[f"moe_{impl}"]
+            if "skipped" in row:  # the platform refuses it
+                rows["impls"][impl] = dict(status="skipped", reason=row["skipped"])
+            else:
+                rows["impls"][impl] = dict(status="ok", moe=row, dense_mlp=by["dense_mlp"])
+            out.update({key: r[key] for key in ("device_kind", "peak_tflops", "mfu_omitted") if key in r})
+        except Exception as err:  # noqa: BLE001  (out of memory or a failing kernel: recorded, the others go on)
+            rows["impls"][impl] = failure(err)
+        rows["impls"][impl]["seconds"] = last_s = time.time() - t0
+        save(out)
     return out
 
 
@@ -194,48 +196,59 @@ def work(hf: dict, mcfg, rows: int, seq: int) -> dict:
     )
 
 
-def train_step(size: str, impl: str, rows: int, seq: int) -> dict:
-    """The jitted GRPO step with CIS (bf16 compute, fp32 master weights, AdamW) of the cut, random weights built on
-    the device (hf_io.init_model), `rows` x `seq` tokens: first call (compile), median step, tokens/s, analytic FLOPs
-    and MFU, peak device memory."""
-    cfg = _base_config("bf16", impl)
-    spec = step_spec(cfg)
-    mesh = sharding.make_mesh(cfg.mesh.to_dict())
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    hf, mcfg = model_of(size, seq, spec.runtime.model_kwargs())
-    graphdef, abstract = hf_io.abstract_model(hf, mcfg)
-    shardings = sharding.param_shardings(abstract, mesh, rules)
+class _Cut:
+    """One impl's model and optimizer state, built once per process (random weights on the device) and trained on
+    by every token shape after it: the step's program is compiled per shape, the weights are not rebuilt."""
+
+    def __init__(self, size: str, impl: str, max_seq: int):
+        cfg = _base_config("bf16", impl)
+        self.spec = spec = step_spec(cfg)
+        self.mesh = sharding.make_mesh(cfg.mesh.to_dict())
+        self.rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
+        self.hf, self.mcfg = model_of(size, max_seq, spec.runtime.model_kwargs())
+        graphdef, abstract = hf_io.abstract_model(self.hf, self.mcfg)
+        shardings = sharding.param_shardings(abstract, self.mesh, self.rules)
+        t0 = time.perf_counter()
+        params = jax.jit(lambda: nnx.split(hf_io.init_model(self.hf, self.mcfg, 0), nnx.Param)[1])()
+        params = jax.tree.map(
+            lambda v, sh: v.replace(jax.device_put(v[...], sh)),
+            params,
+            shardings,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+        model = nnx.merge(graphdef, params)
+        tx = optim.make_optimizer(spec.optim)
+        graphdef, self.state = state_lib.create(model, tx, mesh=self.mesh)
+        del model, params
+        self.init_s = time.perf_counter() - t0
+        self.step = step_lib.make_train_step(graphdef, tx, spec, self.mesh, self.rules, state_lib.shardings(self.state))
+
+    def batch(self, size: str, rows: int, seq: int):
+        mb = synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True)
+        return sharding.place(mb, self.mesh, self.rules, sharding.BATCH_AXES)
+
+    def call(self, batch):
+        self.state, met = self.step(self.state, batch)
+        return jax.block_until_ready(met)
+
+
+def train_step(cut: _Cut, size: str, impl: str, rows: int, seq: int, trace_dir: str | None = None) -> dict:
+    """The jitted GRPO step with CIS (bf16 compute, fp32 master weights, AdamW) of the cut's weights, `rows` x `seq`
+    tokens: first call (compile), median step, tokens/s, analytic FLOPs and MFU, peak device memory of the process so
+    far; with `trace_dir`, a profiler trace of one more step (gpu_profile.capture)."""
+    batch = cut.batch(size, rows, seq)
     t0 = time.perf_counter()
-    params = jax.jit(lambda: nnx.split(hf_io.init_model(hf, mcfg, 0), nnx.Param)[1])()
-    params = jax.tree.map(
-        lambda v, sh: v.replace(jax.device_put(v[...], sh)),
-        params,
-        shardings,
-        is_leaf=lambda v: isinstance(v, nnx.Variable),
-    )
-    model = nnx.merge(graphdef, params)
-    tx = optim.make_optimizer(spec.optim)
-    graphdef, state = state_lib.create(model, tx, mesh=mesh)
-    del model, params
-    init_s = time.perf_counter() - t0
-    step = step_lib.make_train_step(graphdef, tx, spec, mesh, rules, state_lib.shardings(state))
-    batch = sharding.place(
-        synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True), mesh, rules, sharding.BATCH_AXES
-    )
-    t0 = time.perf_counter()
-    state, met = step(state, batch)
-    jax.block_until_ready(met)
+    met = cut.call(batch)
     first_s = time.perf_counter() - t0
     times = []
     for _ in range(TIMED_STEPS[size]):
         t0 = time.perf_counter()
-        state, met = step(state, batch)
-        jax.block_until_ready(met)
+        met = cut.call(batch)
         times.append(time.perf_counter() - t0)
     median = statistics.median(times)
     ref = mfu.peak(mfu.device_kind(), "bf16")
-    counts = work(hf, mcfg, rows, seq)
-    return dict(
+    counts = work(cut.hf, cut.mcfg, rows, seq)
+    out = dict(
         status="ok",
         impl=impl,
         resolved_impl=moe.default_impl(jax.default_backend()) if impl == "auto" else impl,
@@ -243,27 +256,43 @@ def train_step(size: str, impl: str, rows: int, seq: int) -> dict:
         seq=seq,
         tokens=rows * seq,
         **counts,
-        init_s=init_s,
+        init_s=cut.init_s,
         first_call_s=first_s,
         step_s=times,
         median_s=median,
         tokens_per_s=rows * seq / median,
         **mfu.utilization(counts["train_flops"], median, ref),
         **ref,
-        proximal=spec.proximal,
+        proximal=cut.spec.proximal,
         loss=float(met["loss"]),
         **_memory(),
+        memory_scope="the process's peak so far (its token shapes run smallest first)",
     )
+    if trace_dir:
+        out["trace"] = gpu_profile.capture(lambda: cut.call(batch), trace_dir, "train_step")
+    return out
 
 
-def train_steps(size: str, combos: list[list], deadline: float, save) -> dict:
-    """train_step per (impl, rows, seq), in order, each recorded as it ends (out of memory as such); one that would
-    start past `deadline` is skipped, saying so."""
+def train_steps(size: str, combos: list[list], deadline: float, save, trace_dir: str | None = None) -> dict:
+    """train_step per (impl, rows, seq), in order, in this one process: each impl's weights built once (and again
+    after a failure, which may have consumed the donated state), each combo recorded as it ends (out of memory as
+    such); one that would start past `deadline` is skipped, saying so. The first combo that runs is traced."""
+    cuts: dict[str, _Cut] = {}
+    longest = {}
+    for impl, _, seq in combos:
+        longest[impl] = max(longest.get(impl, 0), seq)
+    traced = []
 
     def one(impl, rows, seq):
         try:
-            return train_step(size, impl, rows, seq)
+            if impl not in cuts:
+                cuts.clear()  # one impl's weights on the device at a time
+                cuts[impl] = _Cut(size, impl, longest[impl])
+            r = train_step(cuts[impl], size, impl, rows, seq, trace_dir if trace_dir and not traced else None)
+            traced.append(bool(trace_dir))
+            return r
         except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
+            cuts.clear()
             return dict(failure(err), impl=impl, rows=rows, seq=seq, **_memory())
 
     return _time_boxed({}, combos, deadline, save, one)

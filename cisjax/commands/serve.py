@@ -59,6 +59,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="stop (as on SIGTERM) when the process that started this one exits, even SIGKILLed: what "
         "`cisjax train` asks of its embedded server, which runs in its own session",
     )
+    _add_engine_args(p)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engines' own options (each refused by the engines it does not apply to: _engine_options)."""
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -72,14 +77,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=float,
         default=0.0,
-        help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's)",
+        help="vllm on GPU: fraction of GPU memory for weights + KV cache (default: vLLM's); transformers on a GPU: the "
+        "most of its GPU's memory torch may take (torch.cuda.set_per_process_memory_fraction; default: no cap; refused "
+        "on the CPU)",
     )
     p.add_argument(
         "--device",
         choices=server_lib.DEVICES,
         default="auto",
         help="vllm: the platform the engine must run on: cpu (vLLM's CPU build), cuda, tpu (vllm-tpu, the tpu-inference "
-        "backend; untested); auto = what vLLM detects (default auto)",
+        "backend; untested); auto = what vLLM detects. transformers: cpu | cuda (the first visible GPU) | auto = cuda "
+        "when torch sees a GPU, else cpu (default auto)",
     )
     p.add_argument(
         "--mesh",
@@ -97,7 +105,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    """The chosen engine's own options (vllm's, jax's mesh); UserError when they are given to another engine."""
+    """The chosen engine's own options (vllm's, the transformers engine's device and memory share, jax's mesh);
+    UserError when they are given to another engine."""
     if args.mesh and args.backend != "jax":
         raise errors.UserError("--mesh is a jax option (vllm shards with --tensor-parallel-size)")
     if args.backend == "vllm":
@@ -109,10 +118,14 @@ def _engine_options(args: argparse.Namespace) -> dict:
             gpu_memory_utilization=args.gpu_memory_utilization or None,
             device=args.device,
         )
-    if args.tensor_parallel_size != 1 or args.gpu_memory_utilization or args.max_model_len or args.device != "auto":
-        raise errors.UserError(
-            "--max-model-len, --tensor-parallel-size, --gpu-memory-utilization and --device are vllm options"
-        )
+    if args.tensor_parallel_size != 1 or args.max_model_len:
+        raise errors.UserError("--max-model-len and --tensor-parallel-size are vllm options")
+    if args.backend == "transformers":  # the device and the memory share are checked against torch's GPUs there
+        if args.device == "tpu":
+            raise errors.UserError("--device tpu is a vllm option (the transformers engine runs on cpu or cuda)")
+        return dict(device=args.device, gpu_memory_utilization=args.gpu_memory_utilization or None)
+    if args.gpu_memory_utilization or args.device != "auto":
+        raise errors.UserError("--gpu-memory-utilization and --device are vllm and transformers options")
     return {"mesh": _serving_mesh(args.mesh)} if args.mesh else {}
 
 
@@ -121,6 +134,15 @@ def _serving_mesh(text: str):
     from cisjax import sharding  # lazy: jax, which only the jax engine needs (the vllm server runs without it)
 
     return sharding.make_mesh(sharding.parse_mesh(text))
+
+
+def _placed(backend) -> str:
+    """ " on cuda:0 (at most 45% of its memory)" for an engine that says where it runs (the transformers engine)."""
+    device = getattr(backend, "device", None)
+    if device is None:
+        return ""
+    share = getattr(backend, "memory_fraction", None)
+    return f" on {device}" + (f" (at most {share:.0%} of its memory)" if share else "")
 
 
 def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
@@ -159,8 +181,8 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     )
     stop = server_lib.stop_event(exit_with_parent=args.exit_with_parent, grace=args.grace)
     print(
-        f"cisjax serve: {backend.engine} engine, {args.model} ({args.dtype}), listening on {args.host}:{port}"
-        + (" (TLS" + (", mutual" if args.tls_client_ca else "") + ")" if tls is not None else ""),
+        f"cisjax serve: {backend.engine} engine{_placed(backend)}, {args.model} ({args.dtype}), listening on "
+        f"{args.host}:{port}" + (" (TLS" + (", mutual" if args.tls_client_ca else "") + ")" if tls is not None else ""),
         flush=True,
     )
     stop.wait()

@@ -194,6 +194,25 @@ def device_peak(kind: str) -> DevicePeak | None:
     return DEVICE_PEAKS.get(kind)
 
 
+# The HBM bandwidth a memory-bound program's roofline divides by (the sampler's decode, cisjax.bench.gpu_sampler), by
+# jax's device kind: the chip tables' data-sheet figures; a kind not listed has no roofline (never a guess).
+DEVICE_BANDWIDTH_CHIPS = {
+    "NVIDIA H100 80GB HBM3": GPU_CHIPS["h100"][0],
+    "NVIDIA H200": GPU_CHIPS["h200"][0],
+    "NVIDIA A100-SXM4-80GB": GPU_CHIPS["a100"][0],
+    "TPU v4": TPU_CHIPS["v4"],
+    "TPU v5 lite": TPU_CHIPS["v5e"],
+    "TPU v5": TPU_CHIPS["v5p"],
+    "TPU v6 lite": TPU_CHIPS["v6e"],
+}
+
+
+def device_bandwidth(kind: str) -> tuple[float, str] | None:
+    """(HBM bytes/s, its source) of a jax device kind, None when the kind is not listed."""
+    chip = DEVICE_BANDWIDTH_CHIPS.get(kind)
+    return None if chip is None else (chip.hbm_bandwidth, chip.source)
+
+
 # Slice shapes Google offers, by chip count (the v5p/v5e/v6e pages' topology tables).
 SHAPES_3D = {
     4: "2x2x1",

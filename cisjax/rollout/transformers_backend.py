@@ -1,4 +1,8 @@
-"""HF-transformers (torch) reference Backend: its own sampling loop, so each logprob is that of the distribution sampled from."""
+"""HF-transformers (torch) reference Backend: its own sampling loop, so each logprob is that of the distribution sampled from.
+
+The model runs on the CPU or on one CUDA GPU (`device`); the sampling runs on the CPU either way, on the float64
+logprobs of the last position moved to the host, so that a seed gives the same tokens on either device for the same
+logits."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy as np
 import torch
 import transformers
 
+from cisjax import errors
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import weights
 from cisjax.rollout.backend import Params, SampleResult, sample_seed
@@ -36,14 +41,59 @@ def sampling_logprobs(logits_NxV: torch.Tensor, params: Params) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def choose_device(requested: str, cuda_available: bool) -> str:
+    """The torch device the engine runs on: "cpu" or "cuda" (auto: cuda when torch sees a GPU). UserError for cuda
+    without one, or an unknown name."""
+    if requested not in DEVICES:
+        raise errors.UserError(f"--device {requested}: the transformers engine runs on {' | '.join(DEVICES)}")
+    if requested == "cuda" and not cuda_available:
+        raise errors.UserError("--device cuda: torch sees no CUDA GPU here (a CPU build of torch, or no GPU visible)")
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return requested
+
+
+def check_memory_fraction(fraction: float | None, device: str) -> float | None:
+    """--gpu-memory-utilization for this engine: a share in (0, 1] of its GPU's memory; UserError on the CPU."""
+    if not fraction:
+        return None
+    if device != "cuda":
+        raise errors.UserError(
+            f"--gpu-memory-utilization {fraction:g}: the transformers engine runs on the CPU here (no CUDA GPU, or "
+            "--device cpu): the share is of a GPU's memory"
+        )
+    if not 0 < fraction <= 1:
+        raise errors.UserError(f"--gpu-memory-utilization {fraction:g} is not a share in (0, 1]")
+    return float(fraction)
+
+
 class Backend(backend_lib.Backend):
     engine = "transformers"
 
-    def __init__(self, model_dir: str, *, dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        gpu_memory_utilization: float | None = None,
+    ):
+        """`device`: auto | cpu | cuda (auto: cuda when torch sees a GPU; the first visible one).
+        `gpu_memory_utilization`: the most of that GPU's memory torch may allocate in this process (weights, KV cache,
+        activations; torch.cuda.set_per_process_memory_fraction), e.g. beside a JAX trainer on the same GPU."""
         self.model = str(model_dir)
         self.dtype = dtype
         self.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        self.m = self._load(model_dir)
+        self.device = torch.device(choose_device(device, torch.cuda.is_available()))
+        self.memory_fraction = check_memory_fraction(gpu_memory_utilization, self.device.type)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            if self.memory_fraction is not None:  # before the first allocation
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, self.device)
+        self.m = self._load(model_dir).to(self.device)
         cfg = self.m.config
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
         self.architecture = (cfg.architectures or [type(self.m).__name__])[0]
@@ -81,10 +131,14 @@ class Backend(backend_lib.Backend):
                 h.remove()
 
     def _load(self, model_dir):
+        """The model from `model_dir`, on the CPU."""
         m = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.torch_dtype, attn_implementation="eager"
         )
         return m.eval()
+
+    def _ids(self, rows) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -108,7 +162,7 @@ class Backend(backend_lib.Backend):
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         gens = [torch.Generator().manual_seed(sample_seed(seed, prompt_id, j)) for j in range(n)]
         version = self.version
-        out = self.m(input_ids=torch.tensor([prompt_ids] * n), use_cache=True)
+        out = self.m(input_ids=self._ids([prompt_ids] * n), use_cache=True)
         tokens = [[] for _ in range(n)]
         lps = [[] for _ in range(n)]
         tops = [[] for _ in range(n)] if params.logprobs else None
@@ -116,7 +170,8 @@ class Backend(backend_lib.Backend):
         kept = [([], []) for _ in range(n)]  # return_sampling_mask: (ids, counts) per sample
         finish = [None] * n
         for step in range(params.max_new_tokens):
-            lp = sampling_logprobs(out.logits[:, -1, :].float(), params)
+            # on the host: the same logits give the same samples and logprobs on either device
+            lp = sampling_logprobs(out.logits[:, -1, :].float().cpu(), params)
             if params.greedy:
                 chosen = torch.argmax(lp, -1)
             else:
@@ -149,7 +204,9 @@ class Backend(backend_lib.Backend):
                     finish[j] = "stop"
             if all(finish) or step + 1 == params.max_new_tokens:
                 break
-            out = self.m(input_ids=chosen.unsqueeze(-1), past_key_values=out.past_key_values, use_cache=True)
+            out = self.m(
+                input_ids=chosen.unsqueeze(-1).to(self.device), past_key_values=out.past_key_values, use_cache=True
+            )
         return [
             SampleResult(
                 sample_index=j,
@@ -170,7 +227,7 @@ class Backend(backend_lib.Backend):
         seq = list(prompt_ids) + list(response_ids)
         p = len(prompt_ids)
         with self._routing_capture(routing) as calls:
-            logits = self.m(input_ids=torch.tensor([seq])).logits[0, p - 1 : len(seq) - 1].float()
+            logits = self.m(input_ids=self._ids([seq])).logits[0, p - 1 : len(seq) - 1].float().cpu()
         lp = torch.log_softmax(logits.double() / temperature, -1)
         out = {"logprobs": lp[torch.arange(len(response_ids)), torch.tensor(response_ids, dtype=torch.long)].tolist()}
         if top_k:
@@ -184,7 +241,9 @@ class Backend(backend_lib.Backend):
     # ------------------------------------------------------------------ weights
     def load_directory(self, path: Path, version: int) -> None:
         weights.check_same_model(Path(path), self.config_json)
-        self.m = self._load(path)  # swapped only after a complete load: a failure keeps the old weights
+        # loaded whole on the CPU first (a failure keeps the old weights), then copied into the served model in place:
+        # on a GPU, never two models there
+        self.m.load_state_dict(self._load(path).state_dict())
         self.version = version
 
     def load_tensors(self, tensors: dict, version: int) -> None:

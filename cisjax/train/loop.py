@@ -87,6 +87,7 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
                 flips=metrics_lib.flip_metrics(flips, host.segment_ids_MxBxT) if flips is not None and lead else None,
                 lead=sv.lead_metrics(ro, evaluated) if lead else None,
             )
+            last.update(metrics_lib.device_memory(jax.local_devices()))
             if lead:
                 sv.log.log(s, last)
             if sv.checkpointer.should_save(s + 1) or s + 1 == sv.total:  # the state after step s, data after batch s

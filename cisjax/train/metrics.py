@@ -61,6 +61,18 @@ def step_metrics(train: dict, rollout: dict, timings: dict, *, publish=None, fli
     return out
 
 
+def device_memory(devices) -> dict:
+    """device/peak_gib and device/in_use_gib: the largest peak and current use of device memory over `devices` (this
+    process's), in GiB; {} where the devices keep no statistics (the CPU)."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if not any("peak_bytes_in_use" in s for s in stats):
+        return {}
+    return {
+        "device/peak_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30,
+        "device/in_use_gib": max(s.get("bytes_in_use", 0) for s in stats) / 2**30,
+    }
+
+
 def rollout_metrics(ro, step: int) -> dict:
     """Rewards, lengths, staleness and format of one step's rollouts (a train.rollouts.StepRollouts)."""
     rs = [r for g in ro.groups for r in g]

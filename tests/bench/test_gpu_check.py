@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from cisjax.bench import gpu_check, gpu_exact, gpu_parts, mfu, torch_step
+from cisjax.bench import gpu_budget, gpu_check, gpu_exact, gpu_parts, mfu, torch_step
 from cisjax.models import attention, moe
 from cisjax.plan import hardware
 from tests import xla_flags
@@ -47,9 +47,9 @@ def test_gpu_check_runs_every_section_small_on_cpu(checked):
     assert res["environment"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.93"  # the launcher's
     assert res["env"]["versions"]["jax"] and res["env"]["versions"]["python"]
     secs = res["sections"]
-    assert set(secs) == set(gpu_check.DEFAULT_SECTIONS)  # the block sweep only on request
+    assert set(secs) == set(gpu_check.DEFAULT_SECTIONS) and not res["deferred"] and res["next_call"] is None
     assert all(run["status"] == "ok" for s in secs.values() for run in s["runs"]), output[-3000:]
-    assert not any(s["skipped_parts"] for s in secs.values())
+    assert all(_real(s["estimate_s"]) and _real(s["seconds"]) for s in secs.values())  # the budget's columns
 
     ex = secs["exactness"]
     assert ex["ok"] and not ex["failures"] and res["summary"]["exactness"]["ok"] is True
@@ -73,7 +73,8 @@ def test_gpu_check_runs_every_section_small_on_cpu(checked):
     assert 0 in sizes and len(set(s for s in sizes if s)) > 1  # empty and ragged groups
 
     layer = secs["moe_layer"]
-    assert list(layer["shapes"]) == list(gpu_parts.MOE_LAYER["small"]["shapes"])
+    tokens = gpu_parts.MOE_LAYER["small"]["tokens"]
+    assert list(layer["shapes"]) == [f"{s}@{tokens}" for s in gpu_parts.MOE_LAYER["small"]["shapes"]]
     for shape in layer["shapes"].values():
         row = shape["impls"][res["env"]["moe_default"]]
         assert row["status"] == "ok" and _real(row["moe"]["ratio"]) and _real(row["moe"]["tflops"])
@@ -90,8 +91,25 @@ def test_gpu_check_runs_every_section_small_on_cpu(checked):
     torch = secs["torch_step"]
     assert torch["device"] == "cpu" and any(k.startswith("fastest@") for k in torch)
     assert all(torch[k]["status"] == "ok" and _real(torch[k]["tokens_per_s"]) for k in torch if "@" in k)
-    assert _real(res["summary"]["train_step"]["vs_torch"])
-    assert "exactness" in output and "train step" in output and "torch step" in output  # the printed tables
+
+    loop = secs["loop"]["stages"]
+    assert [loop[k]["status"] for k in ("prepare", "colocated", "gpu_local")] == ["ok"] * 3, output[-3000:]
+    for stage in ("colocated", "gpu_local"):  # four steps each, end to end, the canary read at every publish
+        run = loop[stage]["run"]
+        assert run["steps"] == 4 and all(0.0 <= r <= 1.0 for r in run["rewards"])
+        assert run["canary"]["checked"] == 4 and all(_real(run["phases"][p]["median_s"]) for p in ("train", "step"))
+    assert loop["colocated"]["run"]["eval"]  # the in-loop evaluation ran on the colocated sampler
+    sam = secs["sampler"]
+    assert sam["jax"]["batches"] and sam["torch"]["batches"]
+
+    targets = {t["name"]: t for t in res["summary"]["targets"]}
+    assert {t["issue"] for t in targets.values()} == {45, 46, 47}
+    assert all(t["verdict"] in ("met", "missed", "not measured") for t in targets.values())
+    assert all(t["why"] for t in targets.values() if t["verdict"] == "not measured")
+    assert targets["loop: gpu_local.sh"]["verdict"] == "met" and targets["exactness"]["verdict"] == "met"
+    assert targets["the check fits its budget"]["verdict"] == "met"
+    for table in ("the RL loop", "the JAX sampler", "exactness", "train step", "torch step", "targets", "budget"):
+        assert table in output  # the printed tables
 
 
 def test_exactness_fails_on_a_wrong_reference():
@@ -134,21 +152,56 @@ def test_out_of_memory_is_recorded_as_such():
         assert gpu_parts.failure(err)["status"] == "error"
 
 
-def test_plans_put_the_default_impl_first_and_leave_refused_ones_out():
-    env = dict(moe_default="triton", moe_impls=["auto", "tiled", "gmm", "triton", "ragged", "dense"])
-    refused = dict(skipped="not on gpu: a TPU kernel")
-    sections = dict(exactness=dict(moe={"gmm": {"float32": refused, "bfloat16": refused}}))
-    layer = gpu_check.plans("moe_layer", "full", env, sections)
-    assert len(layer) == 3 and layer[0]["impls"] == ["triton", "tiled", "ragged", "dense"]  # gmm refused; dense last
-    steps = gpu_check.plans("train_step", "full", env, sections)
-    assert all(len(p["combos"]) == 1 for p in steps)  # one process each on a GPU
-    combos = [p["combos"][0] for p in steps]
-    assert combos[:3] == [["triton", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
-    assert [c[0] for c in combos[3:]] == ["tiled", "ragged", "dense"]
-    measured = {i: dict(moe=dict(ratio=r)) for i, r in dict(tiled=9.0, ragged=3.0).items()}
-    sections["moe_layer"] = dict(shapes=dict(qwen15_moe=dict(impls=measured)))
-    combos = [p["combos"][0] for p in gpu_check.plans("train_step", "full", env, sections)]
-    assert [c[0] for c in combos[3:]] == ["ragged", "tiled", "dense"]  # the faster layer first, unmeasured last
+H200 = dict(gpu_check.ASSUMED_ENV, moe_impls=list(moe.IMPLS))
+
+
+def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a_gpu():
+    default = gpu_check.plans("train_step", "full", H200, {})
+    assert len(default) == 1 and default[0]["combos"] == [
+        ["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])
+    ]
+    every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
+    assert every[:3] == default[0]["combos"] and [c[0] for c in every[3:]] == ["tiled", "triton", "ragged", "dense"]
+    layer = gpu_check.plans("moe_layer", "full", H200, {})
+    assert len(layer) == 1 and len(layer[0]["units"]) == 6  # three shapes at 8,192 and at 16,384 tokens
+    assert {u[1] for u in layer[0]["units"]} == {"mgpu"} and {u[2] for u in layer[0]["units"]} == {8192, 16384}
+    units = gpu_check.plans("moe_layer", "full", H200, {}, impls="all")[0]["units"]
+    assert "gmm" not in {u[1] for u in units} and [u[1] for u in units[:5]] == [
+        "mgpu",
+        "tiled",
+        "triton",
+        "ragged",
+        "dense",
+    ]
+    workers = gpu_check.plans("exactness", "full", H200, {})
+    assert len(workers) == gpu_check.EXACTNESS_WORKERS
+    cases = [c for w in workers for c in w["cases"]]
+    run, left_out = gpu_check._exactness_cases(H200)
+    assert sorted(cases) == sorted(run) and len(cases) == len(set(map(tuple, cases)))  # every case, once
+    assert {c[1] for c in left_out} == {"gmm", "splash"} and not {c[1] for c in run} & {"gmm", "splash"}
+    assert len(run) + len(left_out) == 2 * (len(moe.IMPLS) - 1 + len(attention.IMPLS) - 1)
+    loads = [gpu_budget.part_s("exactness", w) for w in workers]
+    assert max(loads) - min(loads) <= max(gpu_budget.CASE_S.values())  # balanced to within one case
+    cpu = dict(backend="cpu", moe_default="tiled", moe_impls=list(moe.IMPLS))
+    assert len(gpu_check.plans("exactness", "small", cpu, {})) == 1  # a CPU runs them in one process
+    torch_combos = gpu_check.plans("torch_step", "full", H200, {})[0]["combos"]
+    assert torch_combos == [["fastest", 4, 2048], ["fastest", 8, 2048]]
+
+
+def test_schedule_defers_what_the_budget_cannot_hold_in_value_order(capsys):
+    plan = gpu_check.schedule(list(gpu_check.DEFAULT_SECTIONS), "full", H200, 1e6)
+    assert [r["section"] for r in plan["rows"]] == list(gpu_check.DEFAULT_SECTIONS) and not plan["deferred"]
+    by = {r["section"]: r["estimate_s"] for r in plan["rows"]}
+    # a budget that holds the loop and the sampler but not the train step: the train step is deferred, and the
+    # sections after it that still fit run (a part that cannot finish is not started; the next one gets the time)
+    budget = gpu_budget.ENV_S + by["loop"] + by["sampler"] + by["torch_step"] + 1.0
+    plan = gpu_check.schedule(list(gpu_check.DEFAULT_SECTIONS), "full", H200, budget)
+    assert plan["deferred"] == ["train_step", "exactness", "moe_layer"]
+    call = gpu_check.next_call(plan["deferred"], "full", "default")
+    assert call.endswith("--only train_step exactness moe_layer") and "BUDGET_S=" in call
+    assert gpu_check.main(["--out", "x.json", "--dry-run", "--budget-s", "540"]) == 0
+    shown = capsys.readouterr().out
+    assert all(s in shown for s in gpu_check.DEFAULT_SECTIONS) and "total" in shown and "NVIDIA H200" in shown
 
 
 def test_peak_table():

@@ -192,11 +192,8 @@ def test_tuned_blocks_are_the_bests_that_differ_from_the_rule(monkeypatch):
 def test_sections_after_the_sweep_run_with_its_blocks(monkeypatch, tmp_path):
     """The check runs the sweep before the MoE layer and the train step, whose plans then carry its blocks, and each
     part applies them in its own process before measuring; without a sweep (or a better block) the plans carry none."""
-    assert (
-        gpu_check.SECTIONS.index("tune")
-        < gpu_check.SECTIONS.index("moe_layer")
-        < gpu_check.SECTIONS.index("train_step")
-    )
+    tune_at = gpu_check.SECTIONS.index("tune")
+    assert tune_at < gpu_check.SECTIONS.index("moe_layer") and tune_at < gpu_check.SECTIONS.index("train_step")
     env = dict(moe_default="mgpu", moe_impls=["auto", "mgpu", "triton"])
     tune = dict(calls={"ragged_dot 2048x1408": _swept((64, 128, 64, 4, 2))})
     for section in ("moe_layer", "train_step"):
