@@ -237,3 +237,20 @@ def test_torch_side_follows_the_jax_device_and_asks_for_grouped_mm_first():
     assert torch_step.experts_kwargs("eager") == [{"experts_implementation": "eager"}] and torch_step.experts_kwargs(
         None
     ) == [{}]
+
+
+def test_exactness_workers_merge_failures_and_unfinished_cases():
+    """The workers' cases under one result: a case over its bound fails the check (exit code 1); a worker killed at
+    its time box leaves its cases unmeasured (ok None: the target says "not measured", the check does not fail)."""
+    ok_row = dict(worst=1e-7, ok=True)
+    w1 = dict(result=dict(moe={"mgpu": {"float32": ok_row}}, attention={}, ok=True, failures=[]), run=dict(status="ok"))
+    w2 = dict(
+        result=dict(moe={"mgpu": {"bfloat16": ok_row}}, attention={}, ok=True, failures=[]), run=dict(status="ok")
+    )
+    merged = gpu_check._merge("exactness", [w1, w2])
+    assert merged["ok"] is True and set(merged["moe"]["mgpu"]) == {"float32", "bfloat16"} and len(merged["runs"]) == 2
+    killed = dict(result=dict(moe={"tiled": {"float32": ok_row}}), run=dict(status="timed out (killed ...)"))
+    assert gpu_check._merge("exactness", [w1, killed])["ok"] is None
+    bad = dict(w2, result=dict(w2["result"], ok=False, failures=["moe mgpu bfloat16"]))
+    merged = gpu_check._merge("exactness", [w1, bad, killed])
+    assert merged["ok"] is False and merged["failures"] == ["moe mgpu bfloat16"]
