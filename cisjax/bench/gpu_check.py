@@ -13,7 +13,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from cisjax.bench import gpu_budget, gpu_exact, gpu_loop, gpu_parts, gpu_report, gpu_sampler, gpu_tune
+from cisjax.bench import (
+    gpu_budget,
+    gpu_exact,
+    gpu_loop,
+    gpu_parts,
+    gpu_report,
+    gpu_sampler,
+    gpu_torch_generate,
+    gpu_tune,
+)
+from cisjax.models import attention, moe
 
 REPO = Path(__file__).resolve().parents[2]
 # In the order they run, which is their value when the budget cannot hold them all: the loop and the sampler have
@@ -104,8 +114,6 @@ def run_part(name: str, plan: dict, deadline: float, out_path: str) -> None:
         save(gpu_loop.run(size, deadline, save, plan["work_dir"]))
     elif name == "sampler":
         if plan["which"] == "torch":
-            from cisjax.bench import gpu_torch_generate  # lazy: torch, in a process without JAX on the device
-
             save(gpu_torch_generate.run(size, deadline, save))
         else:
             save(gpu_sampler.run(size, deadline, save, trace_dir=plan.get("trace_dir")))
@@ -180,8 +188,6 @@ def _impls(kind: str, env: dict, which: str) -> list[str]:
 def _exactness_cases(env: dict) -> tuple[list[list[str]], list[list[str]]]:
     """(the cases to run, the TPU-only cases left out on a GPU): [kind, impl, dtype] for every impl of moe.IMPLS and
     attention.IMPLS ("auto"'s picks first) in fp32 and bf16."""
-    from cisjax.models import attention, moe  # lazy: jax (the checking process only plans with them)
-
     platform = env.get("backend", "cpu")
     defaults = dict(moe=moe.default_impl(platform), attention=attention.default_impl(platform, "bfloat16"))
     cases, left_out = [], []
@@ -406,7 +412,7 @@ def dry_run(args) -> int:
     """Print the plan on an assumed H200 (or the toy sizes) without a device."""
     size = "small" if args.size == "small" else "full"
     env = ASSUMED_ENV if size == "full" else dict(backend="cpu", moe_default="tiled")
-    env = dict(env, moe_impls=list(_moe_impls()))
+    env = dict(env, moe_impls=list(moe.IMPLS))
     plan = schedule(args.only, size, env, args.budget_s, args.impls)
     print(f"GPU check plan ({size}; estimates for {env.get('device_kind', 'a CPU')} from cisjax.bench.gpu_budget):")
     for row in plan["rows"]:
@@ -419,12 +425,6 @@ def dry_run(args) -> int:
     if call:
         print(f"next call: {call}")
     return 0
-
-
-def _moe_impls() -> tuple[str, ...]:
-    from cisjax.models import moe  # lazy: jax (the checking process never starts a backend)
-
-    return moe.IMPLS
 
 
 def main(argv: list[str] | None = None) -> int:

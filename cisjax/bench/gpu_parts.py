@@ -96,7 +96,7 @@ def env() -> dict:
     )
 
 
-def _memory() -> dict:
+def memory() -> dict:
     """This process's device memory so far (peak, limit) in GiB; the CPU backend keeps none."""
     stats = jax.devices()[0].memory_stats()
     if not stats:
@@ -265,7 +265,7 @@ def train_step(cut: _Cut, size: str, impl: str, rows: int, seq: int, trace_dir: 
         **ref,
         proximal=cut.spec.proximal,
         loss=float(met["loss"]),
-        **_memory(),
+        **memory(),
         memory_scope="the process's peak so far (its token shapes run smallest first)",
     )
     if trace_dir:
@@ -293,7 +293,7 @@ def train_steps(size: str, combos: list[list], deadline: float, save, trace_dir:
             return r
         except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next goes on)
             cuts.clear()
-            return dict(failure(err), impl=impl, rows=rows, seq=seq, **_memory())
+            return dict(failure(err), impl=impl, rows=rows, seq=seq, **memory())
 
     return _time_boxed({}, combos, deadline, save, one)
 

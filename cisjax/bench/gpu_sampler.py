@@ -202,7 +202,7 @@ def measure_batch(ctx: dict, prompts: int, n: int, deadline: float) -> tuple[dic
         decode_tokens_per_s=decode["tokens_per_s"],
         decode_roofline=decode["roofline_fraction"],
         **({"decode_roofline_omitted": decode["roofline_omitted"]} if "roofline_omitted" in decode else {}),
-        **gpu_parts._memory(),
+        **gpu_parts.memory(),
     )
     kept = dict(
         decode=lambda: dec_fn(params, pre, sample_rows),
@@ -322,7 +322,7 @@ def run(size: str, deadline: float, save, trace_dir=None) -> dict:
         try:
             where[key] = fn()
         except Exception as err:  # noqa: BLE001  (out of memory included: recorded, the next unit goes on)
-            where[key] = dict(gpu_parts.failure(err), **gpu_parts._memory())
+            where[key] = dict(gpu_parts.failure(err), **gpu_parts.memory())
         where[key]["seconds"] = state["last_s"] = time.time() - t0
         save(out)
 
@@ -330,7 +330,7 @@ def run(size: str, deadline: float, save, trace_dir=None) -> dict:
         state["ctx"] = ctx = _build(size)
         counts = dict(ctx["counts"], active=flops_lib.active_params(ctx["abstract"]))
         out.update(device_kind=ctx["device_kind"], **ctx["peak"], **ctx["bandwidth"], params=counts)
-        return dict(status="ok", **gpu_parts._memory())
+        return dict(status="ok", **gpu_parts.memory())
 
     unit(out, "init", build)
     for i, (prompts, n) in enumerate(w["batches"]):
@@ -357,6 +357,6 @@ def run(size: str, deadline: float, save, trace_dir=None) -> dict:
     unit(out["agreement"], "bfloat16", bf16, needs="first_batch")
     unit(out["agreement"], "float32", lambda: fp32_agreement(state["ctx"], deadline), needs="ctx")
     out["status"] = "ok"
-    out.update(gpu_parts._memory())
+    out.update(gpu_parts.memory())
     save(out)
     return out
