@@ -42,7 +42,18 @@ from pathlib import Path
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import engine_env, routing_capture, vllm_results, weights
 from cisjax.rollout.backend import Params, RequestError, sample_seed
-from cisjax.rollout.vllm_platform import MLA_ARCHITECTURES, check_device, native_rope, on_cpu, prepack_moe
+from cisjax.rollout.vllm_platform import (
+    MLA_ARCHITECTURES,
+    attention_backends,
+    check_device,
+    choose_attention,
+    cpu_has_amx,
+    named_attention,
+    native_rope,
+    on_cpu,
+    prepack_moe,
+    request_attention,
+)
 
 log = logging.getLogger("cisjax.serve.vllm")
 
@@ -154,6 +165,7 @@ class Backend(backend_lib.Backend):
         # of torch and vLLM made; those live as long as the process: frozen first, the collections skip them
         gc.collect()
         gc.freeze()
+        options, why = self._attention_options()
         llm = vllm.LLM(
             model=str(weights_dir) if self.platform == "tpu" else self.model,
             skip_tokenizer_init=True,
@@ -168,8 +180,11 @@ class Backend(backend_lib.Backend):
             # the request's seeded generator, which torch's CPU generators cannot do ("CPU Generator does not
             # use offset"): every request is seeded here, so prompts are prefilled whole.
             enable_chunked_prefill=not on_cpu(),
-            **self.engine_options,
+            **options,
         )
+        # the backends the layers took (tpu-inference's runner is not torch's: not read there)
+        self.attention = [] if self.platform == "tpu" else llm.collective_rpc(attention_backends)[0]
+        log.info("attention: %s (%s)", ", ".join(self.attention) or "vLLM's", why)
         if self.architecture in MLA_ARCHITECTURES and on_cpu():
             log.info(
                 "MLA on CPU: %s rotary embeddings switched to the torch-native path", llm.collective_rpc(native_rope)
@@ -181,6 +196,16 @@ class Backend(backend_lib.Backend):
         else:
             self.moe_layers = llm.collective_rpc(routing_capture.install, args=(False,))[0]  # and an empty store
         return llm
+
+    def _attention_options(self) -> tuple[dict, str]:
+        """The engine options with the attention backend cisjax requests (vllm_platform.choose_attention: CPU_MLA for
+        an fp32 MLA model on a CPU with AMX tiles), unless they name one; and why, for the start-up log."""
+        if named_attention(self.engine_options) is not None:
+            return dict(self.engine_options), "set in the engine options"
+        mla = self.architecture in MLA_ARCHITECTURES
+        amx = self.platform == "cpu" and cpu_has_amx()
+        choice = choose_attention(amx=amx, dtype=self.dtype, mla=mla, platform=self.platform)
+        return request_attention(self.engine_options, choice.backend), choice.why
 
     @staticmethod
     def _reload(llm, weights_dir: Path) -> None:
