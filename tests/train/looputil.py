@@ -159,6 +159,31 @@ def wait_for(
         time.sleep(0.2)
 
 
+def wait_children(
+    proc: subprocess.Popen,
+    tree: Tree,
+    text: str,
+    *,
+    count: int = 1,
+    direct: bool = False,
+    timeout_s: float = 60,
+    log_path=None,
+) -> list:
+    """The trainer's descendants (`direct`: live direct children) whose command line contains `text`, once there are
+    `count` of them (bounded wait): one read of the tree can miss a child that is being started, or see it between
+    its fork and its exec with its parent's command line."""
+    found = lambda: tree.direct(text) if direct else tree.matching(text)  # noqa: E731
+    wait_for(
+        proc,
+        lambda: len(found()) >= count,
+        timeout_s=timeout_s,
+        tree=tree,
+        what=f"{count} process(es) running {text!r} among the trainer's {'children' if direct else 'descendants'}",
+        log_path=log_path,
+    )
+    return found()
+
+
 def start_until_first_step(
     argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300
 ) -> tuple[subprocess.Popen, Tree]:

@@ -96,7 +96,7 @@ def test_ctrl_c_checkpoints_stops_the_server_and_resumes(prepared, env, tmp_path
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
         t_first = time.monotonic() - t_start
-        servers = tree.matching("cisjax.commands.serve")
+        servers = looputil.wait_children(proc, tree, "cisjax.commands.serve", log_path=log_path)
         assert len(servers) == 1, tree.cmdlines
         # what a terminal's Ctrl-C does: SIGINT to the foreground process group (the trainer and its reward
         # workers; the server runs in its own session and is stopped by the trainer)
@@ -159,7 +159,7 @@ def test_second_ctrl_c_aborts(prepared, env, tmp_path):
     slow = {"rollout.max_new_tokens": 64, "rollout.max_staleness": 0}
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir, **slow), run_dir, log_path, env)
     try:
-        assert tree.matching("cisjax.commands.serve"), tree.cmdlines
+        looputil.wait_children(proc, tree, "cisjax.commands.serve", log_path=log_path)
         os.killpg(proc.pid, signal.SIGINT)
         # a user presses again after seeing the first one taken; two signals that land while the main thread is in one
         # C call (XLA, a gRPC wait) coalesce into one Python handler call, so sending blind could be one press
@@ -189,7 +189,7 @@ def test_sigkilled_trainer_leaves_no_server(prepared, env, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     proc, tree = looputil.start_until_first_step(_train(prepared, run_dir), run_dir, log_path, env)
     try:
-        servers = tree.matching("cisjax.commands.serve")
+        servers = looputil.wait_children(proc, tree, "cisjax.commands.serve", log_path=log_path)
         assert len(servers) == 1 and "--exit-with-parent" in tree.cmdlines[servers[0].pid], tree.cmdlines
         proc.kill()  # the trainer alone, not its process group
         proc.wait()
@@ -228,7 +228,8 @@ def test_killed_reward_workers_are_replaced_and_no_score_is_lost(prepared, env, 
     ]
     proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env)
     try:
-        killed = tree.direct("spawn_main")  # the pool's spawned workers (the resource tracker is not spawn_main)
+        # the pool's spawned workers (the resource tracker is not spawn_main)
+        killed = looputil.wait_children(proc, tree, "spawn_main", count=workers, direct=True, log_path=log_path)
         assert len(killed) == workers, tree.cmdlines
         for p in killed:
             p.kill()
