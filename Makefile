@@ -35,8 +35,8 @@ test-fast: setup
 
 # ruff (pinned in the test extra; rules in pyproject.toml). tests/test_lint.py runs the same checks in `make test`.
 lint: setup
-	$(BIN)/ruff check cisjax tests configs launchers
-	$(BIN)/ruff format --check cisjax tests configs launchers
+	$(BIN)/ruff check cisjax tests configs launchers setup.py
+	$(BIN)/ruff format --check cisjax tests configs launchers setup.py
 
 # The GPU code on the JAX the GPU machines have (jax 0.11.2 on Python 3.12; docs/gpu.md), checked on this CPU in an
 # environment of its own (requirements-jax011.txt, ~6 GB: not part of `make test`): the models' and kernels' tests
@@ -68,8 +68,8 @@ gpu-wheels: setup
 	du -sh $(GPU_WHEELS_DIR)
 
 format: setup
-	$(BIN)/ruff check --fix cisjax tests configs launchers
-	$(BIN)/ruff format cisjax tests configs launchers
+	$(BIN)/ruff check --fix cisjax tests configs launchers setup.py
+	$(BIN)/ruff format cisjax tests configs launchers setup.py
 
 demo: setup
 	bash launchers/cpu_demo.sh

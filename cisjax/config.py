@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,24 +19,32 @@ OPEN_FIELDS = ("sharding.rules",)
 # Fields never written or printed (redacted): the rollout service's bearer token.
 SECRET_FIELDS = ("rollout.token",)
 REDACTED = "<redacted>"
+# The config files as a checkout has them (the package's sibling configs/) and as a wheel ships them (setup.py copies
+# configs/ into the built package): configs_dir() takes the first that exists.
+CHECKOUT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "_configs"
+# The --config flag of the commands that read a config.
+FLAG_HELP = (
+    "config file, or a config's name (qwen15_moe_a27b: configs/qwen15_moe_a27b.py; default base); --config.x=y "
+    "overrides follow"
+)
 
 
 def load_file(path: str | Path) -> ml_collections.ConfigDict:
     """Run a config file and return its `get_config()`; `FILE.py:ARG` returns `get_config(ARG)` (ml_collections'
-    convention; the paper's experiment files take an arm, e.g. `configs/qwen3_30b_a3b.py:cis+replay`)."""
-    path, arg = str(path), None
-    if not Path(path).is_file() and ":" in path:
-        path, arg = path.rsplit(":", 1)
-    path = Path(path)
-    if not path.is_file():
-        raise errors.MissingInput(f"config file not found: {path}")
+    convention; the paper's experiment files take an arm, e.g. `configs/qwen3_30b_a3b.py:cis+replay`). A name instead
+    of a path (`qwen3_30b_a3b`, `qwen3_30b_a3b.py:cis+replay`) is a file of configs_dir()."""
+    path, arg = find(path)
     spec = importlib.util.spec_from_file_location(f"cisjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))  # experiment files import configs/base.py as `base`
+    # experiment files import base.py as `base`: from their own folder, else (a user's file elsewhere) from configs_dir()
+    folders = list(dict.fromkeys([str(path.parent), str(configs_dir(required=False) or path.parent)]))
+    sys.path[0:0] = folders
     try:
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(path.parent))
+        for folder in folders:
+            sys.path.remove(folder)
     if not hasattr(module, "get_config"):
         raise errors.UserError(f"{path}: a config file must define get_config()")
     try:
@@ -130,7 +139,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def load(path: str | Path | None, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """A config file (default: configs/base.py of this checkout) with overrides applied, then locked: a field that
+    """A config file or name (default: base.py of configs_dir()) with overrides applied, then locked: a field that
     does not exist can no longer be set (a typo fails instead of going unread)."""
     if path is None:
         path = default_config_path()
@@ -158,8 +167,50 @@ def secret_overrides(overrides: Sequence[str]) -> list[str]:
     return [f for f in SECRET_FIELDS if any(o.split("=", 1)[0] == PREFIX + f for o in overrides)]
 
 
+def configs_dir(required: bool = True) -> Path | None:
+    """The config files: configs/ of the checkout cisjax runs from (editable install or PYTHONPATH; the files a user
+    edits), else the copy of them the wheel ships as cisjax/_configs (setup.py). Neither: MissingInput, or None when not
+    `required`."""
+    if (CHECKOUT_CONFIGS / "base.py").is_file() and (CHECKOUT_CONFIGS.parent / "pyproject.toml").is_file():
+        return CHECKOUT_CONFIGS
+    if (SHIPPED_CONFIGS / "base.py").is_file():
+        return SHIPPED_CONFIGS
+    if not required:
+        return None
+    raise errors.MissingInput(
+        f"no config files: neither a checkout's configs/ next to the package ({CHECKOUT_CONFIGS}) nor the copy a wheel "
+        f"ships ({SHIPPED_CONFIGS}); reinstall cisjax, or give --config FILE"
+    )
+
+
+def config_names() -> list[str]:
+    """The names `--config NAME` takes: the config files of configs_dir(), without `.py`."""
+    return sorted(p.stem for p in configs_dir().glob("*.py"))
+
+
+def find(spec: str | Path) -> tuple[Path, str | None]:
+    """`--config`'s value as (file, ARG of `FILE:ARG` or None). A path names a file (relative to the working
+    directory); a bare name (`qwen15_moe_a27b`, `qwen15_moe_a27b.py`, no folder) that is not a file there names one of
+    configs_dir(). MissingInput for a missing path; UserError, listing the names, for an unknown name."""
+    text, arg = str(spec), None
+    if not Path(text).is_file() and ":" in text:
+        text, arg = text.rsplit(":", 1)
+    path = Path(text)
+    if path.is_file():
+        return path, arg
+    if os.sep in text or (os.altsep and os.altsep in text):
+        names = config_names() if configs_dir(required=False) else []
+        hint = f"; did you mean --config {path.stem} ({configs_dir() / path.name})?" if path.stem in names else ""
+        raise errors.MissingInput(f"config file not found: {path}{hint}")
+    folder = configs_dir()
+    named = folder / (text if text.endswith(".py") else f"{text}.py")
+    if not named.is_file():
+        raise errors.UserError(
+            f"unknown config {text!r}: not a file here, nor one of {folder}: {', '.join(config_names())}"
+        )
+    return named, arg
+
+
 def default_config_path() -> Path:
-    here = Path(__file__).resolve().parent.parent / "configs" / "base.py"
-    if here.is_file():
-        return here
-    raise errors.MissingInput("no --config given and configs/base.py not found next to the package")
+    """base.py of configs_dir(): what `--config` defaults to."""
+    return configs_dir() / "base.py"

@@ -68,6 +68,7 @@ ONE_WORKER_MODULES = (
     "tests/train/test_loop_multiprocess.py",
     "tests/train/test_loop_robustness.py",
     "tests/train/test_publish.py",
+    "tests/test_wheel.py",
 )
 # With the pinned pytest 9.2 and pytest-xdist 3.8, xdist's own `loadgroup` ignores these groups (its worker renames
 # `item._nodeid` to add "@group", which pytest 9 no longer reads), so the scheduler below does the grouping itself.

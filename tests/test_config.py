@@ -1,5 +1,9 @@
 """Config files and --config.x=y overrides."""
 
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 
 from cisjax import config, errors
@@ -70,8 +74,6 @@ def test_every_base_field_is_commented():
 
 def test_experiment_arms():
     """`FILE.py:ARM` passes the arm to get_config: the paper's configs take `<method>[+replay]`."""
-    from pathlib import Path
-
     configs = Path(__file__).resolve().parents[1] / "configs"
     for arm, method, replay in [
         ("cis", "cis", "none"),
@@ -98,3 +100,40 @@ def test_the_token_is_redacted_in_what_is_saved_or_printed():
     assert config.redacted(config.load(None)).rollout.token == ""  # unset stays unset
     assert config.secret_overrides(["--config.rollout.token=x", "--config.rollout.server=h:1"]) == ["rollout.token"]
     assert config.secret_overrides(["--config.rollout.tokenizer=x"]) == []
+
+
+def test_a_config_by_name():
+    """`--config NAME` (or NAME.py, NAME:ARM) is a file of configs_dir(): the checkout's configs/ here."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert config.configs_dir() == configs and config.default_config_path() == configs / "base.py"
+    assert {"base", "qwen15_moe_a27b", "demo_cpu"} <= set(config.config_names())
+    by_path = config.load(configs / "qwen15_moe_a27b.py").to_dict()
+    assert config.load("qwen15_moe_a27b").to_dict() == by_path == config.load("qwen15_moe_a27b.py").to_dict()
+    assert config.load("qwen3_30b_a3b:tis+replay").correction.method == "tis"
+    with pytest.raises(errors.UserError, match=r"unknown config 'qwen15'.*: base, .*qwen15_moe_a27b"):
+        config.load("qwen15")
+    with pytest.raises(errors.MissingInput, match=r"did you mean --config qwen15_moe_a27b"):
+        config.load("elsewhere/qwen15_moe_a27b.py")
+
+
+def test_without_a_checkout_the_shipped_configs_are_used(tmp_path, monkeypatch):
+    """Installed from a wheel there is no configs/ next to the package: the copy it ships (cisjax/_configs) serves the
+    default, the names, and `import base` of the experiment files, theirs and a user's own."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    shipped = tmp_path / "site" / "cisjax" / "_configs"
+    shutil.copytree(configs, shipped, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(config, "CHECKOUT_CONFIGS", tmp_path / "site" / "configs")
+    monkeypatch.setattr(config, "SHIPPED_CONFIGS", shipped)
+    monkeypatch.chdir(tmp_path)
+    for name in config.config_names():  # `import base` must find the shipped file, not a module cached from configs/
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert config.configs_dir() == shipped and config.default_config_path() == shipped / "base.py"
+    cfg = config.load("qwen15_moe_a27b")
+    assert cfg.model.hf_config == str(shipped / "models" / "qwen15_moe_a27b.json")
+    mine = tmp_path / "mine" / "exp.py"
+    mine.parent.mkdir()
+    mine.write_text("import base\n\n\ndef get_config():\n    c = base.get_config()\n    c.seed = 7\n    return c\n")
+    assert config.load(mine).seed == 7
+    monkeypatch.setattr(config, "SHIPPED_CONFIGS", tmp_path / "nowhere")
+    with pytest.raises(errors.MissingInput, match="no config files"):
+        config.load(None)

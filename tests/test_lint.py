@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PATHS = ["cisjax", "tests", "configs", "launchers"]
+PATHS = ["cisjax", "tests", "configs", "launchers", "setup.py"]
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])

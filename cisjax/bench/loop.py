@@ -20,8 +20,8 @@ TARGET = 1.2  # async step time / max(rollout time, train time) once warmed up
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
-        default="configs/demo_cpu.py",
-        help="train config file; --config.x=y overrides apply to both modes (default: %(default)s)",
+        default="demo_cpu",
+        help="train config file or name; --config.x=y overrides apply to both modes (default: %(default)s)",
     )
     parser.add_argument("--steps", type=int, default=12, help="steps per mode (default: %(default)s)")
     parser.add_argument(

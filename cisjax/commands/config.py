@@ -8,9 +8,7 @@ from cisjax import config as config_lib
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
-    )
+    p.add_argument("--config", default=None, help=config_lib.FLAG_HELP)
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="share of warm-up examples that close with \\boxed{answer} as the instruction asks; the others close "
         "with 'so the answer is N', which the reward scores 0 (the instruction-following RL has to learn)",
     )
-    q.add_argument("--config", default=None, help="config file (default configs/base.py)")
+    q.add_argument("--config", default=None, help="config file, or a config's name (default base: configs/base.py)")
 
 
 def run(args: argparse.Namespace, overrides: Sequence[str] = ()) -> int:

@@ -117,7 +117,7 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
     add(
         "--config",
         default=None,
-        help="config file for the XLA side (default configs/base.py); --config.x=y overrides follow",
+        help="config file or name for the XLA side (default base: configs/base.py); --config.x=y overrides follow",
     )
     add("--no-progress", action="store_true", help="no progress bars")
 
@@ -131,9 +131,10 @@ def _report_args(p: argparse.ArgumentParser) -> None:
         help="measurement directories (or directories holding one per engine pair), see mismatch/records.py",
     )
     add("--out", required=True, help="output directory: report.md, summary.json, *.png, raw/*.npz")
-    add("--lam", type=float, default=S.CIS_LAM, help="CIS lambda (default %(default)s)")
-    add("--kappa", type=float, default=S.CIS_KAPPA, help="CIS floor kappa (default %(default)s)")
-    add("--cap", type=float, default=S.TIS_CAP, help="TIS cap C (default %(default)s)")
+    defaults = S.operator_defaults()  # base.py's correction.*
+    add("--lam", type=float, default=defaults.lam, help="CIS lambda (default %(default)s)")
+    add("--kappa", type=float, default=defaults.kappa, help="CIS floor kappa (default %(default)s)")
+    add("--cap", type=float, default=defaults.cap, help="TIS cap C (default %(default)s)")
     add("--plot-points", type=int, default=200_000, help="tokens subsampled per measurement for scatter plots")
     add(
         "--spearman-tokens",

@@ -24,9 +24,7 @@ from cisjax.plan.planner import DEFAULT_PROGRAMS, PROGRAM_NAMES, plan  # noqa: E
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
-    )
+    p.add_argument("--config", default=None, help=config_lib.FLAG_HELP)
     p.add_argument("--topology", required=True, help=f"the target: {hardware.NAMES_HELP}")
     p.add_argument(
         "--mesh",

@@ -39,9 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also write selected expert ids per MoE layer: 'routing' [token][layer][k] of the passes that produced "
         "the response tokens, 'prompt_routing' of the prompt's other positions",
     )
-    p.add_argument(
-        "--config", default=None, help="config file (default configs/base.py); --config.x=y overrides follow"
-    )
+    p.add_argument("--config", default=None, help=config_lib.FLAG_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

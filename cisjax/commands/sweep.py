@@ -14,7 +14,9 @@ from cisjax.sweep import summary
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", required=True, help="an experiment file taking an arm: configs/FILE.py (get_config(arm))"
+        "--config",
+        required=True,
+        help="an experiment file taking an arm (get_config(arm)): configs/FILE.py, or its name FILE",
     )
     p.add_argument(
         "--arms", default="cis,tis,icepop,kpop,none", help="comma-separated arms (base.apply_arm: METHOD[+replay])"

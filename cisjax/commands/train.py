@@ -20,7 +20,11 @@ log = logging.getLogger("cisjax.train")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="config file (configs/*.py) returning a ConfigDict")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="config file returning a ConfigDict, or a config's name (qwen15_moe_a27b: configs/qwen15_moe_a27b.py)",
+    )
     p.add_argument(
         "--resume",
         action="store_true",

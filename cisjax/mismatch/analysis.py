@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +23,10 @@ class ReportSpec:
     """The report's settings: the operators' parameters, the subsample sizes and their seed, where it is written."""
 
     out: Path  # report.md, summary.json, *.png, raw/*.npz
-    lam: float = S.CIS_LAM  # CIS lambda
-    kappa: float = S.CIS_KAPPA  # CIS floor kappa
-    cap: float = S.TIS_CAP  # TIS cap C
+    # the operators' parameters default to base.py's (stats.operator_defaults, read when a spec is made)
+    lam: float = field(default_factory=lambda: S.operator_defaults().lam)  # CIS lambda
+    kappa: float = field(default_factory=lambda: S.operator_defaults().kappa)  # CIS floor kappa
+    cap: float = field(default_factory=lambda: S.operator_defaults().cap)  # TIS cap C
     plot_points: int = 200_000  # tokens subsampled per measurement for scatter plots
     spearman_tokens: int = 300_000  # tokens subsampled for the Spearman correlations (the paper: 300,000)
     seed: int = 0  # seed of the subsamples

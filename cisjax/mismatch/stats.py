@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -38,12 +39,30 @@ NFLIP_EDGES = (0, 1, 2, 4, 7)
 # alpha grid of fig:mgf / Appendix A.7 (E[e^{alpha eps}] and E[((1 - p) e^eps)^alpha]).
 ALPHAS = np.linspace(0.0, 2.0, 21)
 ALPHAS.flags.writeable = False
-# The operators' defaults (paper tab:baselines): CIS lambda and kappa, TIS cap C, KPop's threshold phi, as
-# configs/base.py correction.* sets them (that file is their one source).
-_CORRECTION = config_lib.load(None).correction
-CIS_LAM, CIS_KAPPA, TIS_CAP = float(_CORRECTION.lam), float(_CORRECTION.kappa), float(_CORRECTION.cap)
-KPOP_THRESHOLD = float(_CORRECTION.threshold)
 SEQ_METHODS = ("seq_tis", "seq_mis")
+
+
+class OperatorDefaults(NamedTuple):
+    """The operators' defaults (paper tab:baselines): CIS lambda and kappa, TIS cap C, KPop's threshold phi."""
+
+    lam: float
+    kappa: float
+    cap: float
+    threshold: float
+
+
+@functools.cache
+def operator_defaults() -> OperatorDefaults:
+    """The operators' defaults as base.py's correction.* sets them (that file is their one source: the checkout's
+    configs/base.py, or the copy the wheel ships; config.configs_dir), read on first use, not at import."""
+    c = config_lib.load(None).correction
+    return OperatorDefaults(float(c.lam), float(c.kappa), float(c.cap), float(c.threshold))
+
+
+def _or_defaults(**given) -> list[float]:
+    """The values of `given` (lam, kappa, cap, threshold), each None replaced by operator_defaults()'s."""
+    defaults = operator_defaults()._asdict()
+    return [defaults[name] if value is None else value for name, value in given.items()]
 
 
 # ----------------------------------------------------------------------------- validation and helpers
@@ -374,8 +393,10 @@ def eps_by_confidence(logp, logq, p_edges=CONFIDENCE_EDGES):
     return dict(labels=_p_labels(edges), tokens=counts, **cols)
 
 
-def floor_uncertainty_edges(kappa=CIS_KAPPA, n_bins=18):
-    """n_bins log-spaced bins of 1 - p from the floor kappa to 1 (Appendix A.6, the region where CIS acts)."""
+def floor_uncertainty_edges(kappa=None, n_bins=18):
+    """n_bins log-spaced bins of 1 - p from the floor kappa (None: operator_defaults()) to 1 (Appendix A.6, the region
+    where CIS acts)."""
+    (kappa,) = _or_defaults(kappa=kappa)
     if not 0 < kappa < 1:
         raise ValueError(f"kappa={kappa} must lie in (0, 1)")
     return np.geomspace(kappa, 1.0, n_bins + 1)
@@ -461,7 +482,7 @@ def spearman(x, y):
     return _pearson(average_ranks(x), average_ranks(y))
 
 
-def confidence_invariance(logp, logq, kappa=CIS_KAPPA, min_tokens=1, max_tokens=None, seed=0):
+def confidence_invariance(logp, logq, kappa=None, min_tokens=1, max_tokens=None, seed=0):
     """Appendix A.6 in one call: uncertainty_bins and Spearman correlations with log(1 - p), in two regions.
 
       "all":   tokens with finite eps and 1 - p >= 1e-7, bins UNCERTAINTY_EDGES (1e-6 ... 1, 18 bins);
@@ -469,7 +490,9 @@ def confidence_invariance(logp, logq, kappa=CIS_KAPPA, min_tokens=1, max_tokens=
     Each region holds the uncertainty_bins dict plus tokens_in_region, spearman_eps = rho(eps, log(1 - p)) (the
     paper's -0.028 on "all") and spearman_abs_eps = rho(|eps|, log(1 - p)) (its -0.12 on "floor"). max_tokens: the
     correlations use a uniform random subsample of that many tokens of the region (the paper: 300,000), seeded.
+    kappa: None is operator_defaults()'s.
     """
+    (kappa,) = _or_defaults(kappa=kappa)
     lp, lq = _logprobs(logp, logq)
     eps, l1p = _eps(lp, lq)
     ok = np.isfinite(eps)
@@ -545,7 +568,7 @@ def variance_share_by_side(logp, logq, center=1.0):
     )
 
 
-def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=CIS_LAM, kappa=CIS_KAPPA, cap=TIS_CAP):
+def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=None, kappa=None, cap=None):
     """fig:rq2_bv b (Section 4.3) and Appendix D.5: the truncation bias E[k - f(k)] per confidence bin, CIS vs TIS.
 
       CIS (Algorithm 1): f = min(k, 1 + lam * max(1 - p, kappa)), so k - f = (k - 1 - lam * max(1 - p, kappa))_+;
@@ -554,7 +577,8 @@ def truncation_bias(logp, logq, p_edges=CONFIDENCE_EDGES, lam=CIS_LAM, kappa=CIS
     every token). Bins of p as eps_by_confidence. Returns labels and arrays [n_bins]: tokens; per operator
     (prefix cis_ / tis_): acted (tokens with k > cap), excess_sum = sum (k - f), bias = excess_sum / tokens; and
     the totals cis_bias / tis_bias over all tokens. Shares such as "half of CIS's removed weight from p < 0.9" are
-    ratios of excess_sum (pass the edges wanted)."""
+    ratios of excess_sum (pass the edges wanted). lam, kappa, cap: None is operator_defaults()'s."""
+    lam, kappa, cap = _or_defaults(lam=lam, kappa=kappa, cap=cap)
     lp, lq = _logprobs(logp, logq)
     logk = lp - lq
     ok = np.isfinite(logk)
@@ -596,12 +620,12 @@ def acted_fractions(
     methods=None,
     *,
     response_lengths=None,
-    lam=CIS_LAM,
-    kappa=CIS_KAPPA,
-    cap=TIS_CAP,
+    lam=None,
+    kappa=None,
+    cap=None,
     low=None,
     high=None,
-    threshold=KPOP_THRESHOLD,
+    threshold=None,
     chunk_tokens=1 << 20,
 ):
     """Fraction of tokens each operator acts on (tab:train_stats "Acted on", Appendix D.5), from the training code path:
@@ -615,7 +639,8 @@ def acted_fractions(
     Token operators run on fixed [1, chunk_tokens] chunks (one compile per operator, bounded memory). For the
     sequence operators the per-response sum of the fp32 log k (non-finite -> 0) is formed here in float64 and handed
     to correction() as a one-token row, whose K = exp(clip(sum, -20, 20)) is then the operator's own.
-    lam, kappa, cap, low, high (None: the method's default), threshold: as correction()."""
+    lam, kappa, cap, threshold (None: operator_defaults()'s), low, high (None: the method's default): as correction()."""
+    lam, kappa, cap, threshold = _or_defaults(lam=lam, kappa=kappa, cap=cap, threshold=threshold)
     lp, lq = _logprobs(logp, logq)
     n = lp.size
     lengths = None

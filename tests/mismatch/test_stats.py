@@ -1,6 +1,8 @@
 """Mismatch statistics against hand-computed values (the arithmetic is in the comments)."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -24,9 +26,22 @@ def tokens(p, values):
 
 
 def test_operator_defaults_are_the_base_configs():
-    """configs/base.py is the one source of the operators' defaults; the statistics read them from there."""
+    """configs/base.py is the one source of the operators' defaults; the statistics read them from there on use."""
     c = config.load(None).correction
-    assert (S.CIS_LAM, S.CIS_KAPPA, S.TIS_CAP, S.KPOP_THRESHOLD) == (c.lam, c.kappa, c.cap, c.threshold)
+    assert tuple(S.operator_defaults()) == (c.lam, c.kappa, c.cap, c.threshold)
+    d = S.operator_defaults()
+    assert np.array_equal(S.floor_uncertainty_edges(), S.floor_uncertainty_edges(d.kappa))
+
+
+def test_importing_the_statistics_reads_no_config():
+    """Importing the statistics and the report runs no config file: base.py is read on use, not at import."""
+    code = (
+        "from cisjax import config; calls = []; load_file = config.load_file; "
+        "config.load_file = lambda *a: calls.append(a) or load_file(*a); "
+        "import cisjax.mismatch.report; print(len(calls))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["0"], out.stderr
 
 
 # ----------------------------------------------------------------------------- eps and the identity
