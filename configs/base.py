@@ -88,6 +88,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.warmup_steps = 0  # linear warm-up steps from 0 to lr
     c.train.total_steps = 1000  # horizon of the decaying schedules
     c.train.final_lr_ratio = 0.0  # end of the decaying schedules, as a fraction of lr
+    # bfloat16 moments are read into fp32 for the update and stored by stochastic rounding (cisjax.train.optim); the
+    # paper kept them in bf16 for DeepSeek-V2-Lite and Qwen3-30B-A3B
+    c.train.optimizer_state_dtype = "float32"  # AdamW's two moments: float32 (8 bytes per parameter) | bfloat16 (4)
     c.train.micro_batches = 1  # gradient accumulation: M micro-batches per optimizer step
     # PPO mini-batch updates on one rollout batch: its rows split into U mini-batches (M micro-batches each), one
     # optimizer step each, in order; p_prox is the params before the first (a rescoring pass). train.total_steps and

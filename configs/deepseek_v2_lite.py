@@ -12,6 +12,6 @@ def get_config(arm: str = "cis"):
         os.path.dirname(__file__), "models", "deepseek_v2_lite.json"
     )  # the architecture, no weights (cisjax plan)
     c.publish.mode = "disk"
-    # The paper kept the optimizer states in bf16 for this model; cisjax keeps fp32 moments (model.param_dtype).
+    c.train.optimizer_state_dtype = "bfloat16"  # the paper kept the optimizer states in bf16 for this model
     c.run.dir = "runs/deepseek_v2_lite"
     return c

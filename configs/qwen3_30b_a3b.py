@@ -14,6 +14,6 @@ def get_config(arm: str = "cis"):
     c.publish.mode = "disk"  # weights reloaded from disk after every step, as in the paper
     c.mesh.fsdp, c.mesh.expert = -1, 1  # raise mesh.expert on a pod slice (128 experts)
     # Thinking mode off in training and evaluation: cisjax.data.PromptFormatter passes enable_thinking=False.
-    # The paper kept the optimizer states in bf16 for this model; cisjax keeps fp32 moments.
+    c.train.optimizer_state_dtype = "bfloat16"  # the paper kept the optimizer states in bf16 for this model
     c.run.dir = "runs/qwen3_30b_a3b"
     return c

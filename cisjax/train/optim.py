@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("constant", "cosine", "linear")
+STATE_DTYPES = ("float32", "bfloat16")  # train.optimizer_state_dtype: AdamW's two moments
+_ROUNDING_SEED = 0x5EED  # the stochastic rounding's random bits: a function of the update count and the leaf alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,7 @@ class OptimSpec:
     warmup_steps: int = 0
     total_steps: int = 1000
     final_lr_ratio: float = 0.0
+    optimizer_state_dtype: str = "float32"  # float32 | bfloat16 (stochastically rounded; see scale_by_adam_bf16)
 
 
 def make_schedule(spec: OptimSpec):
@@ -52,18 +56,74 @@ def make_schedule(spec: OptimSpec):
     return schedule
 
 
+def round_to_bf16(x_f32: jax.Array, key: jax.Array) -> jax.Array:
+    """fp32 -> bfloat16 by stochastic rounding: up to the next bfloat16 with probability (the distance to the one below)
+    / (their gap), so the result's expected value is x. Random 16 bits added below bfloat16's last mantissa bit, then
+    truncated; exact where x is a bfloat16 already; inf stays inf, nan stays nan."""
+    bits = jax.lax.bitcast_convert_type(x_f32.astype(jnp.float32), jnp.uint32)
+    noise = jax.random.bits(key, x_f32.shape, jnp.uint32) >> 16
+    rounded = (bits + jnp.where(jnp.isfinite(x_f32), noise, 0)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def scale_by_adam_bf16(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """optax.scale_by_adam with both moments stored in bfloat16 (half of fp32 Adam's 8 bytes per parameter).
+
+    Each update reads the moments into fp32, computes the new moments and the update in fp32 (the update is fp32
+    Adam's, from the stored moments), and stores the moments by stochastic rounding (round_to_bf16). Rounding to
+    nearest would stall the second moment: with b2 = 0.999 a step changes nu by ~0.1%, under bfloat16's half-gap
+    (2^-9 = 0.2%), so nu would only ever rise; stochastic rounding keeps the stored moments unbiased. The random bits
+    are a function of the update count and the leaf's position (reproducible, and the same after a resume)."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, jnp.bfloat16)  # noqa: E731
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
+
+    def update(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        leaves, treedef = jax.tree.flatten(updates)
+        key = jax.random.fold_in(jax.random.key(_ROUNDING_SEED), count)
+        mus, nus, outs = [], [], []
+        for i, (g, mu, nu) in enumerate(zip(leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))):
+            g32 = g.astype(jnp.float32)
+            mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
+            nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
+            c = count.astype(jnp.float32)
+            mu_hat, nu_hat = mu32 / (1.0 - b1**c), nu32 / (1.0 - b2**c)
+            outs.append((mu_hat / (jnp.sqrt(nu_hat) + eps)).astype(g.dtype))
+            mus.append(round_to_bf16(mu32, jax.random.fold_in(key, 2 * i)))
+            nus.append(round_to_bf16(nu32, jax.random.fold_in(key, 2 * i + 1)))
+        new = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(mus), nu=treedef.unflatten(nus))
+        return treedef.unflatten(outs), new
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(spec: OptimSpec) -> optax.GradientTransformation:
-    """Global-norm clipping (grad_clip; 0 = off), then AdamW with make_schedule's learning rate.
+    """Global-norm clipping (grad_clip; 0 = off), then AdamW with make_schedule's learning rate, its moments in
+    spec.optimizer_state_dtype (bfloat16: scale_by_adam_bf16; master weights stay the params' dtype).
 
     Weight decay is decoupled and applies to every parameter (norms and biases included).
     """
-    adamw = optax.adamw(
-        learning_rate=make_schedule(spec),
-        b1=float(spec.b1),
-        b2=float(spec.b2),
-        eps=float(spec.eps),
-        weight_decay=float(spec.weight_decay),
-    )
+    if spec.optimizer_state_dtype not in STATE_DTYPES:
+        raise ValueError(f"optimizer_state_dtype {spec.optimizer_state_dtype!r}; one of {STATE_DTYPES}")
+    if spec.optimizer_state_dtype == "float32":
+        adamw = optax.adamw(
+            learning_rate=make_schedule(spec),
+            b1=float(spec.b1),
+            b2=float(spec.b2),
+            eps=float(spec.eps),
+            weight_decay=float(spec.weight_decay),
+        )
+    else:  # optax.adamw's chain with the bf16 moments
+        adamw = optax.chain(
+            scale_by_adam_bf16(float(spec.b1), float(spec.b2), float(spec.eps)),
+            optax.add_decayed_weights(float(spec.weight_decay)),
+            optax.scale_by_learning_rate(make_schedule(spec)),
+        )
     if spec.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(float(spec.grad_clip)), adamw)
     return adamw

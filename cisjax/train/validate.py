@@ -23,7 +23,7 @@ from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train import perturb
 from cisjax.train import spec as spec_lib
-from cisjax.train.optim import SCHEDULES
+from cisjax.train.optim import SCHEDULES, STATE_DTYPES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 from cisjax.train.step import PROXIMAL
 
@@ -244,6 +244,7 @@ def _train(c: _Checker) -> None:
     warmup = c.number("train.warmup_steps", low=0, integer=True)
     total = c.number("train.total_steps", low=0, integer=True)
     c.number("train.final_lr_ratio", low=0, high=1)
+    c.one_of("train.optimizer_state_dtype", STATE_DTYPES)
     schedule = c.get("train.schedule")
     decays = schedule in SCHEDULES and schedule != "constant"
     if decays and warmup is not None and total is not None and total <= warmup:

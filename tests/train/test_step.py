@@ -90,6 +90,26 @@ def test_sharded_step_matches_single_device(name):
     assert ref["step"].traces == 1 and out["step"].traces == 1
 
 
+@pytest.mark.slow  # one more compile of the sharded step
+def test_bf16_optimizer_state_on_a_sharded_mesh():
+    """train.optimizer_state_dtype=bfloat16 on the fast mesh: the moments are bf16 and sharded like their params (the
+    fp32 state's shardings), the first update is fp32 Adam's (computed from fp32 moments), and after the second the
+    params stay within 0.15 lr of the fp32 state's (tests/train/test_optim.py's bound)."""
+    mesh = U.mesh_for(FAST_MESH)
+    ref = U.reference(FAST_MESH)
+    low = U.run_steps(U.make_cfg(optimizer_state_dtype="bfloat16"), mesh, steps=2)
+    adam, adam_ref = low["state"].opt_state[1][0], ref["state"].opt_state[1][0]
+    for moments, moments_ref in ((adam.mu, adam_ref.mu), (adam.nu, adam_ref.nu)):
+        for m, r in zip(jax.tree.leaves(moments), jax.tree.leaves(moments_ref)):
+            assert m.dtype == jnp.bfloat16 and r.dtype == jnp.float32
+            assert m.sharding.is_equivalent_to(r.sharding, m.ndim)
+    np.testing.assert_allclose(low["metrics"][0]["loss"], ref["metrics"][0]["loss"], rtol=1e-6)
+    lr = U.make_cfg().train.lr
+    np.testing.assert_allclose(low["sums"][0], ref["sums"][0], rtol=1e-5, atol=1e-5)  # one fp32 Adam update
+    for o, r in zip(_host(low["state"].params), _host(ref["state"].params)):
+        np.testing.assert_allclose(o, r, atol=0.15 * lr, rtol=0)
+
+
 # ----------------------------------------------------------------------------- micro-batching
 
 

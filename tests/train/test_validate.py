@@ -35,6 +35,7 @@ RULES = [
     (["--config.correction.method=cis2"], "correction.method='cis2'"),
     (["--config.train.precision=int8"], "train.precision='int8'"),
     (["--config.train.schedule=exponential"], "train.schedule='exponential'"),
+    (["--config.train.optimizer_state_dtype=float16"], "train.optimizer_state_dtype='float16'"),
     (["--config.loss.aggregation=sum"], "loss.aggregation='sum'"),
     (["--config.publish.mode=nfs"], "publish.mode='nfs'"),
     (["--config.model.moe_impl=megablocks"], "model.moe_impl='megablocks'"),
