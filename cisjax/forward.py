@@ -23,6 +23,7 @@ class Output(NamedTuple):
     stats: logprobs_lib.TokenStats  # [B, T] fields; top-k [B, T, K] when asked for
     # the routers' own experts of every MoE layer X (None for a dense model); under replay still the routers' choice
     expert_ids_XxBxTxK: jax.Array | None
+    grad_acc: list | None = None  # the gradient sums the train step passed through the model (its in-place sum)
 
 
 class Flips(NamedTuple):
@@ -62,14 +63,21 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
     chunk = chunk_tokens(chunk_size, mesh, rules)
 
     def forward(
-        params, tokens_BxT, positions_BxT, segments_BxT, targets_BxT, routing_BxTxXxK=None, support_BxTxS=None
+        params,
+        tokens_BxT,
+        positions_BxT,
+        segments_BxT,
+        targets_BxT,
+        routing_BxTxXxK=None,
+        support_BxTxS=None,
+        grad_acc=None,
     ) -> Output:
         with sharding.use_mesh(mesh, rules):
             model = nnx.merge(graphdef, params)
             runtime.check_compute_dtype(model, precision)
             replay = None if routing_BxTxXxK is None else jnp.moveaxis(routing_BxTxXxK, 2, 0)
             with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
-                out = model(tokens_BxT, positions_BxT, segments_BxT, replay)
+                out = model(tokens_BxT, positions_BxT, segments_BxT, replay, grad_acc=grad_acc)
                 stats = logprobs_lib.token_logprobs(
                     out.hidden_BxLxD,
                     model.unembedding_DxV(),
@@ -81,14 +89,14 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
                 )
             if support_BxTxS is not None:  # mask replay: p renormalised over the engine's sampling support
                 stats = stats._replace(logprobs_N=stats.logprobs_N - stats.support_logmass_N)
-        return Output(stats, out.expert_ids_XxBxLxK)
+        return Output(stats, out.expert_ids_XxBxLxK, out.grad_acc)
 
     return forward
 
 
-def on_micro_batch(forward, params, mb: TrainBatch) -> Output:
+def on_micro_batch(forward, params, mb: TrainBatch, grad_acc=None) -> Output:
     """make_forward's `forward` on one micro-batch ([B, T] fields of a TrainBatch): its routing replayed and its
-    sampling support renormalised over, where it has them."""
+    sampling support renormalised over, where it has them; `grad_acc` passed through (the train step's sums)."""
     return forward(
         params,
         mb.tokens_MxBxT,
@@ -97,6 +105,7 @@ def on_micro_batch(forward, params, mb: TrainBatch) -> Output:
         mb.targets_MxBxT,
         mb.routing_MxBxTxXxK,
         mb.support_MxBxTxS,
+        grad_acc,
     )
 
 

@@ -157,7 +157,7 @@ class Scorer:
         """Per sequence of `prepared` (outs = run() of each): logprobs, entropy, top-k and routing of its response
         tokens into results[i]; with routing, also "prompt_routing", that of the prompt's other positions."""
         for rows, out in zip(prepared, outs):
-            stats, expert_ids = out
+            stats, expert_ids = out.stats, out.expert_ids_XxBxTxK
             for i in rows.where:
                 r, sl = rows.response_slice(seqs, i)  # the positions that predict the response tokens
                 res = {"logprobs": stats.logprobs_N[r, sl].tolist(), "entropy": stats.entropy_N[r, sl].tolist()}

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors, sharding
+from cisjax.models import grad_sink
 from cisjax.models.attention import Segments, cache_mask
 from cisjax.models.layers import MLP, RMSNorm, param
 
@@ -32,6 +33,7 @@ class ModelOutput(NamedTuple):
     # Routing capture: selected expert ids per MoE layer, [X, B, L, k] (X = number of MoE layers,
     # in layer order; see CausalLM.moe_layers), or None for dense models.
     expert_ids_XxBxLxK: jax.Array | None
+    grad_acc: list | None = None  # the gradient sums passed through, one per stack (CausalLM.__call__'s grad_acc)
 
 
 class DecoderLayer(nnx.Module):
@@ -165,8 +167,14 @@ def run_stack(
     remat: str = "none",
     scan: bool = True,
     replay_nxBxLxK=None,
+    grad_acc=None,
 ):
-    """x through every layer of a stack -> (x_BxLxD, the routers' expert ids [n, B, L, k] or None).
+    """x through every layer of a stack -> (x_BxLxD, the routers' expert ids [n, B, L, k] or None), and with
+    `grad_acc` the accumulator passed through: (x_BxLxD, ids, grad_acc).
+
+    grad_acc: the train step's gradient sum of the stack's parameters (their tree, fp32), carried through the layers
+    with grad_sink.into_layer around each: differentiated with respect to it, each layer's gradient is added into it
+    in place (train/step.py).
 
     replay_nxBxLxK: forced expert ids of each of the stack's n (MoE) layers, scanned along with the layers' params
     (so each layer's recompute under remat sees its own ids), or None.
@@ -191,15 +199,31 @@ def run_stack(
         # weights and updates of the stacked gradients); CPU models are small, so there it is unrolled (the same
         # stacked parameters, one body per layer as unscanned). TPU/GPU programs stay rolled: one body to compile.
         unroll = sharding.current_platform() == "cpu"
-        return jax.lax.scan(
-            lambda x, xs: body(x, *xs, positions_BxL, mask), x_BxLxD, (state, replay_nxBxLxK), unroll=unroll
-        )
+        if grad_acc is None:
+            return jax.lax.scan(
+                lambda x, xs: body(x, *xs, positions_BxL, mask), x_BxLxD, (state, replay_nxBxLxK), unroll=unroll
+            )
+
+        def summing(carry, xs):
+            x_BxLxD, acc = carry
+            state_j, replay_j, j = xs
+            state_j, acc = grad_sink.into_layer(state_j, acc, j)
+            x_BxLxD, ids_j = body(x_BxLxD, state_j, replay_j, positions_BxL, mask)
+            return (x_BxLxD, acc), ids_j
+
+        xs = (state, replay_nxBxLxK, jnp.arange(n))
+        (x_BxLxD, grad_acc), ids = jax.lax.scan(summing, (x_BxLxD, grad_acc), xs, unroll=unroll)
+        return x_BxLxD, ids, grad_acc
     ids = []
     for j in range(n):
         replay_j = None if replay_nxBxLxK is None else replay_nxBxLxK[j]
-        x_BxLxD, ids_j = body(x_BxLxD, jax.tree.map(lambda a, j=j: a[j], state), replay_j, positions_BxL, mask)
+        state_j = jax.tree.map(lambda a, j=j: a[j], state)
+        if grad_acc is not None:
+            state_j, grad_acc = grad_sink.into_layer(state_j, grad_acc, j)
+        x_BxLxD, ids_j = body(x_BxLxD, state_j, replay_j, positions_BxL, mask)
         ids.append(ids_j)
-    return x_BxLxD, None if ids[0] is None else jnp.stack(ids)
+    ids = None if ids[0] is None else jnp.stack(ids)
+    return (x_BxLxD, ids) if grad_acc is None else (x_BxLxD, ids, grad_acc)
 
 
 def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, *, carried=None):
@@ -271,12 +295,16 @@ class CausalLM(nnx.Module):
         positions_BxL: jax.Array | None = None,
         segment_ids_BxL: jax.Array | None = None,
         replay_XxBxLxK: jax.Array | None = None,
+        grad_acc=None,
     ) -> ModelOutput:
         """positions default to 0..L-1; segment_ids (0 = padding) default to one segment per row.
         Packed rows carry per-segment positions and distinct segment ids.
 
         replay_XxBxLxK: routing replay, the expert ids every MoE layer X (in moe_layers order) uses at each token
-        instead of its router's choice (moe.MoE); the output's expert ids stay the routers' own."""
+        instead of its router's choice (moe.MoE); the output's expert ids stay the routers' own.
+
+        grad_acc: a gradient sum per stack (run_stack's), passed through to the output's grad_acc (the train step's
+        in-place accumulation)."""
         b, l = tokens_BxL.shape
         x_moe = len(self.moe_layers)
         if replay_XxBxLxK is not None and replay_XxBxLxK.shape[:3] != (x_moe, b, l):
@@ -295,18 +323,31 @@ class CausalLM(nnx.Module):
         if remat not in REMAT_POLICIES:
             raise errors.UserError(f"model.remat={remat!r}; one of {tuple(REMAT_POLICIES)}")
         first = 0  # the MoE layer index of the stack's first layer
-        for stack, run in zip(self.stacks, layer_runs(self.cfg)):
+        sums = []
+        for r, (stack, run) in enumerate(zip(self.stacks, layer_runs(self.cfg))):
             replay = None
             if replay_XxBxLxK is not None and self.cfg.is_moe_layer(run[0]):
                 replay = replay_XxBxLxK[first : first + len(run)]
-            x_BxLxD, ids = run_stack(
-                stack, x_BxLxD, positions_BxL, mask, remat=remat, scan=self.cfg.scan_layers, replay_nxBxLxK=replay
+            out = run_stack(
+                stack,
+                x_BxLxD,
+                positions_BxL,
+                mask,
+                remat=remat,
+                scan=self.cfg.scan_layers,
+                replay_nxBxLxK=replay,
+                grad_acc=None if grad_acc is None else grad_acc[r],
             )
+            x_BxLxD, ids = out[:2]
+            if grad_acc is not None:
+                sums.append(out[2])
             if ids is not None:
                 routing.append(ids)
                 first += len(run)
         hidden = self.norm(x_BxLxD)
-        return ModelOutput(hidden, jnp.concatenate(routing) if routing else None)
+        return ModelOutput(
+            hidden, jnp.concatenate(routing) if routing else None, sums if grad_acc is not None else None
+        )
 
     def init_cache(self, batch: int, slots: int, dtype=None) -> Cache:
         """An empty KV cache of `slots` positions for `batch` rows (zeros, the compute dtype unless given)."""

@@ -78,20 +78,21 @@ def make_rescore(graphdef, spec: StepSpec, mesh, rules, params_shardings=None, f
 
 
 def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
-    """`loss(params, micro_batch, denominator) -> (loss * spec.loss_scale, aux)`, differentiable in params: one
-    micro-batch ([B, T] fields of a TrainBatch) through the forward, the chunked logprobs, the correction weights and
-    the policy loss. `denominator` is loss_denominator of the whole step's mask. aux: loss (unscaled), entropy_sum
-    and tokens over valid tokens, corr and loss_metrics dicts."""
+    """`loss(params, micro_batch, denominator[, grad_acc]) -> (loss * spec.loss_scale, aux)`, differentiable in
+    params: one micro-batch ([B, T] fields of a TrainBatch) through the forward, the chunked logprobs, the correction
+    weights and the policy loss. `denominator` is loss_denominator of the whole step's mask. aux: loss (unscaled),
+    entropy_sum and tokens over valid tokens, corr and loss_metrics dicts, and `grad_acc` (the per-stack gradient sums
+    passed through the layers, differentiable in them: accumulate_grads) when given."""
     method, corr_kw, loss_kw = spec.correction.method, spec.correction.hparams(), spec.loss.kwargs()
     scale = float(spec.loss_scale)
     fwd = forward.make_forward(graphdef, mesh, rules, **spec.forward_kwargs())
 
     own_prox = spec.proximal == "step"
 
-    def loss_fn(params, mb: TrainBatch, denominator):
+    def loss_fn(params, mb: TrainBatch, denominator, grad_acc=None):
         # fields of one micro-batch: [B, T] (the _MxBxT names are the step's batch, scanned over M)
         # routing replayed, and under truncated sampling p renormalised over each token's sampling support
-        out = forward.on_micro_batch(fwd, params, mb)
+        out = forward.on_micro_batch(fwd, params, mb, grad_acc)
         logp_BxT, entropy_BxT = out.stats.logprobs_N, out.stats.entropy_N
         mask_BxT = mb.loss_mask_MxBxT
         # p_prox: the step's own logprobs, stop-gradient (train.proximal=step), else the rescoring's in the batch
@@ -116,6 +117,8 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
             corr=corr_metrics,
             loss_metrics=loss_metrics,
         )
+        if grad_acc is not None:
+            aux["grad_acc"] = out.grad_acc
         if own_prox:  # what the rescoring would have returned: p_prox and, under replay, the routing flips
             aux["prox_BxT"] = prox_BxT
             if mb.routing_MxBxTxXxK is not None and out.expert_ids_XxBxTxK is not None:
@@ -129,6 +132,41 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
     return loss_fn
 
 
+_STACKS = jax.tree_util.DictKey("stacks")  # the model's stacked layers in its param tree (CausalLM.stacks)
+
+
+def accumulate_grads(loss_fn, params, acc, mb, denominator):
+    """(acc + the gradient of loss_fn(params, mb, denominator) in fp32, aux): one micro-batch's gradient added into
+    the running sum `acc` (params' tree, fp32).
+
+    The stacked layers' gradients are added in place: the sums of each stack ride through the layers' scan with the
+    forward (CausalLM's grad_acc) and the loss is differentiated with respect to them, its cotangent seeded with the
+    sums so far, so each layer's gradient lands in the carried sum as the backward reaches it. Differentiating the
+    stacked weights instead would build their whole gradient, a buffer the size of the sum, beside it. The other
+    parameters (embeddings, final norm, head) are differentiated as such and added. Equal to acc + grad to fp32
+    rounding (the same additions)."""
+    stacked = lambda path: path[0] == _STACKS  # noqa: E731
+    # the stacks' weights enter as constants: their gradient is taken through the sums, not computed twice
+    frozen = jax.tree_util.tree_map_with_path(lambda path, x: lax.stop_gradient(x) if stacked(path) else x, params)
+    sums = [acc["stacks"][r] for r in range(len(acc["stacks"]))]
+
+    def micro(p, sums):
+        loss, aux = loss_fn(p, mb, denominator, grad_acc=sums)
+        return (loss, aux.pop("grad_acc")), aux
+
+    (loss, _), pullback, aux = jax.vjp(micro, frozen, sums, has_aux=True)
+    grads, sums = pullback((jnp.ones_like(loss), sums))
+    summed = {
+        (jax.tree_util.DictKey(r), *path): leaf
+        for r, tree in enumerate(sums)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    new = jax.tree_util.tree_map_with_path(
+        lambda path, a, g: summed[path[1:]] if stacked(path) else a + g.astype(jnp.float32), acc, grads
+    )
+    return new, aux
+
+
 def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) -> TrainStep:
     """The jitted optimizer step `(state, batch) -> (state, metrics)`; `state` is donated.
 
@@ -136,7 +174,8 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     where the step wants them). One step:
       1. the loss denominator from the whole step's mask (global token mean across micro-batches and devices);
       2. lax.scan over the M micro-batches: forward, chunked logprobs and entropy, correction weights from the
-         proximal (p) and inference (q) logprobs, the policy loss; gradients summed in fp32;
+         proximal (p) and inference (q) logprobs, the policy loss; gradients summed in fp32, the stacked layers'
+         in place (accumulate_grads);
       3. fp16 precision: the loss is multiplied by train.loss_scale before differentiation and the summed gradient
          divided by it (a static scale);
       4. in every precision, a non-finite gradient norm or loss skips the update: params and optimizer state are
@@ -164,8 +203,6 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     replicated = NamedSharding(mesh, P())
     platform = sharding.mesh_platform(mesh)
 
-    grad_fn = jax.grad(micro_loss, has_aux=True)
-
     def step(state: TrainState, batch: TrainBatch):
         out.traces += 1
         denominator = loss_lib.loss_denominator(batch.loss_mask_MxBxT, aggregation)
@@ -173,8 +210,7 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
 
         def body(acc, mb):
             with runtime_lib.matmul_precision(spec.runtime.dtype, platform):  # the backward's kernels too
-                g, aux = grad_fn(params, mb, denominator)
-            acc = jax.tree.map(lambda a, gi: a + gi.astype(jnp.float32), acc, g)
+                acc, aux = accumulate_grads(micro_loss, params, acc, mb, denominator)
             return lax.with_sharding_constraint(acc, param_sh), aux
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

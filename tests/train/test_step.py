@@ -113,6 +113,38 @@ def test_bf16_optimizer_state_on_a_sharded_mesh():
 # ----------------------------------------------------------------------------- micro-batching
 
 
+def test_in_place_accumulation_equals_summing_each_micro_batchs_gradient():
+    """accumulate_grads (the stacks' gradients added in place through the layers' scan) against jax.grad of each
+    micro-batch added to the sum, on two micro-batches from a non-zero sum: equal to fp32 rounding, stacked and other
+    parameters alike; and the stacked weights' own gradient is not what is added (a sum of zeros would fail)."""
+    cfg = U.make_cfg()
+    mesh = U.mesh_for("single")
+    graphdef, _, rules, state = U.build(cfg, mesh)
+    loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
+    batch = U.with_logprobs(U.host_batch(), np.zeros((U.M, U.B, U.T), np.float32), noise=0.5)
+    denominator = jnp.sum(jnp.asarray(batch.loss_mask_MxBxT, jnp.float32))
+    params = state.params
+    start = jax.tree.map(lambda p: jnp.full(p.shape, 0.25, jnp.float32), params)
+
+    @jax.jit
+    def both(params, start, batch):
+        ref, got = start, start
+        for m in range(U.M):
+            mb = jax.tree.map(lambda x, m=m: None if x is None else x[m], batch)
+            g, _ = jax.grad(loss_fn, has_aux=True)(params, mb, denominator)
+            ref = jax.tree.map(lambda a, gi: a + gi.astype(jnp.float32), ref, g)
+            got, aux = step_lib.accumulate_grads(loss_fn, params, got, mb, denominator)
+        return ref, got
+
+    ref, got = both(params, start, batch)
+    leaves = list(zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
+    assert len(leaves) == len(jax.tree.leaves(params)) and jax.tree.structure(ref) == jax.tree.structure(got)
+    for r, o in leaves:
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-6, atol=1e-7)
+    moved = [np.abs(np.asarray(r) - 0.25).max() for r, _ in leaves]
+    assert min(moved) > 0  # every leaf's gradient is non-zero somewhere: the comparison covers them all
+
+
 @pytest.mark.slow  # a second compile of the step (M=1); the fast tier has tests/rl/test_loss.py's micro-batch split
 def test_micro_batches_equal_one_big_batch():
     """M=2 x B=8 and M=1 x B=16 on the same 16 rows: same loss (global token mean), metrics and update."""
