@@ -146,15 +146,15 @@ def accumulate_grads(loss_fn, params, acc, mb, denominator):
     parameters (embeddings, final norm, head) are differentiated as such and added. Equal to acc + grad to fp32
     rounding (the same additions)."""
     stacked = lambda path: path[0] == _STACKS  # noqa: E731
-    # the stacks' weights enter as constants: their gradient is taken through the sums, not computed twice
-    frozen = jax.tree_util.tree_map_with_path(lambda path, x: lax.stop_gradient(x) if stacked(path) else x, params)
     sums = [acc["stacks"][r] for r in range(len(acc["stacks"]))]
 
     def micro(p, sums):
+        # the stacks' weights enter as constants: their gradient is taken through the sums, not built as such
+        p = jax.tree_util.tree_map_with_path(lambda path, x: lax.stop_gradient(x) if stacked(path) else x, p)
         loss, aux = loss_fn(p, mb, denominator, grad_acc=sums)
         return (loss, aux.pop("grad_acc")), aux
 
-    (loss, _), pullback, aux = jax.vjp(micro, frozen, sums, has_aux=True)
+    (loss, _), pullback, aux = jax.vjp(micro, params, sums, has_aux=True)
     grads, sums = pullback((jnp.ones_like(loss), sums))
     summed = {
         (jax.tree_util.DictKey(r), *path): leaf
