@@ -86,13 +86,14 @@ def scale_by_adam_bf16(b1: float, b2: float, eps: float) -> optax.GradientTransf
         count = optax.safe_increment(state.count)
         leaves, treedef = jax.tree.flatten(updates)
         key = jax.random.fold_in(jax.random.key(_ROUNDING_SEED), count)
+        c = count.astype(jnp.float32)
+        mu_debias, nu_debias = 1.0 - b1**c, 1.0 - b2**c  # the bias corrections, one per update
         mus, nus, outs = [], [], []
         for i, (g, mu, nu) in enumerate(zip(leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))):
             g32 = g.astype(jnp.float32)
             mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
             nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
-            c = count.astype(jnp.float32)
-            mu_hat, nu_hat = mu32 / (1.0 - b1**c), nu32 / (1.0 - b2**c)
+            mu_hat, nu_hat = mu32 / mu_debias, nu32 / nu_debias
             outs.append((mu_hat / (jnp.sqrt(nu_hat) + eps)).astype(g.dtype))
             mus.append(round_to_bf16(mu32, jax.random.fold_in(key, 2 * i)))
             nus.append(round_to_bf16(nu32, jax.random.fold_in(key, 2 * i + 1)))
