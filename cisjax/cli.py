@@ -36,6 +36,7 @@ BENCHES = {
     "rollout": "rollout tokens/s through gRPC vs the same vLLM engine called in-process; --replicas N: a pinned fleet "
     "vs one",
     "loop": "RL loop step time with rollouts ahead of training (async) vs synchronous, same config",
+    "optimizer": "a tiny MoE's loss curve with bf16 and host-offloaded AdamW state vs fp32 moments on the device",
 }
 
 

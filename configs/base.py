@@ -14,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.path = ""  # Hugging Face model directory (config.json + safetensors)
     c.model.hf_config = ""  # the architecture's config.json for commands that need no weights (cisjax plan); "" = <model.path>/config.json
     c.model.dtype = "bfloat16"  # compute dtype of activations/matmuls: bfloat16 | float32 | float16
-    c.model.param_dtype = "float32"  # storage dtype of the parameters (fp32 master weights)
+    c.model.param_dtype = "float32"  # storage dtype of the parameters: float32 master weights | bfloat16 (updates stochastically rounded)
     c.model.router_dtype = "float32"  # router logits + softmax; fp32 as the HF reference
     c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's devices: tiled on CPU, gmm (megablox) on TPU, mgpu (JAX's Mosaic GPU kernels) on a GPU of compute capability 9.x, triton on other GPUs) | tiled | gmm | triton | mgpu | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
@@ -91,6 +91,10 @@ def get_config() -> ml_collections.ConfigDict:
     # bfloat16 moments are read into fp32 for the update and stored by stochastic rounding (cisjax.train.optim); the
     # paper kept them in bf16 for DeepSeek-V2-Lite and Qwen3-30B-A3B
     c.train.optimizer_state_dtype = "float32"  # AdamW's two moments: float32 (8 bytes per parameter) | bfloat16 (4)
+    # the moments in page-locked host memory (JAX memory kinds), each layer's copied to the device for its update and
+    # back (cisjax.train.offload): HBM freed of 8 (fp32) or 4 (bf16) bytes per parameter, for host-link traffic of
+    # twice that per step; GPU and TPU (and CPU, where it is the same memory); `cisjax plan` states the cost
+    c.train.offload_optimizer = False  # AdamW's moments in host memory, updated a layer at a time
     c.train.micro_batches = 1  # gradient accumulation: M micro-batches per optimizer step
     # PPO mini-batch updates on one rollout batch: its rows split into U mini-batches (M micro-batches each), one
     # optimizer step each, in order; p_prox is the params before the first (a rescoring pass). train.total_steps and

@@ -56,7 +56,8 @@ def train_unit_s(impl: str, rows: int, seq: int) -> float:
     """One train-step combo in a process that has its weights: compile and first call, then the timed steps."""
     key = (impl, rows, seq)
     compile_s = STEP_COMPILE_S.get(key, DEFAULT_COMPILE_S * (1.5 if seq > 8192 else 1.0))
-    step_s = STEP_S.get(key, rows * seq / STEP_TOKENS_PER_S.get(impl, 10_000.0))
+    # an impl with a memory option of the optimizer state (mgpu+offload) computes as its impl does
+    step_s = STEP_S.get(key, rows * seq / STEP_TOKENS_PER_S.get(impl.split("+")[0], 10_000.0))
     return compile_s + TIMED_STEPS * step_s
 
 
@@ -86,7 +87,8 @@ def part_s(section: str, plan: dict) -> float:
         return TUNE_S
     if section == "train_step":
         units = [train_unit_s(*c) for c in plan["combos"]]
-        return PROCESS_S + SETUP_S + INIT_S + sum(units) + (PROFILE_S if plan.get("trace") else 0.0)
+        inits = INIT_S * len({c[0] for c in plan["combos"]})  # each impl (and option) builds its own weights
+        return PROCESS_S + SETUP_S + inits + sum(units) + (PROFILE_S if plan.get("trace") else 0.0)
     if section == "exactness":
         return PROCESS_S + sum(case_s(impl, dtype) for _, impl, dtype in plan["cases"])
     if section == "moe_layer":

@@ -237,7 +237,9 @@ def plans(section: str, size: str, env: dict, sections: dict, impls: str = "defa
         return [dict(base, units=units)]
     if section == "train_step":
         first, *others = _impls("moe", env, impls)
-        combos = [[first, *t] for t in tokens] + [[i, *tokens[0]] for i in others]
+        # the default impl at each shape, then with each memory option of the optimizer state, then the other impls
+        options = [[f"{first}+{o}", *tokens[0]] for o in gpu_parts.STATE_OPTIONS]
+        combos = [[first, *t] for t in tokens] + options + [[i, *tokens[0]] for i in others]
         return [dict(base, combos=combos, trace_dir=dirs.get("trace_dir"))]
     if section == "torch_step":
         combos = [["fastest", *tokens[0]], ["fastest", *tokens[1]]]

@@ -20,6 +20,7 @@ from cisjax.bench import gpu_profile, harness, mfu, synthetic, tiny_model, torch
 from cisjax.bench import moe as bench_moe
 from cisjax.models import attention, hf_io, moe
 from cisjax.plan import flops as flops_lib
+from cisjax.plan import programs
 from cisjax.records import TrainBatch
 from cisjax.rl.corrections import CorrectionSpec
 from cisjax.rl.loss import LossSpec
@@ -102,6 +103,16 @@ def memory() -> dict:
     if not stats:
         return dict(peak_gib=None, memory_note=f"{jax.default_backend()}: no device memory statistics")
     return dict(peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, limit_gib=stats.get("bytes_limit", 0) / 2**30)
+
+
+def _bytes_in_use() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("bytes_in_use") if stats else None
+
+
+def compiled_memory(compiled) -> dict:
+    """A compiled program's buffer assignment in GiB, as `cisjax plan` reports it (programs.memory_of)."""
+    return {k: v / 2**30 for k, v in programs.memory_of(compiled).items()}
 
 
 # ----------------------------------------------------------------------------- the MoE layer table
@@ -196,12 +207,24 @@ def work(hf: dict, mcfg, rows: int, seq: int) -> dict:
     )
 
 
+# the train step's memory options, measured against the default state as "IMPL+OPTION" (issue 44): config overrides
+STATE_OPTIONS = {
+    "bf16moments": ("optimizer_state_dtype", "bfloat16"),
+    "offload": ("offload_optimizer", True),
+}
+
+
 class _Cut:
     """One impl's model and optimizer state, built once per process (random weights on the device) and trained on
-    by every token shape after it: the step's program is compiled per shape, the weights are not rebuilt."""
+    by every token shape after it: the step's program is compiled per shape, the weights are not rebuilt. `impl` may
+    carry STATE_OPTIONS after a "+" (mgpu+offload: the moments in host memory)."""
 
     def __init__(self, size: str, impl: str, max_seq: int):
-        cfg = _base_config("bf16", impl)
+        moe_impl, *options = impl.split("+")
+        cfg = _base_config("bf16", moe_impl)
+        for option in options:
+            field, value = STATE_OPTIONS[option]
+            cfg.train[field] = value
         self.spec = spec = step_spec(cfg)
         self.mesh = sharding.make_mesh(cfg.mesh.to_dict())
         self.rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
@@ -218,7 +241,7 @@ class _Cut:
         )
         model = nnx.merge(graphdef, params)
         tx = optim.make_optimizer(spec.optim)
-        graphdef, self.state = state_lib.create(model, tx, mesh=self.mesh)
+        graphdef, self.state = state_lib.create(model, tx, mesh=self.mesh, offload=spec.optim.offload_optimizer)
         del model, params
         self.init_s = time.perf_counter() - t0
         self.step = step_lib.make_train_step(graphdef, tx, spec, self.mesh, self.rules, state_lib.shardings(self.state))
@@ -227,23 +250,33 @@ class _Cut:
         mb = synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True)
         return sharding.place(mb, self.mesh, self.rules, sharding.BATCH_AXES)
 
-    def call(self, batch):
-        self.state, met = self.step(self.state, batch)
+    def compile(self, batch):
+        """The step compiled ahead of time for this batch's shapes (the program the first call would compile),
+        whose buffer assignment on this device can then be read."""
+        return self.step.jitted.lower(self.state, batch).compile()
+
+    def call(self, batch, compiled):
+        self.state, met, _ = compiled(self.state, batch)
         return jax.block_until_ready(met)
 
 
 def train_step(cut: _Cut, size: str, impl: str, rows: int, seq: int, trace_dir: str | None = None) -> dict:
     """The jitted GRPO step with CIS (bf16 compute, fp32 master weights, AdamW) of the cut's weights, `rows` x `seq`
     tokens: first call (compile), median step, tokens/s, analytic FLOPs and MFU, peak device memory of the process so
-    far; with `trace_dir`, a profiler trace of one more step (gpu_profile.capture)."""
+    far, and its parts (memory_split); with `trace_dir`, a profiler trace of one more step (gpu_profile.capture)."""
     batch = cut.batch(size, rows, seq)
+    live = _bytes_in_use()  # the state and the batch, before this shape's compile
     t0 = time.perf_counter()
-    met = cut.call(batch)
+    compiled = cut.compile(batch)
+    compile_s = time.perf_counter() - t0
+    after_compile = memory()
+    t0 = time.perf_counter()
+    met = cut.call(batch, compiled)
     first_s = time.perf_counter() - t0
     times = []
     for _ in range(TIMED_STEPS[size]):
         t0 = time.perf_counter()
-        met = cut.call(batch)
+        met = cut.call(batch, compiled)
         times.append(time.perf_counter() - t0)
     median = statistics.median(times)
     ref = mfu.peak(mfu.device_kind(), "bf16")
@@ -251,12 +284,13 @@ def train_step(cut: _Cut, size: str, impl: str, rows: int, seq: int, trace_dir: 
     out = dict(
         status="ok",
         impl=impl,
-        resolved_impl=moe.default_impl(jax.default_backend()) if impl == "auto" else impl,
+        resolved_impl=moe.default_impl(jax.default_backend()) if impl.split("+")[0] == "auto" else impl,
         rows=rows,
         seq=seq,
         tokens=rows * seq,
         **counts,
         init_s=cut.init_s,
+        compile_s=compile_s,
         first_call_s=first_s,
         step_s=times,
         median_s=median,
@@ -267,9 +301,16 @@ def train_step(cut: _Cut, size: str, impl: str, rows: int, seq: int, trace_dir: 
         loss=float(met["loss"]),
         **memory(),
         memory_scope="the process's peak so far (its token shapes run smallest first)",
+        # what `cisjax plan` compares with: the live arrays before the compile (the state), the process's peak after
+        # the compile (its autotuning), the compiler's buffer assignment on this device, then the peak of the steps
+        memory_split=dict(
+            live_before_gib=None if live is None else live / 2**30,
+            peak_after_compile_gib=after_compile.get("peak_gib"),
+            compiled_gib=compiled_memory(compiled),
+        ),
     )
     if trace_dir:
-        out["trace"] = gpu_profile.capture(lambda: cut.call(batch), trace_dir, "train_step")
+        out["trace"] = gpu_profile.capture(lambda: cut.call(batch, compiled), trace_dir, "train_step")
     return out
 
 

@@ -221,6 +221,11 @@ def _layer_rows(layer: dict):
             )
 
 
+# the train step tables: the live arrays before the compile (the state), the compiler's total on the device, the peak
+STEP_COLUMNS = ("impl@rows x seq", "tokens", "median s", "tokens/s", "MFU", "state GiB", "compiled GiB", "peak GiB")
+STEP_COLUMNS += ("first s", "status")
+
+
 def _step_rows(steps: dict):
     for key, r in steps.items():
         if not isinstance(r, dict) or "status" not in r:
@@ -231,6 +236,8 @@ def _step_rows(steps: dict):
             _num(r.get("median_s"), ".3f"),
             _num(r.get("tokens_per_s"), ",.0f"),
             _pct(r.get("mfu")),
+            _num((r.get("memory_split") or {}).get("live_before_gib"), ".1f"),
+            _num(((r.get("memory_split") or {}).get("compiled_gib") or {}).get("total"), ".1f"),
             _num(r.get("peak_gib"), ".1f"),
             _num(r.get("first_call_s"), ".1f"),
             r["status"] if r["status"] != "skipped" else escape(f"skipped: {r.get('reason', '')[:40]}"),
@@ -359,7 +366,7 @@ def show(res: dict) -> None:
         )
         note = f"{note}; Hopper kernel blocks: {s.get('blocks', {}).get('moe_layer', 'as shipped')}"
         console.print(harness.table(title, cols, list(_layer_rows(layer)), note))
-    cols = ("impl@rows x seq", "tokens", "median s", "tokens/s", "MFU", "peak GiB", "first s", "status")
+    cols = STEP_COLUMNS
     for name in ("train_step", "torch_step"):
         if name in secs:
             note = (

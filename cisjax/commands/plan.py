@@ -20,7 +20,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from cisjax import config as config_lib  # noqa: E402
 from cisjax import errors  # noqa: E402
 from cisjax.plan import hardware, report  # noqa: E402
-from cisjax.plan.planner import DEFAULT_PROGRAMS, PROGRAM_NAMES, plan  # noqa: E402
+from cisjax.plan.planner import DEFAULT_PROGRAMS, PROGRAM_NAMES, SEARCHES, plan  # noqa: E402
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -55,9 +55,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--search",
-        choices=["rows"],
+        choices=list(SEARCHES),
         default=None,
-        help="rows: also find the largest rows per micro-batch whose train step fits in HBM (a compile per probe)",
+        help="rows: also find the largest rows per micro-batch whose train step fits in HBM (a compile per probe); "
+        "options: when the train step does not fit, the smallest set of memory options that makes it fit (bf16 "
+        "moments, the moments offloaded to host memory, bf16 master weights, full remat; a whole plan per set tried)",
     )
     p.add_argument("--max-rows", type=int, default=4096, help="--search rows: stop growing at this many rows")
     p.add_argument(

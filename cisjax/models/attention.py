@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,10 @@ IMPLS = ("auto", "einsum", "splash", "triton")
 SPLASH_BLOCK = 512  # splash's query/key block along the sequence (MaxText's default): L pads to a multiple of it
 SPLASH_LANES = 128  # a TPU vector register's lanes: splash's head dims pad to a multiple of it
 TRITON_BLOCK = 128  # the Triton kernel's forward block (its default); the backward's blocks are 32
+# Heads padded wider than 128 (DeepSeek's MLA: q.k 192, padded to 256): the default 128-row blocks with two pipeline
+# stages ask 328 KB of shared memory (XLA:GPU refuses: an H100 has 227 KB, an A100 163 KB); 64-row blocks in two
+# stages ask 160 KB
+TRITON_WIDE_BLOCK = 64
 _PAD_SEGMENT = -1  # segment id of the positions a kernel pads on: they see only each other, never a real token
 
 
@@ -147,6 +152,12 @@ def _splash(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     return o_BxNxLxV.transpose(0, 2, 1, 3)[:, :l, :, :vdim].astype(v_BxLxKxV.dtype)
 
 
+def triton_block(head_dim: int) -> int:
+    """The Triton kernel's forward block (query and key rows) for a head width: TRITON_BLOCK, or TRITON_WIDE_BLOCK
+    where the width pads past 128 (the kernel pads it to a power of two)."""
+    return TRITON_BLOCK if 1 << (head_dim - 1).bit_length() <= 128 else TRITON_WIDE_BLOCK
+
+
 def _triton(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: bool):
     """The Pallas Triton flash attention, causal and by segment: it takes one head width for q, k and v and as many
     key/value heads as query heads, so the values pad to the query width (zeros, sliced off after) and grouped heads
@@ -155,7 +166,8 @@ def _triton(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     kv, vdim = k_BxLxKxH.shape[2], v_BxLxKxV.shape[-1]
     if vdim > h:
         raise errors.UserError(f"attention_impl=triton: value heads wider than query heads ({vdim} > {h})")
-    lp = round_up(l, TRITON_BLOCK)
+    block = triton_block(h)
+    lp = round_up(l, block)
     k_BxLxNxH, v_BxLxNxH = (jnp.repeat(a, n // kv, axis=2) if kv != n else a for a in (k_BxLxKxH, v_BxLxKxV))
     q, k, v = (pad_axes(a, {1: lp}) for a in (q_BxLxNxH, k_BxLxNxH, pad_axes(v_BxLxNxH, {3: h})))
     ids = pad_axes(ids_BxL.astype(jnp.int32), {1: lp}, _PAD_SEGMENT)
@@ -163,7 +175,8 @@ def _triton(q_BxLxNxH, k_BxLxKxH, v_BxLxKxV, ids_BxL, scale: float, interpret: b
     # traced, so that its warning, and one day its removal, reach only programs that run it
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # lazy: deprecated in jax 0.11
 
-    o_BxLxNxH = gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=True, interpret=interpret)
+    blocks = dataclasses.replace(gpu_attention.BlockSizes.get_default(), block_q=block, block_k=block)
+    o_BxLxNxH = gpu_attention.mha(q, k, v, ids, sm_scale=scale, causal=True, block_sizes=blocks, interpret=interpret)
     return o_BxLxNxH[:, :l, :, :vdim].astype(v_BxLxKxV.dtype)
 
 
@@ -182,8 +195,8 @@ def kernel_flops(impl: str, rows: int, seq_len: int, heads: int, qk: int, v: int
         padded = round_up(seq_len, block)
         qk, v = round_up(qk, SPLASH_LANES), round_up(v, SPLASH_LANES)
     elif impl == "triton":
-        fwd_block, bwd_block = TRITON_BLOCK, 32
-        padded = round_up(seq_len, TRITON_BLOCK)
+        fwd_block, bwd_block = triton_block(qk), 32
+        padded = round_up(seq_len, fwd_block)
         qk = v = 1 << (qk - 1).bit_length()  # one head width, padded to a power of two inside the kernel
     else:
         return 0.0

@@ -136,6 +136,27 @@ GPU_CHIPS = {
 }
 
 
+# The host link of one chip (bytes/s, one direction), what train.offload_optimizer's moments cross twice per step.
+HOST_LINKS = {
+    "a100": (32e9, "NVIDIA A100 data sheet: PCIe Gen4 x16, 64 GB/s both directions"),
+    "h100": (64e9, "NVIDIA H100 SXM data sheet: PCIe Gen5 x16, 128 GB/s both directions"),
+    "h200": (64e9, "NVIDIA H200 data sheet: PCIe Gen5 x16, 128 GB/s both directions"),
+    **{
+        tpu: (
+            15e9,
+            "Google publishes no per-chip host link figure; the JAX scaling book (jax-ml.github.io/scaling-book, "
+            "part 2) uses 1.5e10 B/s for a TPU chip's PCIe link, taken here for every generation",
+        )
+        for tpu in TPU_CHIPS
+    },
+}
+
+
+def host_link(chip: Chip) -> tuple[float, str]:
+    """(bytes/s one way, source) of the chip's link to its host's memory."""
+    return HOST_LINKS[chip.name]
+
+
 @dataclasses.dataclass(frozen=True)
 class DevicePeak:
     """A device's dense peak FLOP/s per compute dtype, as its vendor documents it (None: not documented)."""
@@ -242,6 +263,15 @@ class Target:
     @property
     def platform(self) -> str:
         return self.chip.platform
+
+    @property
+    def chips_per_host(self) -> int:
+        """Chips one host (one process) drives: a GPU host's 8 (or fewer), a TPU VM's 4 (v4, v5p) or 8 (v5e, v6e)."""
+        if self.platform != "tpu":
+            return min(self.chips, 8)
+        if self.chip.torus_dims == 2:
+            return min(self.chips, 8)
+        return min(self.chips, 4)
 
     def describe(self) -> dict:
         c = self.chip

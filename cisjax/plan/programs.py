@@ -144,6 +144,15 @@ def memory_of(compiled) -> dict:
         code=m.generated_code_size_in_bytes,
     )
     out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["code"]
+    # host memory (the arrays in JAX's pinned_host memory kind: train.offload_optimizer's moments), counted apart
+    host = dict(
+        arguments=m.host_argument_size_in_bytes,
+        outputs=m.host_output_size_in_bytes,
+        aliased=m.host_alias_size_in_bytes,
+        temporaries=m.host_temp_size_in_bytes,
+    )
+    out["host_total"] = host["arguments"] + host["outputs"] - host["aliased"] + host["temporaries"]
+    out.update({f"host_{k}": v for k, v in host.items()})
     return out
 
 
@@ -196,7 +205,7 @@ class StepPrograms:
         self.params = jax.tree.map(lambda v, s: v.replace(_abstract(v, s)), abstract, shardings, is_leaf=is_var)
         self.model = nnx.merge(self.graphdef, self.params)  # abstract: ShapeDtypeStructs, for shapes and sub-modules
         self.tx = optim.make_optimizer(self.spec.step.optim)
-        self.state = state_lib.abstract(self.params, self.tx, mesh)
+        self.state = state_lib.abstract(self.params, self.tx, mesh, offload=self.spec.step.optim.offload_optimizer)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
         # the kernels the programs run: "auto" resolved once, by the mesh's devices (a GPU target's compute capability)

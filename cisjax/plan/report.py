@@ -46,16 +46,60 @@ def print_report(report: dict) -> None:
             f"sampler: {sp['batch']} prompts x {sp['n']} samples, prompt {sp['prompt_len']} + {sp['new_tokens']} new "
             f"tokens (the bucket of one step's rollouts); KV cache {gib(sp['kv_cache_bytes'])} GiB over all chips"
         )
+    if "offload" in report:
+        o = report["offload"]
+        console.print(
+            f"optimizer offload: {gib(o['host_bytes_per_chip'])} GiB of host memory per chip, "
+            f"{gib(o['host_bytes_per_process'])} GiB per process ({o['chips_per_process']} chips; {o['host_memory']}); "
+            f"{gib(o['transfer_bytes_per_step'])} GiB over the host link per step per chip, {o['transfer_s']:.2f} s at "
+            f"{o['host_link_bytes_per_s'] / 1e9:.0f} GB/s ({o['host_link_source']})"
+        )
+    est = report.get("estimate") or {}
+    if est.get("train_step_s") is not None:
+        rescore = f", rescore {est['rescore_s']:.2f} s" if est.get("rescore_s") is not None else ""
+        console.print(
+            f"estimated step: train step {est['train_step_s']:.2f} s{rescore} (roofline"
+            f"{' + the offload round trip' if est['offload_transfer_s'] else ''}; not a measurement)"
+        )
     if "search" in report:
         s = report["search"]
-        tried = ", ".join(f"{t['rows']}{'✓' if t['fits'] else '✗'}" for t in s["tried"])
-        console.print(
-            f"largest rows per micro-batch that fit: [bold]{s['best_rows']}[/bold] (tried {tried}) {s['note']}"
-        )
+        if s.get("kind") == "options":
+            _print_options(console, s)
+        else:
+            tried = ", ".join(f"{t['rows']}{'✓' if t['fits'] else '✗'}" for t in s["tried"])
+            console.print(
+                f"largest rows per micro-batch that fit: [bold]{s['best_rows']}[/bold] (tried {tried}) {s['note']}"
+            )
     for w in report.get("warnings", []):
         console.print(f"[yellow]warning:[/yellow] {w}")
     for note in report["notes"]:
         console.print(f"[dim]{note}[/dim]")
+
+
+def _print_options(console: Console, s: dict) -> None:
+    """--search options: each set of options tried, its memory, fit and estimated step; the smallest that fits."""
+    table = Table(title="memory options (cisjax plan --search options)")
+    for col in ("options", "total GiB", "host GiB", "fits", "train step s"):
+        table.add_column(col, justify="left" if col == "options" else "right")
+    for t in s["tried"]:
+        est = t["estimate"]["train_step_s"]
+        table.add_row(
+            ", ".join(f"{k}={v}" for k, v in t["options"].items()) or "(the config)",
+            "—" if t["total_bytes"] is None else gib(t["total_bytes"]),
+            gib(t["host_bytes"]) if t["host_bytes"] else "—",
+            "yes" if t["fits"] else "no",
+            "—" if est is None else f"{est:.2f}",
+        )
+    console.print(table)
+    best = s["best"]
+    if best is None:
+        console.print(f"[red]{s.get('note', 'no set of the options fits')}[/red]")
+    else:
+        console.print(
+            "smallest set that fits: [bold]"
+            + (", ".join(f"--config.{k}={v}" for k, v in best.items()) or "none needed")
+            + "[/bold]"
+        )
 
 
 def _print_headline(console: Console, report: dict) -> None:
@@ -90,6 +134,8 @@ _MEMORY_COLUMNS = (
     "aliased",
     "total",
     "usable",
+    "reserve",
+    "resident",
     "fits",
     "margin",
     "compile s",
@@ -113,6 +159,8 @@ def _memory_table(programs: dict) -> Table:
             *(gib(mem.get(k)) for k in ("arguments", "temporaries", "outputs", "aliased")),
             gib(p["total_bytes"]),
             gib(p["usable_bytes"]),
+            gib(p.get("reserve_bytes", 0)),
+            gib(p.get("resident_bytes", 0)),
             fits,
             gib(p["margin_bytes"]),
             f"{p['seconds']:.0f}",

@@ -54,7 +54,7 @@ def build_run(spec: TrainSpec, *, model_dir=None, mesh=None) -> Run:
     model, _, hf = hf_io.load(model_dir or spec.model_path, mesh=mesh, rules=rules, **spec.runtime.model_kwargs())
     replay = spec.replay and bool(model.moe_layers)
     tx = optim.make_optimizer(spec.step.optim)
-    graphdef, state = state_lib.create(model, tx, mesh=mesh)
+    graphdef, state = state_lib.create(model, tx, mesh=mesh, offload=spec.step.optim.offload_optimizer)
     del model
     state_sh = state_lib.shardings(state)
     return Run(

@@ -12,6 +12,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cisjax.train import offload as offload_lib
+from cisjax.train import optim
+
 
 class TrainState(NamedTuple):
     """Everything a run needs to continue exactly; every leaf is a jax array (checkpointable).
@@ -28,9 +31,11 @@ class TrainState(NamedTuple):
     skipped_steps: jax.Array  # int32 updates skipped because a gradient was not finite
 
 
-def create(model: nnx.Module, tx: optax.GradientTransformation, *, mesh=None) -> tuple[nnx.GraphDef, TrainState]:
+def create(
+    model: nnx.Module, tx: optax.GradientTransformation, *, mesh=None, offload: bool = False
+) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, state) for a model and an optax transformation. With `mesh` (the model's params
-    already loaded onto it), every leaf is placed on the mesh (see `place`)."""
+    already loaded onto it), every leaf is placed on the mesh (see `place`; `offload`: the moments in host memory)."""
     graphdef, params = nnx.split(model, nnx.Param)
     zero = jnp.zeros((), jnp.int32)
     state = TrainState(
@@ -42,15 +47,19 @@ def create(model: nnx.Module, tx: optax.GradientTransformation, *, mesh=None) ->
         skipped_steps=zero,
     )
     if mesh is not None:
-        return graphdef, place(state, tx, mesh)
-    return graphdef, state._replace(opt_state=jax.jit(tx.init)(params))
+        return graphdef, place(state, tx, mesh, offload=offload)
+    return graphdef, state._replace(opt_state=jax.jit(lambda p: tx.init(optim.init_view(p)))(params))
 
 
-def place(state: TrainState, tx: optax.GradientTransformation, mesh) -> TrainState:
+def place(state: TrainState, tx: optax.GradientTransformation, mesh, *, offload: bool = False) -> TrainState:
     """Every leaf on the mesh: params as they are (placed by the loader), the optimizer state
-    (re)initialised with its moments sharded like their params, counters and scalars replicated."""
+    (re)initialised with its moments sharded like their params (in host memory with `offload`:
+    cisjax.train.offload), counters and scalars replicated."""
     check_placed(state.params, mesh, what="params leaf")
-    opt_state = jax.jit(tx.init, out_shardings=_opt_shardings(tx, state.params, mesh))(state.params)
+    if offload:
+        offload_lib.check_mesh(mesh)
+    init = lambda p: tx.init(optim.init_view(p))  # noqa: E731
+    opt_state = jax.jit(init, out_shardings=_opt_shardings(tx, state.params, mesh, offload))(state.params)
     counters = {k: _replicated(v, mesh) for k, v in state._asdict().items() if k not in ("params", "opt_state")}
     return TrainState(params=state.params, opt_state=opt_state, **counters)
 
@@ -63,14 +72,17 @@ def with_counters(state: TrainState, *, policy_version: int, data_position: int)
     )
 
 
-def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
-    """The state `create(..., mesh=mesh)` would build, as jax.ShapeDtypeStructs carrying their shardings, from
-    abstract params (ShapeDtypeStructs with shardings): for compiling the step ahead of time without allocating
-    anything (cisjax plan)."""
+def abstract(params, tx: optax.GradientTransformation, mesh, *, offload: bool = False) -> TrainState:
+    """The state `create(..., mesh=mesh, offload=offload)` would build, as jax.ShapeDtypeStructs carrying their
+    shardings, from abstract params (ShapeDtypeStructs with shardings): for compiling the step ahead of time without
+    allocating anything (cisjax plan). Devices without host memory (compile-only GPUs) keep the moments' memory
+    kind unset: JAX drops it there."""
     replicated = NamedSharding(mesh, P())
-    opt_sh = _opt_shardings(tx, params, mesh)
+    opt_sh = _opt_shardings(tx, params, mesh, offload)
     opt_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_sh
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(tx.init, optim.init_view(params)),
+        opt_sh,
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return TrainState(
@@ -83,14 +95,19 @@ def abstract(params, tx: optax.GradientTransformation, mesh) -> TrainState:
     )
 
 
-def _opt_shardings(tx, params, mesh):
+def _opt_shardings(tx, params, mesh, offload: bool = False):
     """Shardings of tx's state over `params` (arrays or ShapeDtypeStructs with shardings): moments like their
-    params, everything else (counts) replicated."""
+    params (in host memory with `offload`), everything else (counts) replicated."""
     replicated = NamedSharding(mesh, P())
     param_sh = jax.tree.map(lambda x: x.sharding, params)
-    return optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_sh, transform_non_params=lambda _: replicated
+    out = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, optim.init_view(params)),
+        param_sh,
+        transform_non_params=lambda _: replicated,
     )
+    return offload_lib.shardings(tx, out, params) if offload else out
 
 
 def _replicated(x, mesh):

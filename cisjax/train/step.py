@@ -18,6 +18,7 @@ from cisjax import runtime as runtime_lib
 from cisjax.records import TrainBatch
 from cisjax.rl import corrections
 from cisjax.rl import loss as loss_lib
+from cisjax.train import offload as offload_lib
 from cisjax.train import optim
 from cisjax.train.state import TrainState
 
@@ -202,6 +203,8 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     bsh = sharding.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
     platform = sharding.mesh_platform(mesh)
+    offload = bool(spec.optim.offload_optimizer)
+    parts = optim.make_parts(spec.optim)  # tx's two parts: the offloaded update applies AdamW a layer at a time
 
     def step(state: TrainState, batch: TrainBatch):
         out.traces += 1
@@ -219,16 +222,22 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
             grads = jax.tree.map(lambda g: g / scale, grads)
         loss = jnp.sum(aux["loss"])
         grad_norm = optax.tree.norm(grads)  # fp32, before clipping
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        # the update in fp32 from the fp32 sum, whatever the params' dtype (bf16 master weights: optim.apply_updates)
         ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         # Where the gradient is not finite the update below is garbage, and is discarded leaf by leaf.
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        if offload:  # the moments in host memory, brought to the device a layer at a time
+            new_params, opt_state = offload_lib.update(
+                parts, grads, state.opt_state, params, ok, state_shardings.opt_state, state.step
+            )
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, params)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, optim.apply_updates(params, updates, state.step), params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = state._replace(
             step=state.step + 1,
-            params=jax.tree.map(keep, new_params, params),
-            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+            params=new_params,
+            opt_state=opt_state,
             skipped_steps=state.skipped_steps + (~ok).astype(state.skipped_steps.dtype),
         )
 

@@ -245,6 +245,8 @@ def _train(c: _Checker) -> None:
     total = c.number("train.total_steps", low=0, integer=True)
     c.number("train.final_lr_ratio", low=0, high=1)
     c.one_of("train.optimizer_state_dtype", STATE_DTYPES)
+    if not isinstance(c.get("train.offload_optimizer"), bool):
+        c.add(f"train.offload_optimizer={c.get('train.offload_optimizer')!r}: True or False")
     schedule = c.get("train.schedule")
     decays = schedule in SCHEDULES and schedule != "constant"
     if decays and warmup is not None and total is not None and total <= warmup:

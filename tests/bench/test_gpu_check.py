@@ -83,11 +83,18 @@ def test_gpu_check_runs_every_section_small_on_cpu(checked):
 
     steps = secs["train_step"]
     combos = [k for k in steps if "@" in k]
-    assert combos == [f"{res['env']['moe_default']}@{r}x{t}" for r, t in gpu_parts.STEP_TOKENS["small"]]
+    default, (rows0, seq0) = res["env"]["moe_default"], gpu_parts.STEP_TOKENS["small"][0]
+    assert combos == [f"{default}@{r}x{t}" for r, t in gpu_parts.STEP_TOKENS["small"]] + [
+        f"{default}+{o}@{rows0}x{seq0}"
+        for o in gpu_parts.STATE_OPTIONS  # the optimizer state's memory options
+    ]
     for key in combos:
         r = steps[key]
         assert r["status"] == "ok" and _real(r["tokens_per_s"]) and _real(r["train_flops"]) and r["mfu"] is None
         assert r["peak_gib"] is None and r["memory_note"] and math.isfinite(r["loss"])
+        split = r["memory_split"]  # the compiler's buffer assignment of the step it ran, beside the peak
+        assert split["live_before_gib"] is None and split["compiled_gib"]["arguments"] > 0
+        assert split["compiled_gib"]["aliased"] > 0 and split["compiled_gib"]["temporaries"] > 0  # state donated
     torch = secs["torch_step"]
     assert torch["device"] == "cpu" and any(k.startswith("fastest@") for k in torch)
     assert all(torch[k]["status"] == "ok" and _real(torch[k]["tokens_per_s"]) for k in torch if "@" in k)
@@ -157,11 +164,12 @@ H200 = dict(gpu_check.ASSUMED_ENV, moe_impls=list(moe.IMPLS))
 
 def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a_gpu():
     default = gpu_check.plans("train_step", "full", H200, {})
+    first = list(gpu_parts.STEP_TOKENS["full"][0])
     assert len(default) == 1 and default[0]["combos"] == [
         ["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])
-    ]
+    ] + [["mgpu+bf16moments", *first], ["mgpu+offload", *first]]
     every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
-    assert every[:3] == default[0]["combos"] and [c[0] for c in every[3:]] == ["tiled", "triton", "ragged", "dense"]
+    assert every[:5] == default[0]["combos"] and [c[0] for c in every[5:]] == ["tiled", "triton", "ragged", "dense"]
     layer = gpu_check.plans("moe_layer", "full", H200, {})
     assert len(layer) == 1 and len(layer[0]["units"]) == 6  # three shapes at 8,192 and at 16,384 tokens
     assert {u[1] for u in layer[0]["units"]} == {"mgpu"} and {u[2] for u in layer[0]["units"]} == {8192, 16384}

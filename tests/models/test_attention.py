@@ -68,8 +68,10 @@ def _value_and_grads(impl, q, k, v, ids, scale):
     [
         dict(n=4, kv=2, h=32, v=32),  # grouped query heads, a length no block divides
         dict(n=2, kv=2, h=24, v=16, l=130),  # MLA-like: value heads narrower than query heads
+        # DeepSeek's widths (q.k 192, values 128): triton's head pads to 256 and takes its 64-row blocks
+        dict(b=1, n=1, kv=1, h=192, v=128, l=130),
     ],
-    ids=["gqa", "mla"],
+    ids=["gqa", "mla", "mla_wide"],
 )
 def test_kernel_matches_einsum_fp32(impl, shape):
     q, k, v, ids = _problem(0, **shape)
@@ -148,10 +150,13 @@ def test_kernel_flops_by_hand():
     assert attention.kernel_flops("splash", 2, 1024, 4, 64, 64, backward=False) == 2 * 4 * 2 * pairs * (128 + 128)
     both = attention.kernel_flops("splash", 1, 1024, 1, 128, 128, backward=True)
     assert both == 2 * pairs * 256 + 2 * pairs * ((2 * 128 + 2 * 128) + (2 * 128 + 128))
-    # triton at 256 tokens: forward blocks of 128 (3 of 4 computed), backward blocks of 32 (36 of 64); width 192 -> 256
-    fwd = 2 * 3 * 128 * 128 * (256 + 256)
+    # triton at 256 tokens, width 192 -> 256: forward blocks of 64 (a wide head's: 10 of 16 computed), backward blocks
+    # of 32 (36 of 64); width 64: forward blocks of 128 (3 of 4)
+    fwd = 2 * 10 * 64 * 64 * (256 + 256)
     bwd = 2 * 36 * 32 * 32 * (4 * 256 + 3 * 256)
     assert attention.kernel_flops("triton", 1, 256, 1, 192, 128, backward=True) == fwd + bwd
+    assert attention.kernel_flops("triton", 1, 256, 1, 64, 64, backward=False) == 2 * 3 * 128 * 128 * (64 + 64)
+    assert attention.triton_block(128) == 128 and attention.triton_block(129) == attention.triton_block(192) == 64
     assert attention.kernel_flops("einsum", 1, 256, 1, 64, 64, backward=True) == 0.0
     # long sequences approach the causal half: 32k tokens in 512-blocks compute 1.6% more than the exact triangle
     ratio = attention.kernel_flops("splash", 1, 32768, 1, 128, 128, backward=False) / (32768**2 * 256)

