@@ -19,6 +19,7 @@ from cisjax import runtime, sharding
 from cisjax.bench import gpu_profile, harness, mfu, synthetic, tiny_model, torch_step
 from cisjax.bench import moe as bench_moe
 from cisjax.models import attention, hf_io, moe
+from cisjax.plan import buffers
 from cisjax.plan import flops as flops_lib
 from cisjax.records import TrainBatch
 from cisjax.rl.corrections import CorrectionSpec
@@ -110,19 +111,9 @@ def _bytes_in_use() -> int | None:
 
 
 def compiled_memory(compiled) -> dict:
-    """A compiled program's buffer assignment in GiB, as `cisjax plan` reports it (total = arguments + outputs -
-    aliased + temporaries + code). Not cisjax.plan.programs.memory_of: that module imports the trainer's config
-    validation and, through it, grpc, which a GPU machine's carried wheels lack (docs/gpu.md)."""
-    m = compiled.memory_analysis()
-    parts = dict(
-        arguments=m.argument_size_in_bytes,
-        outputs=m.output_size_in_bytes,
-        aliased=m.alias_size_in_bytes,
-        temporaries=m.temp_size_in_bytes,
-        code=m.generated_code_size_in_bytes,
-    )
-    parts["total"] = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"] + parts["code"]
-    return {k: v / 2**30 for k, v in parts.items()}
+    """A compiled program's buffer assignment in GiB, as `cisjax plan` reports it (cisjax.plan.buffers, a module
+    free of the trainer's imports: cisjax.plan.programs reaches grpc, which a GPU machine's carried wheels lack)."""
+    return {k: v / 2**30 for k, v in buffers.memory_of(compiled).items()}
 
 
 # ----------------------------------------------------------------------------- the MoE layer table

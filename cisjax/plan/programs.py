@@ -21,6 +21,7 @@ from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.models import attention, hf_io, moe, moe_hopper
 from cisjax.models.attention import Segments
+from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
 from cisjax.sampler import programs as sampler_programs
 from cisjax.train import optim, validate
@@ -130,30 +131,6 @@ def loops_with_work(hlo_text: str) -> bool:
 
     bodies = {m[1] for lines in comps.values() for line in lines if (m := _WHILE_BODY.search(line))}
     return any(works(body, set()) for body in bodies if body in comps)
-
-
-def memory_of(compiled) -> dict:
-    """Per-chip bytes from the compiler's buffer assignment; total = arguments + outputs - aliased (donated) +
-    temporaries + generated code."""
-    m = compiled.memory_analysis()
-    out = dict(
-        arguments=m.argument_size_in_bytes,
-        outputs=m.output_size_in_bytes,
-        aliased=m.alias_size_in_bytes,
-        temporaries=m.temp_size_in_bytes,
-        code=m.generated_code_size_in_bytes,
-    )
-    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["code"]
-    # host memory (the arrays in JAX's pinned_host memory kind: train.offload_optimizer's moments), counted apart
-    host = dict(
-        arguments=m.host_argument_size_in_bytes,
-        outputs=m.host_output_size_in_bytes,
-        aliased=m.host_alias_size_in_bytes,
-        temporaries=m.host_temp_size_in_bytes,
-    )
-    out["host_total"] = host["arguments"] + host["outputs"] - host["aliased"] + host["temporaries"]
-    out.update({f"host_{k}": v for k, v in host.items()})
-    return out
 
 
 def cost_of(compiled) -> dict:
