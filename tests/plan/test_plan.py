@@ -157,9 +157,11 @@ def _check_programs(report, layer_costs: bool, programs=("train_step", "rescore"
     chips = report["target"]["chips"]
     assert set(report["programs"]) == set(programs)
     for name_, p in report["programs"].items():
-        assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == p["usable_bytes"] - p["total_bytes"], (
-            name_
-        )
+        left = p["usable_bytes"] - p["reserve_bytes"] - p["resident_bytes"] - p["total_bytes"]
+        assert p["fits"] and p["memory"]["total"] > 0 and p["margin_bytes"] == pytest.approx(left), name_
+        # the optimizer's two fp32 moments stay on the device beside every program but the train step (its arguments)
+        moments = 8 * report["model"]["total_params"] / chips
+        assert p["resident_bytes"] == (0 if name_ == "train_step" else pytest.approx(moments, rel=0.01)), name_
         assert p["seconds"] > 0
         assert (p["roofline_s"] > 0) if layer_costs else ("roofline_s" not in p)  # the roofline from the FLOP tables
     state_bytes = 12 * report["model"]["total_params"] / chips  # fp32 params + two fp32 Adam moments, sharded
