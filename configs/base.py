@@ -96,6 +96,10 @@ def get_config() -> ml_collections.ConfigDict:
     # twice that per step; GPU and TPU (and CPU, where it is the same memory); `cisjax plan` states the cost
     c.train.offload_optimizer = False  # AdamW's moments in host memory, updated a layer at a time
     c.train.micro_batches = 1  # gradient accumulation: M micro-batches per optimizer step
+    # the gradient's running sum over the micro-batches, one buffer the size of the params: bfloat16 halves fp32's 4
+    # bytes per parameter; each micro-batch's gradient is added in fp32 and the sum stored by stochastic rounding
+    # (cisjax.train.step; its norm is taken in fp32)
+    c.train.grad_sum_dtype = "float32"  # float32 | bfloat16
     # PPO mini-batch updates on one rollout batch: its rows split into U mini-batches (M micro-batches each), one
     # optimizer step each, in order; p_prox is the params before the first (a rescoring pass). train.total_steps and
     # the learning-rate schedule count optimizer updates (U per rollout batch); run.steps counts rollout batches

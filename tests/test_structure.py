@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cisjax"
 
 # Floors, low to high: a module imports from its own floor or below, never above.
 FLOORS = (
-    ("errors", "files", "safetensors_io", "console", "records", "config"),
+    ("errors", "files", "safetensors_io", "console", "records", "config", "rounding"),
     ("sharding", "distributed", "runtime", "logprobs", "rows", "tokenizer", "data", "rl", "models"),
     ("forward", "score", "rollout", "sampler", "export"),
     ("evaluation",),

@@ -212,6 +212,7 @@ def work(hf: dict, mcfg, rows: int, seq: int) -> dict:
 STATE_OPTIONS = {
     "bf16moments": ("optimizer_state_dtype", "bfloat16"),
     "offload": ("offload_optimizer", True),
+    "bf16sum": ("grad_sum_dtype", "bfloat16"),
 }
 
 

@@ -1,4 +1,4 @@
-"""`cisjax bench optimizer`: a tiny MoE trained with each optimizer-state option, its loss curve against fp32's."""
+"""`cisjax bench optimizer`: a tiny MoE trained with each memory option of the step, its loss curve against fp32's."""
 
 from __future__ import annotations
 
@@ -17,12 +17,19 @@ from cisjax.records import TrainBatch
 from cisjax.train.build import build
 
 MODEL = tiny_model.Sizes(128, 4, 4, 2, 8, 2, 128, 128, 256)
-# name -> (train.optimizer_state_dtype, train.offload_optimizer); the first is the baseline
+# name -> the config fields it sets (cisjax plan's memory options); the first is the baseline
 OPTIONS = {
-    "fp32": ("float32", False),
-    "bf16": ("bfloat16", False),
-    "fp32+offload": ("float32", True),
-    "bf16+offload": ("bfloat16", True),
+    "fp32": {},
+    "bf16": {"train.optimizer_state_dtype": "bfloat16"},
+    "fp32+offload": {"train.offload_optimizer": True},
+    "bf16+offload": {"train.optimizer_state_dtype": "bfloat16", "train.offload_optimizer": True},
+    "bf16sum": {"train.grad_sum_dtype": "bfloat16"},
+    "every": {  # every memory option at once: what Qwen3-30B-A3B needs on 4 x A100 (docs/plan.md)
+        "train.optimizer_state_dtype": "bfloat16",
+        "train.grad_sum_dtype": "bfloat16",
+        "train.offload_optimizer": True,
+        "model.param_dtype": "bfloat16",
+    },
 }
 TARGET_FINAL_GAP = 0.02  # |final NLL - fp32's| / (fp32's initial NLL - its final): the share of the learning lost
 
@@ -31,6 +38,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     tiny_model.add_args(parser, MODEL)
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per option (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help="rows per step (default: %(default)s)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="micro-batches the rows are split into, their gradients summed (default: %(default)s)",
+    )
     parser.add_argument("--seq", type=int, default=64, help="tokens per row (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-3, help="train.lr (default: %(default)s)")
     parser.add_argument(
@@ -51,10 +64,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     harness.add_json(parser)
 
 
-def stream_batch(step: int, rows: int, seq: int, vocab: int, follow: float, seed: int) -> TrainBatch:
+def stream_batch(
+    step: int, rows: int, seq: int, vocab: int, follow: float, seed: int, micro_batches: int = 1
+) -> TrainBatch:
     """One step's rows of a fixed Markov chain over `vocab` (a token's successor is perm[token] with probability
     `follow`), every position after the first a target with advantage 1: the policy-gradient step on-policy is then
-    the gradient of the tokens' log-likelihood. A fresh batch per step: the NLL before each update is held out."""
+    the gradient of the tokens' log-likelihood. A fresh batch per step: the NLL before each update is held out. The
+    rows split into `micro_batches` (the leading axis)."""
     perm = np.random.default_rng(seed).permutation(vocab)
     rng = np.random.default_rng((seed, step))
     tokens = np.zeros((rows, seq), np.int32)
@@ -65,7 +81,7 @@ def stream_batch(step: int, rows: int, seq: int, vocab: int, follow: float, seed
     targets = np.concatenate([tokens[:, 1:], np.zeros((rows, 1), np.int32)], axis=1)
     mask = np.zeros((rows, seq), bool)
     mask[:, : seq - 1] = True
-    one = lambda x: x[None]  # noqa: E731  (one micro-batch)
+    one = lambda x: x.reshape(micro_batches, rows // micro_batches, seq)  # noqa: E731
     zeros = np.zeros((rows, seq), np.float32)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq))
     return TrainBatch(
@@ -107,15 +123,18 @@ def bench(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tiny_model.save_random(args, tmp, max_positions=max(args.seq, 128))
         for name in args.options:
-            dtype, offload = OPTIONS[name]
             arm = copy.deepcopy(cfg)
-            arm.train.optimizer_state_dtype, arm.train.offload_optimizer = dtype, offload
+            for key, value in OPTIONS[name].items():
+                section, field = key.split(".")
+                arm[section][field] = value
             run = build(arm, model_dir=tmp, mesh=mesh, inputs=False)
-            if args.batch % run.rows_multiple:
-                raise SystemExit(f"--batch: a multiple of the mesh's batch shards ({run.rows_multiple})")
+            if args.batch % (run.rows_multiple * args.micro_batches):
+                raise SystemExit(
+                    f"--batch: a multiple of --micro-batches x the mesh's batch shards ({run.rows_multiple})"
+                )
             state, curve = run.state, []
             for step in range(args.steps):
-                batch = stream_batch(step, args.batch, args.seq, args.vocab, args.follow, args.seed)
+                batch = stream_batch(step, args.batch, args.seq, args.vocab, args.follow, args.seed, args.micro_batches)
                 placed = sharding.place(batch, mesh, run.rules, sharding.BATCH_AXES)
                 state, _, out = run.train_step.with_outputs(state, placed)
                 logp = np.asarray(out.prox_logprobs_MxBxT)

@@ -168,13 +168,14 @@ def run_stack(
     scan: bool = True,
     replay_nxBxLxK=None,
     grad_acc=None,
+    grad_key=None,
 ):
     """x through every layer of a stack -> (x_BxLxD, the routers' expert ids [n, B, L, k] or None), and with
     `grad_acc` the accumulator passed through: (x_BxLxD, ids, grad_acc).
 
-    grad_acc: the train step's gradient sum of the stack's parameters (their tree, fp32), carried through the layers
-    with grad_sink.into_layer around each: differentiated with respect to it, each layer's gradient is added into it
-    in place (train/step.py).
+    grad_acc: the train step's gradient sum of the stack's parameters (their tree, in the sum's dtype), carried
+    through the layers with grad_sink.into_layer around each: differentiated with respect to it, each layer's
+    gradient is added into it in place (train/step.py). grad_key: a bfloat16 sum's rounding key (grad_sink.Sums).
 
     replay_nxBxLxK: forced expert ids of each of the stack's n (MoE) layers, scanned along with the layers' params
     (so each layer's recompute under remat sees its own ids), or None.
@@ -207,7 +208,7 @@ def run_stack(
         def summing(carry, xs):
             x_BxLxD, acc = carry
             state_j, replay_j, j = xs
-            state_j, acc = grad_sink.into_layer(state_j, acc, j)
+            state_j, acc = grad_sink.into_layer(state_j, acc, j, grad_key)
             x_BxLxD, ids_j = body(x_BxLxD, state_j, replay_j, positions_BxL, mask)
             return (x_BxLxD, acc), ids_j
 
@@ -219,7 +220,7 @@ def run_stack(
         replay_j = None if replay_nxBxLxK is None else replay_nxBxLxK[j]
         state_j = jax.tree.map(lambda a, j=j: a[j], state)
         if grad_acc is not None:
-            state_j, grad_acc = grad_sink.into_layer(state_j, grad_acc, j)
+            state_j, grad_acc = grad_sink.into_layer(state_j, grad_acc, j, grad_key)
         x_BxLxD, ids_j = body(x_BxLxD, state_j, replay_j, positions_BxL, mask)
         ids.append(ids_j)
     ids = None if ids[0] is None else jnp.stack(ids)
@@ -303,8 +304,8 @@ class CausalLM(nnx.Module):
         replay_XxBxLxK: routing replay, the expert ids every MoE layer X (in moe_layers order) uses at each token
         instead of its router's choice (moe.MoE); the output's expert ids stay the routers' own.
 
-        grad_acc: a gradient sum per stack (run_stack's), passed through to the output's grad_acc (the train step's
-        in-place accumulation)."""
+        grad_acc: the train step's gradient sums (grad_sink.Sums: one per stack, run_stack's), passed through to the
+        output's grad_acc, a list of the sums (the train step's in-place accumulation)."""
         b, l = tokens_BxL.shape
         x_moe = len(self.moe_layers)
         if replay_XxBxLxK is not None and replay_XxBxLxK.shape[:3] != (x_moe, b, l):
@@ -336,7 +337,8 @@ class CausalLM(nnx.Module):
                 remat=remat,
                 scan=self.cfg.scan_layers,
                 replay_nxBxLxK=replay,
-                grad_acc=None if grad_acc is None else grad_acc[r],
+                grad_acc=None if grad_acc is None else grad_acc.trees[r],
+                grad_key=None if grad_acc is None else grad_sink.fold(grad_acc.key, r),
             )
             x_BxLxD, ids = out[:2]
             if grad_acc is not None:

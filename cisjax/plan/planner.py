@@ -22,6 +22,7 @@ SEARCHES = ("rows", "options")
 # --search options: the memory options tried, cheapest first (field, value, what it costs)
 MEMORY_OPTIONS = (
     ("train.optimizer_state_dtype", "bfloat16", "AdamW's moments in bf16, stochastically rounded"),
+    ("train.grad_sum_dtype", "bfloat16", "the micro-batches' gradient sum in bf16, stochastically rounded"),
     ("train.offload_optimizer", True, "the moments in host memory: host-link traffic of twice their bytes per step"),
     ("model.param_dtype", "bfloat16", "bf16 master weights: bf16 gradients, updates stochastically rounded"),
     ("model.remat", "full", "each layer's forward recomputed in the backward: about a third more FLOPs"),
@@ -139,9 +140,11 @@ def step_estimate(report: dict, costs_from: dict | None = None) -> dict:
 def search_options(cfg, base: dict, plan_with, log) -> dict:
     """The smallest set of MEMORY_OPTIONS (fewest options, then the cheapest) with which the train step fits,
     compiling the config with each set in that order until one fits; options the config already sets are not tried.
-    Each tried set: its memory per chip, fit, and estimated step. `plan_with(cfg, recost)` plans the train step;
-    the per-layer costs are compiled again only when the options change the FLOPs (remat), else the base's roofline
-    serves (bf16 moments and offload change the memory and the host traffic, not the compute)."""
+    No option adds memory, so the set of all is compiled first: when it does not fit, none does, and the search
+    stops there. Each tried set: its memory per chip, fit, and estimated step. `plan_with(cfg, recost)` plans the
+    train step; the per-layer costs are compiled again only when the options change the FLOPs (remat), else the
+    base's roofline serves (bf16 moments, the bf16 sum and offload change the memory and host traffic, not the
+    compute)."""
 
     def row(options, report):
         step = report["programs"].get("train_step", {})
@@ -157,17 +160,27 @@ def search_options(cfg, base: dict, plan_with, log) -> dict:
     if tried[0]["fits"]:
         return dict(kind="options", best={}, tried=tried)
     free = [(k, v) for k, v, _ in MEMORY_OPTIONS if _get(cfg, k) != v]
+
+    def trial(options):
+        log(f"options: trying {', '.join(f'{k}={v}' for k, v in options.items())} ...")
+        trial = copy.deepcopy(cfg)
+        for k, v in options.items():
+            section, field = k.split(".")
+            trial[section][field] = v
+        return row(options, plan_with(trial, "model.remat" in options))
+
+    every = trial(dict(free)) if len(free) > 1 else None
+    if every is not None:
+        tried.append(every)
+        if not every["fits"]:
+            return dict(kind="options", best=None, tried=tried, note="not even with every option: none fits")
     for size in range(1, len(free) + 1):
         for combo in itertools.combinations(free, size):
-            options = dict(combo)
-            log(f"options: trying {', '.join(f'{k}={v}' for k, v in options.items())} ...")
-            trial = copy.deepcopy(cfg)
-            for k, v in options.items():
-                section, field = k.split(".")
-                trial[section][field] = v
-            tried.append(row(options, plan_with(trial, "model.remat" in options)))
-            if tried[-1]["fits"]:
-                return dict(kind="options", best=options, tried=tried)
+            got = every if every is not None and size == len(free) else trial(dict(combo))
+            if got is not every:
+                tried.append(got)
+            if got["fits"]:
+                return dict(kind="options", best=got["options"], tried=tried)
     return dict(kind="options", best=None, tried=tried, note="no set of the options fits")
 
 

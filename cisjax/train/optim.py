@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cisjax.rounding import round_to_bf16
+
 SCHEDULES = ("constant", "cosine", "linear")
 STATE_DTYPES = ("float32", "bfloat16")  # train.optimizer_state_dtype: AdamW's two moments
+GRAD_SUM_DTYPES = ("float32", "bfloat16")  # train.grad_sum_dtype: the step's gradient sum over micro-batches
 _ROUNDING_SEED = 0x5EED  # the stochastic rounding's random bits: a function of the update count and the leaf alone
 _MASTER_SEED = 0xB16  # the bf16 master weights' rounding (apply_updates): another stream than the moments'
 
@@ -31,6 +34,7 @@ class OptimSpec:
     final_lr_ratio: float = 0.0
     optimizer_state_dtype: str = "float32"  # float32 | bfloat16 (stochastically rounded; see scale_by_adam_bf16)
     offload_optimizer: bool = False  # the moments in host memory, updated a layer at a time (cisjax.train.offload)
+    grad_sum_dtype: str = "float32"  # float32 | bfloat16 (each addition stochastically rounded; train/step.py)
 
 
 def make_schedule(spec: OptimSpec):
@@ -56,16 +60,6 @@ def make_schedule(spec: OptimSpec):
         return lr * factor
 
     return schedule
-
-
-def round_to_bf16(x_f32: jax.Array, key: jax.Array) -> jax.Array:
-    """fp32 -> bfloat16 by stochastic rounding: up to the next bfloat16 with probability (the distance to the one below)
-    / (their gap), so the result's expected value is x. Random 16 bits added below bfloat16's last mantissa bit, then
-    truncated; exact where x is a bfloat16 already; inf stays inf, nan stays nan."""
-    bits = jax.lax.bitcast_convert_type(x_f32.astype(jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, x_f32.shape, jnp.uint32) >> 16
-    rounded = (bits + jnp.where(jnp.isfinite(x_f32), noise, 0)) & jnp.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
 def init_view(params):

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from cisjax import forward, sharding
 from cisjax import runtime as runtime_lib
+from cisjax.models import grad_sink
 from cisjax.records import TrainBatch
 from cisjax.rl import corrections
 from cisjax.rl import loss as loss_lib
@@ -133,26 +134,29 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
     return loss_fn
 
 
+_SUM_SEED = 0x6AD5  # a bfloat16 gradient sum's rounding (train.grad_sum_dtype): a stream of its own
 _STACKS = jax.tree_util.DictKey("stacks")  # the model's stacked layers in its param tree (CausalLM.stacks)
 
 
-def accumulate_grads(loss_fn, params, acc, mb, denominator):
-    """(acc + the gradient of loss_fn(params, mb, denominator) in fp32, aux): one micro-batch's gradient added into
-    the running sum `acc` (params' tree, fp32).
+def accumulate_grads(loss_fn, params, acc, mb, denominator, key=None):
+    """(acc + the gradient of loss_fn(params, mb, denominator), aux): one micro-batch's gradient added into the
+    running sum `acc` (params' tree, in the sum's dtype: fp32, or bfloat16 with `key`, the raw key data of its
+    stochastic rounding, grad_sink.add).
 
     The stacked layers' gradients are added in place: the sums of each stack ride through the layers' scan with the
     forward (CausalLM's grad_acc) and the loss is differentiated with respect to them, its cotangent seeded with the
     sums so far, so each layer's gradient lands in the carried sum as the backward reaches it. Differentiating the
     stacked weights instead would build their whole gradient, a buffer the size of the sum, beside it. The other
-    parameters (embeddings, final norm, head) are differentiated as such and added. Equal to acc + grad to fp32
+    parameters (embeddings, final norm, head) are differentiated as such and added. Equal to acc + grad to the sum's
     rounding (the same additions)."""
     stacked = lambda path: path[0] == _STACKS  # noqa: E731
     sums = [acc["stacks"][r] for r in range(len(acc["stacks"]))]
+    stacks_key, rest_key = grad_sink.fold(key, 0), grad_sink.fold(key, 1)
 
     def micro(p, sums):
         # the stacks' weights enter as constants: their gradient is taken through the sums, not built as such
         p = jax.tree_util.tree_map_with_path(lambda path, x: lax.stop_gradient(x) if stacked(path) else x, p)
-        loss, aux = loss_fn(p, mb, denominator, grad_acc=sums)
+        loss, aux = loss_fn(p, mb, denominator, grad_acc=grad_sink.Sums(sums, stacks_key))
         return (loss, aux.pop("grad_acc")), aux
 
     (loss, _), pullback, aux = jax.vjp(micro, params, sums, has_aux=True)
@@ -162,10 +166,13 @@ def accumulate_grads(loss_fn, params, acc, mb, denominator):
         for r, tree in enumerate(sums)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
-    new = jax.tree_util.tree_map_with_path(
-        lambda path, a, g: summed[path[1:]] if stacked(path) else a + g.astype(jnp.float32), acc, grads
-    )
-    return new, aux
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(acc)
+    grad_leaves = treedef.flatten_up_to(grads)
+    new = [
+        summed[path[1:]] if stacked(path) else grad_sink.add(a, g, grad_sink.fold(rest_key, i))
+        for i, ((path, a), g) in enumerate(zip(leaves, grad_leaves))
+    ]
+    return treedef.unflatten(new), aux
 
 
 def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) -> TrainStep:
@@ -175,8 +182,8 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     where the step wants them). One step:
       1. the loss denominator from the whole step's mask (global token mean across micro-batches and devices);
       2. lax.scan over the M micro-batches: forward, chunked logprobs and entropy, correction weights from the
-         proximal (p) and inference (q) logprobs, the policy loss; gradients summed in fp32, the stacked layers'
-         in place (accumulate_grads);
+         proximal (p) and inference (q) logprobs, the policy loss; gradients summed in train.grad_sum_dtype (fp32,
+         or bf16 by stochastic rounding), the stacked layers' in place (accumulate_grads);
       3. fp16 precision: the loss is multiplied by train.loss_scale before differentiation and the summed gradient
          divided by it (a static scale);
       4. in every precision, a non-finite gradient norm or loss skips the update: params and optimizer state are
@@ -205,24 +212,31 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
     platform = sharding.mesh_platform(mesh)
     offload = bool(spec.optim.offload_optimizer)
     parts = optim.make_parts(spec.optim)  # tx's two parts: the offloaded update applies AdamW a layer at a time
+    sum_dtype = jnp.dtype(spec.optim.grad_sum_dtype)
+    bf16 = sum_dtype == jnp.bfloat16
+    sum_key = jax.random.key(_SUM_SEED)
 
     def step(state: TrainState, batch: TrainBatch):
         out.traces += 1
         denominator = loss_lib.loss_denominator(batch.loss_mask_MxBxT, aggregation)
         params = state.params
 
-        def body(acc, mb):
+        def body(acc, xs):
+            mb, m = xs
+            # a bfloat16 sum's rounding bits: a function of the step, the micro-batch, the stack, layer and leaf
+            key = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(sum_key, state.step), m)) if bf16 else None
             with runtime_lib.matmul_precision(spec.runtime.dtype, platform):  # the backward's kernels too
-                acc, aux = accumulate_grads(micro_loss, params, acc, mb, denominator)
+                acc, aux = accumulate_grads(micro_loss, params, acc, mb, denominator, key)
             return lax.with_sharding_constraint(acc, param_sh), aux
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        grads, aux = lax.scan(body, lax.with_sharding_constraint(zeros, param_sh), batch)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, sum_dtype), params)
+        micro_batches = jnp.arange(batch.tokens_MxBxT.shape[0])
+        grads, aux = lax.scan(body, lax.with_sharding_constraint(zeros, param_sh), (batch, micro_batches))
         if scale != 1.0:
             grads = jax.tree.map(lambda g: g / scale, grads)
         loss = jnp.sum(aux["loss"])
-        grad_norm = optax.tree.norm(grads)  # fp32, before clipping
-        # the update in fp32 from the fp32 sum, whatever the params' dtype (bf16 master weights: optim.apply_updates)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))  # fp32, before clipping
+        # the update in fp32 from the sum, whatever the params' dtype (bf16 master weights: optim.apply_updates)
         ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         # Where the gradient is not finite the update below is garbage, and is discarded leaf by leaf.
         if offload:  # the moments in host memory, brought to the device a layer at a time

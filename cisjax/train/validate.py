@@ -23,7 +23,7 @@ from cisjax.runtime import PRECISIONS
 from cisjax.sharding import MESH_AXES, rules_from_config
 from cisjax.train import perturb
 from cisjax.train import spec as spec_lib
-from cisjax.train.optim import SCHEDULES, STATE_DTYPES
+from cisjax.train.optim import GRAD_SUM_DTYPES, SCHEDULES, STATE_DTYPES
 from cisjax.train.publish import MODES as PUBLISH_MODES
 from cisjax.train.step import PROXIMAL
 
@@ -245,6 +245,7 @@ def _train(c: _Checker) -> None:
     total = c.number("train.total_steps", low=0, integer=True)
     c.number("train.final_lr_ratio", low=0, high=1)
     c.one_of("train.optimizer_state_dtype", STATE_DTYPES)
+    c.one_of("train.grad_sum_dtype", GRAD_SUM_DTYPES)
     if not isinstance(c.get("train.offload_optimizer"), bool):
         c.add(f"train.offload_optimizer={c.get('train.offload_optimizer')!r}: True or False")
     schedule = c.get("train.schedule")

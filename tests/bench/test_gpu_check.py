@@ -167,9 +167,10 @@ def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a
     first = list(gpu_parts.STEP_TOKENS["full"][0])
     assert len(default) == 1 and default[0]["combos"] == [
         ["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])
-    ] + [["mgpu+bf16moments", *first], ["mgpu+offload", *first]]
+    ] + [["mgpu+bf16moments", *first], ["mgpu+offload", *first], ["mgpu+bf16sum", *first]]
     every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
-    assert every[:5] == default[0]["combos"] and [c[0] for c in every[5:]] == ["tiled", "triton", "ragged", "dense"]
+    n = len(default[0]["combos"])
+    assert every[:n] == default[0]["combos"] and [c[0] for c in every[n:]] == ["tiled", "triton", "ragged", "dense"]
     layer = gpu_check.plans("moe_layer", "full", H200, {})
     assert len(layer) == 1 and len(layer[0]["units"]) == 6  # three shapes at 8,192 and at 16,384 tokens
     assert {u[1] for u in layer[0]["units"]} == {"mgpu"} and {u[2] for u in layer[0]["units"]} == {8192, 16384}

@@ -33,14 +33,23 @@ def test_floor_is_the_streams_entropy_by_hand():
     assert optimizer.floor_nll(4, 0.5) == pytest.approx(-(0.625 * math.log(0.625) + 3 * 0.125 * math.log(0.125)))
 
 
+def test_stream_splits_its_rows_into_micro_batches():
+    one = optimizer.stream_batch(step=1, rows=8, seq=16, vocab=32, follow=0.8, seed=5)
+    four = optimizer.stream_batch(step=1, rows=8, seq=16, vocab=32, follow=0.8, seed=5, micro_batches=4)
+    assert four.tokens_MxBxT.shape == (4, 2, 16)
+    for a, b in zip(one, four):  # the same rows, in order
+        np.testing.assert_array_equal(np.asarray(b).reshape(np.asarray(a).shape), a)
+
+
 @pytest.mark.slow  # trains a tiny model twice (two compiles)
 def test_bench_optimizer_runs_tiny(tmp_path):
     out = tmp_path / "opt.json"
     sizes = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--experts", "4", "--vocab", "32"]
-    argv = ["bench", "optimizer", *sizes, "--steps", "24", "--batch", "8", "--seq", "16", "--lr", "3e-3"]
-    assert cli.main([*argv, "--options", "fp32", "bf16+offload", "--json", str(out)]) == 0
+    argv = ["bench", "optimizer", *sizes, "--steps", "24", "--batch", "16", "--seq", "16", "--lr", "3e-3"]
+    # every memory option at once (bf16 moments, bf16 gradient sum over the two micro-batches, offload, bf16 params)
+    assert cli.main([*argv, "--micro-batches", "2", "--options", "fp32", "every", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["curves"]) == {"fp32", "bf16+offload"}
+    assert set(res["curves"]) == {"fp32", "every"}
     for curve in res["curves"].values():
         assert len(curve) == 24 and all(math.isfinite(x) for x in curve)
     assert res["learned_nll"] > 0  # the baseline's NLL fell

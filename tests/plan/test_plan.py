@@ -559,11 +559,12 @@ def _options_report(total: float, fits: bool, roofline: float = 2.0, transfer: f
 
 
 def test_search_options_tries_the_fewest_then_the_cheapest_options():
-    """The smallest set that fits: single options in MEMORY_OPTIONS' order, then pairs; options the config already
-    sets are not tried; each tried set's estimate adds the offload's round trip."""
+    """The smallest set that fits: every option at once first (none adds memory: if that does not fit, nothing
+    does), then single options in MEMORY_OPTIONS' order, then pairs; options the config already sets are not tried;
+    each tried set's estimate adds the offload's round trip."""
     cfg = config_lib.load(ROOT / "configs" / "qwen15_moe_a27b.py")  # fp32 moments, no offload, its own remat
     cfg.model.remat = "full"  # already set: not an option to try
-    fits_with = {("train.offload_optimizer", "train.optimizer_state_dtype")}  # only the pair fits
+    needs = {"train.offload_optimizer", "train.optimizer_state_dtype"}  # fits with both (and with any superset)
     seen = []
 
     def plan_with(trial, recost):
@@ -574,26 +575,40 @@ def test_search_options_tries_the_fewest_then_the_cheapest_options():
             if k != "model.remat" and planner._get(trial, k) != planner._get(cfg, k)
         }
         seen.append(options)
-        fits = tuple(sorted(options)) in fits_with
+        fits = needs <= set(options)
         return _options_report(
             50.0 if fits else 90.0, fits, transfer=0.5 if "train.offload_optimizer" in options else 0
         )
 
     out = planner.search_options(cfg, _options_report(100.0, False), plan_with, log=lambda m: None)
+    bf16_moments, bf16_sum = {"train.optimizer_state_dtype": "bfloat16"}, {"train.grad_sum_dtype": "bfloat16"}
+    offload, bf16_params = {"train.offload_optimizer": True}, {"model.param_dtype": "bfloat16"}
     assert seen == [
-        {"train.optimizer_state_dtype": "bfloat16"},
-        {"train.offload_optimizer": True},
-        {"model.param_dtype": "bfloat16"},
-        {"train.optimizer_state_dtype": "bfloat16", "train.offload_optimizer": True},
+        {**bf16_moments, **bf16_sum, **offload, **bf16_params},
+        bf16_moments,
+        bf16_sum,
+        offload,
+        bf16_params,
+        {**bf16_moments, **bf16_sum},
+        {**bf16_moments, **offload},
     ]
-    assert out["best"] == {"train.optimizer_state_dtype": "bfloat16", "train.offload_optimizer": True}
-    assert [t["fits"] for t in out["tried"]] == [False, False, False, False, True]
+    assert out["best"] == {**bf16_moments, **offload}
+    assert [t["fits"] for t in out["tried"]] == [False, True, False, False, False, False, False, True]
     assert out["tried"][-1]["estimate"]["train_step_s"] == 2.5  # the roofline + the round trip over the host link
     assert cfg.train.optimizer_state_dtype == "float32"  # the trials were copies
-    # a config that fits needs nothing; one that nothing makes fit says so
+    # a config that fits needs nothing; one that every option together does not make fit stops after that one
     assert planner.search_options(cfg, _options_report(10.0, True), plan_with, log=print)["best"] == {}
     none = planner.search_options(cfg, _options_report(100.0, False), lambda c, r: _options_report(90.0, False), print)
-    assert none["best"] is None and len(none["tried"]) == 8 and none["note"]  # the config, then 3 + 3 + 1 sets
+    assert none["best"] is None and len(none["tried"]) == 2 and "every option" in none["note"]
+    # the last free option alone: no set of every option to try first
+    cfg.train.optimizer_state_dtype, cfg.train.grad_sum_dtype, cfg.model.param_dtype = (
+        "bfloat16",
+        "bfloat16",
+        "bfloat16",
+    )
+    seen.clear()
+    one = planner.search_options(cfg, _options_report(100.0, False), lambda c, r: _options_report(50.0, True), print)
+    assert one["best"] == offload and len(one["tried"]) == 2
 
 
 def test_gpu_programs_keep_a_reserve_of_one_parameter_copy():

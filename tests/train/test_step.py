@@ -145,6 +145,61 @@ def test_in_place_accumulation_equals_summing_each_micro_batchs_gradient():
     assert min(moved) > 0  # every leaf's gradient is non-zero somewhere: the comparison covers them all
 
 
+def test_a_bf16_gradient_sum_is_within_its_rounding_of_the_fp32_sum():
+    """train.grad_sum_dtype=bfloat16: accumulate_grads from a zero bf16 sum over two micro-batches, against the fp32
+    sum of each micro-batch's jax.grad. Each of the two stochastic roundings moves a value by less than bf16's gap
+    there (at most 2^-7 of it), so |bf16 - fp32| < 2^-7 (|sum after 1| + |sum after 2|); every leaf is bf16 and
+    non-zero (a sum left at zero, or one in fp32, would fail)."""
+    cfg = U.make_cfg(grad_sum_dtype="bfloat16")
+    mesh = U.mesh_for("single")
+    graphdef, _, rules, state = U.build(cfg, mesh)
+    loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
+    batch = U.with_logprobs(U.host_batch(), np.zeros((U.M, U.B, U.T), np.float32), noise=0.5)
+    denominator = jnp.sum(jnp.asarray(batch.loss_mask_MxBxT, jnp.float32))
+    params = state.params
+
+    @jax.jit
+    def both(params, batch):
+        ref = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        got = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.bfloat16), params)
+        refs = []
+        for m in range(U.M):
+            mb = jax.tree.map(lambda x, m=m: None if x is None else x[m], batch)
+            g, _ = jax.grad(loss_fn, has_aux=True)(params, mb, denominator)
+            ref = jax.tree.map(lambda a, gi: a + gi.astype(jnp.float32), ref, g)
+            refs.append(ref)
+            key = jax.random.key_data(jax.random.fold_in(jax.random.key(7), m))
+            got, _ = step_lib.accumulate_grads(loss_fn, params, got, mb, denominator, key)
+        return refs, got
+
+    (ref1, ref2), got = both(params, batch)
+    leaves = list(zip(jax.tree.leaves(ref1), jax.tree.leaves(ref2), jax.tree.leaves(got)))
+    assert len(leaves) == len(jax.tree.leaves(params))
+    for r1, r2, o in leaves:
+        assert o.dtype == jnp.bfloat16
+        r1, r2, o = (np.asarray(x, np.float64) for x in (r1, r2, o))
+        assert np.all(np.abs(o - r2) <= 2.0**-7 * (np.abs(r1) + np.abs(r2))), np.abs(o - r2).max()
+        assert np.abs(o).max() > 0
+
+
+@pytest.mark.slow  # one more compile of the sharded step
+def test_bf16_gradient_sum_on_a_sharded_mesh():
+    """train.grad_sum_dtype=bfloat16 on the fast mesh, two micro-batches: the same loss as the fp32 sum's step (the
+    forward does not see the sum), the gradient norm within 1% (bf16's rounding of each entry, 2^-8 relative, averages
+    out in the norm), and after two steps the params within 0.15 lr of the fp32 sum's on average (Adam's update is
+    lr * g / |g|-like: an entry whose rounded sum changed sign moves by up to 2 lr, a few entries near zero)."""
+    mesh = U.mesh_for(FAST_MESH)
+    ref = U.reference(FAST_MESH)
+    low = U.run_steps(U.make_cfg(grad_sum_dtype="bfloat16"), mesh, steps=2)
+    np.testing.assert_allclose(low["metrics"][0]["loss"], ref["metrics"][0]["loss"], rtol=1e-6)
+    for got, want in zip(low["metrics"], ref["metrics"]):
+        np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-2)
+    lr = U.make_cfg().train.lr
+    diffs = [np.abs(o - r) for o, r in zip(_host(low["state"].params), _host(ref["state"].params))]
+    assert np.mean(np.concatenate([d.ravel() for d in diffs])) < 0.15 * lr
+    assert max(d.max() for d in diffs) > 0  # the rounding did change something: the sum was bf16
+
+
 @pytest.mark.slow  # a second compile of the step (M=1); the fast tier has tests/rl/test_loss.py's micro-batch split
 def test_micro_batches_equal_one_big_batch():
     """M=2 x B=8 and M=1 x B=16 on the same 16 rows: same loss (global token mean), metrics and update."""
