@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from cisjax import sharding
 from cisjax.models import hf_config, qwen2_moe
-from cisjax.models.attention import attention
+from cisjax.models.attention import Segments, attention
 from cisjax.models.layers import MLP, RMSNorm, apply_rope, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
 from cisjax.models.transformer import CausalLM, decoder_layers
@@ -114,6 +114,34 @@ class Config(hf_config.DecoderConfig):
         return scale
 
 
+def absorbs(l: int, s: int, n: int, nope: int, rope: int, c: int, v: int) -> bool:
+    """Whether L queries over S cached slots cost fewer FLOPs absorbed (absorbed_attention) than with each slot's
+    keys and values expanded from its latent: expanded, S x C x N x (nope + v) to expand and L x S x N x (nope + rope
+    + v) to attend; absorbed, L x N x C x (nope + v) to move the queries in and the outputs out, L x S x N x (2 C +
+    rope) to attend. One decode token over S slots is absorbed; a prefill of L = S tokens is not (C > nope)."""
+    expanded = s * c * n * (nope + v) + l * s * n * (nope + rope + v)
+    absorbed = l * n * c * (nope + v) + l * s * n * (2 * c + rope)
+    return absorbed < expanded
+
+
+def absorbed_attention(
+    q_nope_BxLxNxE, q_pe_BxLxNxP, latent_BxSxC, k_pe_BxSxP, w_uk_CxNxE, w_uv_CxNxV, mask_BxLxS, scale: float
+) -> jax.Array:
+    """MLA in the latent space (DeepSeek-V2's inference form) -> [B, L, N, V]. The per-head key of a slot is
+    latent @ W_UK, so q_nope . k_nope = (q_nope @ W_UK^T) . latent: the queries move into the latent space and
+    attend over the cached latents themselves, plus the shared rotary key; the output, a mix of latents, is mapped
+    out by W_UV. Equal to attending over the expanded keys and values in exact arithmetic; scores and softmax in
+    fp32, probabilities in the latent's dtype (as einsum_attention)."""
+    q_BxLxNxC = jnp.einsum("blne,cne->blnc", q_nope_BxLxNxE, w_uk_CxNxE)
+    q_BxLxNxC = sharding.constrain(q_BxLxNxC, ("batch", "length", "act_heads", None))
+    s_BxNxLxS = jnp.einsum("blnc,bsc->bnls", q_BxLxNxC, latent_BxSxC, preferred_element_type=jnp.float32)
+    s_BxNxLxS += jnp.einsum("blnp,bsp->bnls", q_pe_BxLxNxP, k_pe_BxSxP, preferred_element_type=jnp.float32)
+    s_BxNxLxS = jnp.where(mask_BxLxS[:, None], s_BxNxLxS * scale, jnp.finfo(jnp.float32).min)
+    p_BxNxLxS = jax.nn.softmax(s_BxNxLxS, axis=-1).astype(latent_BxSxC.dtype)
+    o_BxLxNxC = jnp.einsum("bnls,bsc->blnc", p_BxNxLxS, latent_BxSxC)
+    return jnp.einsum("blnc,cnv->blnv", o_BxLxNxC, w_uv_CxNxV)
+
+
 class MLAttention(nnx.Module):
     """Multi-head latent attention: q (optionally through a normed LoRA bottleneck), keys/values
     expanded from a normed kv latent, plus a decoupled rope part (interleaved pairs) whose key is
@@ -180,7 +208,9 @@ class MLAttention(nnx.Module):
 
     def attend(self, q_BxLxNxH, positions_BxL, kv, mask):
         """Queries (query()) over `kv` (latent [B, S, C], rotary key [B, S, 1, P]: kv() of the same tokens, or a
-        cache's), the keys and values expanded per head from the latent."""
+        cache's). A full-sequence pass (mask: Segments) expands the keys and values per head from the latent and runs
+        the platform's attention kernel; a KV-cache pass (mask: [B, L, S]) attends in the latent space instead
+        (absorbed_attention) where that costs fewer FLOPs (absorbs: decoding, a few new tokens over many slots)."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, l = positions_BxL.shape
         nope, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -190,10 +220,23 @@ class MLAttention(nnx.Module):
 
         latent_BxSxC, k_pe_BxSx1xP = kv
         s = latent_BxSxC.shape[1]
+        n = q_BxLxNxH.shape[2]
+        if not isinstance(mask, Segments) and absorbs(l, s, n, nope, p, cfg.kv_lora_rank, cfg.v_head_dim):
+            w_CxNxW = self.wkv_b_CxK[...].reshape(cfg.kv_lora_rank, n, nope + cfg.v_head_dim).astype(dt)
+            o_BxLxNxV = absorbed_attention(
+                q_nope_BxLxNxE.astype(dt),
+                q_pe_BxLxNxP,
+                latent_BxSxC.astype(dt),
+                k_pe_BxSx1xP[:, :, 0].astype(dt),
+                w_CxNxW[..., :nope],
+                w_CxNxW[..., nope:],
+                mask,
+                cfg.softmax_scale(),
+            )
+            return dense(o_BxLxNxV.reshape(b, l, -1), self.wo_VxD, dt, self.bo_D if cfg.attention_bias else None)
         kv_BxSxNxW = dense(latent_BxSxC, self.wkv_b_CxK, dt).reshape(b, s, -1, nope + cfg.v_head_dim)
         k_nope_BxSxNxE, v_BxSxNxV = kv_BxSxNxW[..., :nope], kv_BxSxNxW[..., nope:]
 
-        n = q_BxLxNxH.shape[2]
         q_BxLxNxH = jnp.concatenate([q_nope_BxLxNxE, q_pe_BxLxNxP], axis=-1)
         k_BxSxNxH = jnp.concatenate([k_nope_BxSxNxE, jnp.broadcast_to(k_pe_BxSx1xP, (b, s, n, p))], axis=-1)
         q_BxLxNxH = sharding.constrain(q_BxLxNxH, ("batch", "length", "act_heads", None))

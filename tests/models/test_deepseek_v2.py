@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -119,3 +120,70 @@ def test_config_spellings_and_defaults():
         deepseek_v2.Config.from_hf({**new, "num_key_value_heads": 1})
     with pytest.raises(ValueError, match="topk_method"):
         deepseek_v2.Config.from_hf({**new, "topk_method": "noaux_tc"})
+
+
+# ----------------------------------------------------------------------------- absorbed (latent-space) decode
+
+
+def test_absorbs_decoding_not_prefill_by_hand():
+    """DeepSeek-V2-Lite's attention (16 heads, nope 128, rope 64, latent 512, v 128): one decode token over 1,024
+    slots costs 16 x 512 x 256 + 1,024 x 16 x 1,088 = 1.99e7 FLOPs absorbed against 1,024 x 512 x 16 x 256 + 1,024 x
+    16 x 320 = 2.15e9 expanded; a prefill of 512 tokens over 512 slots costs 5.63e9 absorbed against 2.41e9."""
+    lite = dict(n=16, nope=128, rope=64, c=512, v=128)
+    assert deepseek_v2.absorbs(1, 1024, **lite)
+    assert not deepseek_v2.absorbs(512, 512, **lite)
+
+
+def test_absorbed_attention_equals_attending_over_the_expanded_keys():
+    """q_nope . (latent @ W_UK) = (q_nope @ W_UK^T) . latent and sum_s p_s (latent_s @ W_UV) = (sum_s p_s latent_s)
+    @ W_UV: in fp32, absorbed_attention equals einsum_attention over the expanded per-head keys [k_nope, k_pe] and
+    values, under a cache mask with padding (to fp32 rounding)."""
+    from cisjax.models.attention import cache_mask, einsum_attention
+
+    rng = np.random.default_rng(0)
+    b, l, s, n, e, p, c, v = 2, 3, 7, 4, 8, 4, 16, 6
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    q_nope, q_pe, latent, k_pe, w_uk, w_uv = (
+        f(b, l, n, e),
+        f(b, l, n, p),
+        f(b, s, c),
+        f(b, s, p),
+        f(c, n, e),
+        f(c, n, v),
+    )
+    valid_BxS = jnp.asarray(np.arange(s)[None] >= np.array([[0], [2]]))  # row 1: two slots of left padding
+    mask = cache_mask(valid_BxS, 4, l)  # the new tokens at slots 4..6
+    got = deepseek_v2.absorbed_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, mask, 0.3)
+    k = jnp.concatenate(
+        [jnp.einsum("bsc,cne->bsne", latent, w_uk), jnp.broadcast_to(k_pe[:, :, None], (b, s, n, p))], -1
+    )
+    want = einsum_attention(
+        jnp.concatenate([q_nope, q_pe], -1), k, jnp.einsum("bsc,cnv->bsnv", latent, w_uv), mask, 0.3
+    )
+    assert got.shape == (b, l, n, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lora_yarn_group", "plain_greedy_tied"])
+def test_a_decode_step_absorbed_equals_it_expanded(name, tiny_hf_dir, monkeypatch):
+    """A layer's attention on one new token over a cache of 9 slots (the decode step the sampler runs): absorbed, and
+    with the absorption turned off (expanded keys and values), equal in fp32 to the parity tolerance."""
+    from cisjax.models.attention import cache_mask
+
+    model, cfg, _ = hf_io.load(tiny_hf_dir("deepseek_v2", seed=1, **CONFIGS[name]))
+    attn = model.layer(0).attn
+    rng = np.random.default_rng(3)
+    b, slots = 2, 9
+    x = jnp.asarray(rng.normal(size=(b, 1, cfg.hidden_size)), jnp.float32)
+    positions = jnp.full((b, 1), 6, jnp.int32)
+    ctx = jnp.asarray(rng.normal(size=(b, slots, cfg.hidden_size)), jnp.float32)
+    kv = attn.kv(ctx, jnp.broadcast_to(jnp.arange(slots), (b, slots)))
+    mask = cache_mask(jnp.ones((b, slots), bool).at[0, :3].set(False), 6, 1)[..., :slots]
+    q = attn.query(x)
+    assert deepseek_v2.absorbs(
+        1, slots, q.shape[2], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    )
+    absorbed = attn.attend(q, positions, kv, mask)
+    monkeypatch.setattr(deepseek_v2, "absorbs", lambda *a: False)
+    expanded = attn.attend(q, positions, kv, mask)
+    np.testing.assert_allclose(np.asarray(absorbed), np.asarray(expanded), rtol=1e-5, atol=1e-5)
