@@ -45,19 +45,10 @@ def _sampler_kwargs(dtype: str) -> dict:
 
 def sampler_programs(graphdef, mesh, rules, n: int, max_new: int):
     """(prefill, decode), jitted: `(params, tokens_BxP, valid_BxP) -> Prefilled` (prefill into P + max_new slots, then
-    expand to n samples per prompt) and `(params, Prefilled, Rows) -> Decoded`: sample_fn's program in two."""
-
-    def traced(fn):
-        def run(params, *args):
-            with sharding.use_mesh(mesh, rules):
-                model = nnx.merge(graphdef, params)
-                with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
-                    return fn(model, *args)
-
-        return jax.jit(run)
-
-    pre = lambda m, tok, valid: programs.expand(programs.prefill(m, tok, valid, tok.shape[1] + max_new), n)  # noqa: E731
-    return traced(pre), traced(lambda m, pre, rows: programs.decode(m, pre, rows, max_new=max_new))
+    expand to n samples per prompt) and `(params, Prefilled, Rows) -> Decoded` (programs.split_fns, as the Engine)."""
+    pre_fn, dec_fn = programs.split_fns(graphdef, n=n, max_new=max_new, mesh=mesh, rules=rules)
+    # not donated: the unit times the same Prefilled again (the written cache, not returned, is not kept)
+    return jax.jit(pre_fn), jax.jit(lambda params, pre, rows: dec_fn(params, pre.cache, pre, rows)[0])
 
 
 def rows_of(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> programs.Rows:

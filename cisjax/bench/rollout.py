@@ -198,7 +198,7 @@ def bench(args) -> dict:
             for name in ("jax", "tls"):
                 if name in servers:
                     res[f"{name}_server_start_s"] = servers[name].start_s
-            names, times = _interleave(args, prompts, inproc, servers)
+            names, times, res["jax_phases"] = _interleave(args, prompts, inproc, servers)
         except BaseException:
             serving.print_logs(servers)
             raise
@@ -214,9 +214,10 @@ def bench(args) -> dict:
     return res
 
 
-def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]) -> tuple[dict, harness.Timings]:
-    """The candidates' names and their timings: each returns ([prompt][sample] -> (tokens, logprobs), the server's
-    (prompts' generate_s sum, span) or None). `servers`: "rollout" (vLLM), and "jax" with --jax."""
+def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]):
+    """The candidates' names, their timings (each returns ([prompt][sample] -> (tokens, logprobs), the server's
+    (prompts' generate_s sum, span) or None)) and, with "jax" among `servers` ("rollout": vLLM), the JAX sampler's
+    prefill and decode figures over the timed rounds (phase_figures), else None."""
     server = servers["rollout"]
     params, warm = workload.sampling(args)
     clients = max(1, min(args.clients, len(prompts)))
@@ -246,7 +247,29 @@ def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]) ->
         return None if None in server_s else time.process_time() + sum(server_s)
 
     candidates = {k: partial(run, params) for k, run in runs.items()}
-    return names, harness.interleave(candidates, args.repeats, cpu_clock=cpu_s, keep_all=True)
+    before = _phases(servers["jax"].target) if "jax" in servers else None
+    timings = harness.interleave(candidates, args.repeats, cpu_clock=cpu_s, keep_all=True)
+    # the timed rounds' share of the JAX sampler's work (the warm-up compiled its programs)
+    phases = None if before is None else phase_figures(before, _phases(servers["jax"].target))
+    return names, timings, phases
+
+
+def _phases(target: str) -> dict:
+    with RolloutClient(target, timeout_s=60.0, retry_s=60.0) as client:
+        return client.info()["phases"]
+
+
+def phase_figures(before: dict, after: dict) -> dict:
+    """The JAX sampler's work between two reads of its phases (Engine.phases): prefill and decode tokens per second
+    of their own programs' time, and the decode's slot use (tokens generated / rows x steps decoded: the share of the
+    decode's row-steps that produced a token; a row that ended early, or a padding row, holds its slot to the end)."""
+    d = {k: after[k] - before[k] for k in after}
+    return dict(
+        d,
+        prefill_tokens_per_s=d["prefill_tokens"] / d["prefill_s"] if d["prefill_s"] > 0 else None,
+        decode_tokens_per_s=d["decode_tokens"] / d["decode_s"] if d["decode_s"] > 0 else None,
+        decode_slot_use=d["decode_tokens"] / d["decode_row_steps"] if d["decode_row_steps"] else None,
+    )
 
 
 def _results(names: dict, times: harness.Timings) -> dict:
@@ -320,6 +343,14 @@ def _print(res: dict) -> None:
         console.print(
             f"gRPC over TLS / plain-text gRPC tokens/s: {res['ratio_tls_vs_plain']:.2f}x (medians), "
             f"{res['ratio_tls_vs_plain_paired']:.2f}x (paired by round); 1 call each"
+        )
+    ph = res.get("jax_phases")
+    if ph and ph["decode_tokens_per_s"] is not None:
+        console.print(
+            f"JAX sampler, its own programs over the timed rounds: prefill {ph['prefill_tokens_per_s']:.0f} prompt "
+            f"tokens/s ({ph['prefill_tokens']} in {ph['prefill_s']:.2f}s), decode {ph['decode_tokens_per_s']:.0f} "
+            f"tokens/s ({ph['decode_tokens']} in {ph['decode_s']:.2f}s, {ph['decode_steps']} steps); decode slot use "
+            f"{ph['decode_slot_use']:.0%} (tokens / rows x steps: rows that ended early or pad the batch hold slots)"
         )
     base = res["rows"][0]
     for row in res["rows"][1:]:  # where the gRPC time goes

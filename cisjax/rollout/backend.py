@@ -94,6 +94,7 @@ class Backend:
     supports_sampling_mask = False  # can return each token's sampling support (return_sampling_mask)
     sampling_mask_unsupported = "not implemented for this engine"  # why not (said in the refusal)
     config_json: dict = {}  # the model's HF config.json (its expert count sets the width of routing ids)
+    phases: dict | None = None  # prefill and decode apart (sampler.engine.PHASE_KEYS) where the engine times them
 
     # --- what a serial backend implements (called on the one worker thread)
     def generate(self, prompt_ids: list, prompt_id: int, params: Params):

@@ -196,6 +196,8 @@ class RolloutClient:
             "architecture": r.architecture,
             "vocab_size": r.vocab_size,
             "max_model_len": r.max_model_len,
+            # the JAX sampler's prefill and decode apart (cisjax.sampler.engine.Engine.phases), None for the others
+            "phases": _fields(r.phases) if r.HasField("phases") else None,
         }
 
     def health(self, service: str = "") -> str:
@@ -401,6 +403,11 @@ class RolloutClient:
             raise RolloutError(
                 f"UpdateWeights on {self.target} failed: {err.code().name}: {err.details()}", err.code()
             ) from None
+
+
+def _fields(message) -> dict:
+    """A message's fields by name, zeros included (proto3 omits them from ListFields)."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
 
 
 DELTA_REFUSED = grpc.StatusCode.ABORTED  # the server does not hold a delta's base, or the result's digest differs

@@ -66,6 +66,10 @@ class Backend(backend_lib.Backend):
         self._thread = threading.Thread(target=self._work, name="jax-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def phases(self) -> dict:
+        return self.sampler.phases
+
     def _open(self, model_dir):
         """The model at `model_dir` (CheckpointError naming a missing or misshapen tensor: nothing is swapped)."""
         model, cfg, _ = hf_io.load(

@@ -239,6 +239,7 @@ class RolloutServicer:
             architecture=b.architecture,
             vocab_size=b.vocab_size,
             max_model_len=b.max_model_len,
+            phases=None if b.phases is None else self.pb.Phases(**b.phases),
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,7 +22,25 @@ from cisjax.sampler.sampling import key_data
 STOP_SLOTS = programs.STOP_SLOTS
 BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs", "support")
 
+# Engine.phases: what the engine ran, its prefill and decode programs apart
+# (decode_row_steps: rows x steps of each call, summed: a row that has ended still takes its slot until the loop ends)
+PHASE_KEYS = (
+    "prefill_tokens",
+    "prefill_s",
+    "decode_tokens",
+    "decode_steps",
+    "decode_rows",
+    "decode_row_steps",
+    "decode_s",
+)
+
 log = logging.getLogger(__name__)
+
+
+class _Bucket(NamedTuple):
+    prefill: object  # jitted (params, tokens_BxP, valid_BxP) -> Prefilled
+    decode: object  # jitted (params, cache, Prefilled, Rows) -> (Decoded, cache), the cache donated
+    ran: list  # [bool]: its first call (the compile) is behind it
 
 
 class Request(NamedTuple):
@@ -62,24 +81,58 @@ class Engine:
         self.prompt_bucket, self.new_bucket = prompt_bucket, new_bucket
         self.mesh, self.rules = mesh, (sharding.rules_from_config(rules) if mesh is not None else None)
         self.batch_multiple = sharding.axis_multiple(mesh, self.rules, "batch") if mesh is not None else 1
-        self._programs: dict[tuple, object] = {}
+        self._programs: dict[tuple, _Bucket] = {}
         self._lock = threading.Lock()
+        self._phases = dict.fromkeys(PHASE_KEYS, 0)
+        self._phases.update(prefill_s=0.0, decode_s=0.0)
         self.version = 0
 
     @property
     def compiled(self) -> int:
         return len(self._programs)
 
+    @property
+    def phases(self) -> dict:
+        """What the engine has run since it started, its two programs apart (compiles not counted): prompt tokens
+        prefilled and their seconds; tokens generated, decode steps and rows, and their seconds."""
+        with self._lock:
+            return dict(self._phases)
+
     def _program(self, b: int, p: int, n: int, max_new: int, top_n: int, mask_n: int):
+        """The bucket's (prefill, decode) programs, jitted (programs.split_fns); the decode takes the prefill's
+        cache donated (written in place)."""
         key = (b, p, n, max_new, top_n, mask_n)
         with self._lock:
             if key not in self._programs:
-                run = programs.sample_fn(
+                pre, dec = programs.split_fns(
                     self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=self.mesh, rules=self.rules
                 )
-                self._programs[key] = jax.jit(run)
+                self._programs[key] = _Bucket(jax.jit(pre), jax.jit(dec, donate_argnums=1), [False])  # the cache
                 log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
             return self._programs[key]
+
+    def _run(self, bucket: _Bucket, params, tokens_BxP, valid_BxP, rows: programs.Rows, prompt_tokens: int):
+        """(Decoded, the prompt's routing ids) as host arrays, prefill and decode timed apart into `phases` (a
+        bucket's first call, which compiles, is not counted)."""
+        t0 = time.perf_counter()
+        pre = jax.block_until_ready(bucket.prefill(params, tokens_BxP, valid_BxP))
+        prompt_routing = None if pre.prompt_ids_XxBxPxK is None else np.asarray(pre.prompt_ids_XxBxPxK)
+        t1 = time.perf_counter()
+        out, _ = bucket.decode(params, pre.cache, pre._replace(cache=None), rows)
+        out = jax.tree.map(np.asarray, out)
+        t2 = time.perf_counter()
+        with self._lock:
+            if bucket.ran[0]:
+                ph = self._phases
+                ph["prefill_tokens"] += prompt_tokens
+                ph["prefill_s"] += t1 - t0
+                ph["decode_tokens"] += int(out.lengths_B.sum())
+                ph["decode_steps"] += int(out.steps)
+                ph["decode_rows"] += int(out.lengths_B.shape[0])
+                ph["decode_row_steps"] += int(out.lengths_B.shape[0]) * int(out.steps)
+                ph["decode_s"] += t2 - t1
+            bucket.ran[0] = True
+        return out, prompt_routing
 
     def check(self, prompt: Sequence[int], params: Params) -> None:
         """ValueError naming what this engine cannot take (the server checks requests first; a library caller may not)."""
@@ -141,11 +194,14 @@ class Engine:
         )
         version = self.version
         params_now = self.params
-        out, prompt_routing = self._program(b, p, n, new, top_n, mask_n)(
-            params_now, jnp.asarray(tokens_BxP), jnp.asarray(valid_BxP), rows
+        out, prompt_routing = self._run(
+            self._program(b, p, n, new, top_n, mask_n),
+            params_now,
+            jnp.asarray(tokens_BxP),
+            jnp.asarray(valid_BxP),
+            rows,
+            sum(len(r.prompt) for r in requests),
         )
-        out = jax.tree.map(np.asarray, out)
-        prompt_routing = None if prompt_routing is None else np.asarray(prompt_routing)
         return [self._samples(out, prompt_routing, i * n, n, p, r, version) for i, r in enumerate(requests)]
 
     @staticmethod

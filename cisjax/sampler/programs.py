@@ -53,6 +53,7 @@ class Decoded(NamedTuple):
     # support is the first count of the S when count <= S; a larger count: ties past the top-k bound)
     support_ids_BxNxS: jax.Array | None = None
     support_counts_BxN: jax.Array | None = None
+    steps: jax.Array | None = None  # int32: the decode steps run (the loop's last t; a multiple of STOP_EVERY's)
 
 
 def _last_logits(model, hidden_BxD) -> jax.Array:
@@ -89,12 +90,15 @@ def expand(pre: Prefilled, n: int) -> Prefilled:
     )
 
 
-def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
+def decode(
+    model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, mask_n: int = 0, return_cache: bool = False
+):
     """Up to `max_new` tokens per row: each step draws from the rows' sampling distributions, records the token and
     its logprob (and the `top_n` best of the distribution; with `mask_n`, the support: its `mask_n` best ids and the
     count of tokens it kept), and feeds the tokens back through the cache at the next slot. A row ends on one of its
     stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no row is active (checked every
-    STOP_EVERY steps). The cache's slots: the prompt's P, then max_new."""
+    STOP_EVERY steps). The cache's slots: the prompt's P, then max_new. Returns the Decoded, and with
+    `return_cache` (Decoded, the final cache): returned, a donated cache is updated in place (split_fns)."""
     b = pre.logits_BxV.shape[0]
     mask_n = min(mask_n, pre.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
     p = pre.valid_BxS.shape[1] - max_new
@@ -183,23 +187,46 @@ def decode(model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, m
             out,
         )
 
-    return jax.lax.while_loop(cond, steps, init).out
+    final = jax.lax.while_loop(cond, steps, init)
+    out = final.out._replace(steps=final.t)
+    return (out, final.cache) if return_cache else out
+
+
+def split_fns(graphdef, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0, mesh=None, rules=None):
+    """A bucket's two programs, to jit: `(params, tokens_BxP, valid_BxP) -> Prefilled` (prefill into a cache of P +
+    max_new slots, expanded to n samples per prompt) and `(params, cache, Prefilled, Rows) -> (Decoded, cache)` (the
+    decode loop over the Prefilled with `cache` in place of its own: jitted with the cache donated, the loop writes
+    it in place, as one program would; the returned cache is the written one). Apart, each is timed alone (the
+    engine's prefill and decode figures). With a `mesh` (and its logical `rules`), traced under them, the
+    activations laid out as the trainer's are."""
+
+    def traced(fn):
+        def run(params, *args):
+            with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
+                model = nnx.merge(graphdef, params)
+                with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+                    return fn(model, *args)
+
+        return run
+
+    def pre(model, tokens_BxP, valid_BxP):
+        return expand(prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new), n)
+
+    def dec(model, cache, pre: Prefilled, rows: Rows):
+        pre = pre._replace(cache=cache)
+        return decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n, return_cache=True)
+
+    return traced(pre), traced(dec)
 
 
 def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, mesh=None, rules=None):
     """One bucket's whole program, `(params, tokens_BxP, valid_BxP, rows) -> (Decoded, the prompt's routing ids)`:
-    prefill into a cache of P + max_new slots, expand to n samples per prompt, decode. With a `mesh` (and its
-    logical `rules`), traced under them, the activations laid out as the trainer's are (how `cisjax plan` compiles
-    it for a slice)."""
+    split_fns' two in one (how `cisjax plan` compiles the sampler for a slice: one program's memory)."""
+    pre_fn, dec_fn = split_fns(graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=mesh, rules=rules)
 
     def run(params, tokens_BxP, valid_BxP, rows: Rows):
-        with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
-            model = nnx.merge(graphdef, params)
-            with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
-                pre = prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new)
-                pre = expand(pre, n)
-                decoded = decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n)
-            return decoded, pre.prompt_ids_XxBxPxK
+        pre = pre_fn(params, tokens_BxP, valid_BxP)
+        return dec_fn(params, pre.cache, pre, rows)[0], pre.prompt_ids_XxBxPxK
 
     return run
 

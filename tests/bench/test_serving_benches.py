@@ -137,6 +137,11 @@ def test_bench_rollout_tiny(tmp_path):
     assert res["server_exit_code"] == 0 and res["jax_server_exit_code"] == 0 and res["tls_server_exit_code"] == 0
     assert res["ratio_tls_vs_plain"] == pytest.approx(rows["grpc_tls"]["tokens_per_s"] / rows["grpc"]["tokens_per_s"])
     assert res["ratio_tls_vs_plain_paired"] > 0
+    # the JAX sampler's programs apart, over the timed round: the 4 prompts, 8 samples x 8 tokens
+    ph = res["jax_phases"]
+    assert ph["prefill_tokens"] == res["requests"]["prompt_tokens"] and ph["decode_tokens"] == 4 * 2 * 8
+    assert ph["decode_steps"] == 8
+    assert ph["prefill_tokens_per_s"] > 0 and ph["decode_tokens_per_s"] > 0 and ph["decode_slot_use"] == 1.0
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

@@ -72,7 +72,12 @@ def test_info_and_greedy_equal_the_reference_backend(client, dirs):
 def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, tmp_path):
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, seed=5, stop_token_ids=[5, 9], logprobs=2)
     samples = client.generate(PROMPTS, params)
-    again = client.generate(PROMPTS, params)
+    before = client.info()["phases"]
+    again = client.generate(PROMPTS, params)  # the bucket compiled: this call is counted whole
+    phases = client.info()["phases"]
+    made = {k: phases[k] - before[k] for k in phases}
+    assert made["prefill_tokens"] == sum(len(p) for p in PROMPTS) and made["prefill_s"] > 0
+    assert made["decode_tokens"] == sum(len(s.response_ids) for per in again for s in per) and made["decode_s"] > 0
     assert [[s.response_ids for s in per] for per in samples] == [[s.response_ids for s in per] for per in again]
     flat = [s for per in samples for s in per]
     assert len({tuple(s.response_ids) for s in samples[0]}) > 1

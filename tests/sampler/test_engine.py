@@ -93,6 +93,28 @@ def test_top_logprobs_and_one_program_per_bucket(loaded):
     np.testing.assert_allclose([v[0] for v in a.top_logprobs], a.logprobs, atol=1e-6)
 
 
+def test_phases_count_prefill_and_decode_apart_but_not_a_compile(loaded):
+    """Engine.phases: a bucket's first call (its compile) adds nothing; a second call adds its prompt tokens, its
+    generated tokens (a stop token ends one sample early), the rows decoded (the batch bucket times n), the decode
+    loop's steps (whole STOP_EVERY groups, up to the longest row) and time for each program."""
+    _, _, engine = loaded("qwen2_moe")
+    params = dataclasses.replace(GREEDY, n=2, max_new_tokens=7, return_routing=False)
+    prompts = [[11, 12, 13, 14], [21, 22]]
+    engine.generate(prompts, [0, 1], params)  # compiles the bucket
+    before = engine.phases
+    out = engine.generate(prompts, [0, 1], params)
+    after = engine.phases
+    got = {k: after[k] - before[k] for k in after}
+    made = sum(len(s.token_ids) for samples in out for s in samples)
+    assert made == 4 * 7  # greedy without a stop token: every sample at its length
+    assert got["prefill_tokens"] == 6 and got["decode_tokens"] == made and got["decode_rows"] == 2 * 2
+    assert got["decode_steps"] == 8 and got["decode_row_steps"] == 4 * 8  # 7 tokens in groups of STOP_EVERY = 4
+    assert got["prefill_s"] > 0 and got["decode_s"] > 0
+    fresh = Engine(*nnx.split(loaded("qwen2_moe")[1]), max_len=64)
+    fresh.generate(prompts, [0, 1], params)
+    assert all(v == 0 for v in fresh.phases.values())  # the compiling call is not counted
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.6])
 def test_sampling_mask_is_the_support_sampled_from(loaded, top_p):
     """return_sampling_mask: each token's support is what top-k 5 (then top-p on the renormalised five) kept of the
