@@ -15,5 +15,8 @@ def get_config(arm: str = "cis"):
     c.mesh.fsdp, c.mesh.expert = -1, 1  # raise mesh.expert on a pod slice (128 experts)
     # Thinking mode off in training and evaluation: cisjax.data.PromptFormatter passes enable_thinking=False.
     c.train.optimizer_state_dtype = "bfloat16"  # the paper kept the optimizer states in bf16 for this model
+    # On the paper's four training A100s it fits only with --config.train.grad_sum_dtype=bfloat16
+    # --config.train.offload_optimizer=true --config.model.param_dtype=bfloat16 (cisjax plan --search options:
+    # docs/plan.md); on 8 x H100 and on v5p-8 with --config.train.offload_optimizer=true.
     c.run.dir = "runs/qwen3_30b_a3b"
     return c
