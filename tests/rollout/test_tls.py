@@ -32,6 +32,7 @@ BACKEND = types.SimpleNamespace(  # what Info reads; health checks need nothing
     architecture="A",
     vocab_size=11,
     max_model_len=64,
+    phases=None,  # an engine that does not time its prefill and decode apart
 )
 
 
