@@ -113,17 +113,20 @@ def test_bf16_optimizer_state_on_a_sharded_mesh():
 # ----------------------------------------------------------------------------- micro-batching
 
 
-def test_in_place_accumulation_equals_summing_each_micro_batchs_gradient():
-    """accumulate_grads (the stacks' gradients added in place through the layers' scan) against jax.grad of each
-    micro-batch added to the sum, on two micro-batches from a non-zero sum: equal to fp32 rounding, stacked and other
-    parameters alike; and the stacked weights' own gradient is not what is added (a sum of zeros would fail)."""
-    cfg = U.make_cfg()
+def _micro_batch_loss(cfg):
+    """(params, the step's micro-batch loss, a batch with noisy logprobs, its loss denominator) on one device."""
     mesh = U.mesh_for("single")
     graphdef, _, rules, state = U.build(cfg, mesh)
     loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
     batch = U.with_logprobs(U.host_batch(), np.zeros((U.M, U.B, U.T), np.float32), noise=0.5)
-    denominator = jnp.sum(jnp.asarray(batch.loss_mask_MxBxT, jnp.float32))
-    params = state.params
+    return state.params, loss_fn, batch, jnp.sum(jnp.asarray(batch.loss_mask_MxBxT, jnp.float32))
+
+
+def test_in_place_accumulation_equals_summing_each_micro_batchs_gradient():
+    """accumulate_grads (the stacks' gradients added in place through the layers' scan) against jax.grad of each
+    micro-batch added to the sum, on two micro-batches from a non-zero sum: equal to fp32 rounding, stacked and other
+    parameters alike; and the stacked weights' own gradient is not what is added (a sum of zeros would fail)."""
+    params, loss_fn, batch, denominator = _micro_batch_loss(U.make_cfg())
     start = jax.tree.map(lambda p: jnp.full(p.shape, 0.25, jnp.float32), params)
 
     @jax.jit
@@ -150,13 +153,7 @@ def test_a_bf16_gradient_sum_is_within_its_rounding_of_the_fp32_sum():
     sum of each micro-batch's jax.grad. Each of the two stochastic roundings moves a value by less than bf16's gap
     there (at most 2^-7 of it), so |bf16 - fp32| < 2^-7 (|sum after 1| + |sum after 2|); every leaf is bf16 and
     non-zero (a sum left at zero, or one in fp32, would fail)."""
-    cfg = U.make_cfg(grad_sum_dtype="bfloat16")
-    mesh = U.mesh_for("single")
-    graphdef, _, rules, state = U.build(cfg, mesh)
-    loss_fn = step_lib.make_loss_fn(graphdef, spec_of(cfg).step, mesh, rules)
-    batch = U.with_logprobs(U.host_batch(), np.zeros((U.M, U.B, U.T), np.float32), noise=0.5)
-    denominator = jnp.sum(jnp.asarray(batch.loss_mask_MxBxT, jnp.float32))
-    params = state.params
+    params, loss_fn, batch, denominator = _micro_batch_loss(U.make_cfg(grad_sum_dtype="bfloat16"))
 
     @jax.jit
     def both(params, batch):
