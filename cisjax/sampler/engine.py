@@ -3,6 +3,7 @@ to n samples, decode), and the results as the rollout backends return them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -37,10 +38,11 @@ PHASE_KEYS = (
 log = logging.getLogger(__name__)
 
 
-class _Bucket(NamedTuple):
+@dataclasses.dataclass
+class _Bucket:
     prefill: object  # jitted (params, tokens_BxP, valid_BxP) -> Prefilled
     decode: object  # jitted (params, cache, Prefilled, Rows) -> (Decoded, cache), the cache donated
-    ran: list  # [bool]: its first call (the compile) is behind it
+    ran: bool = False  # its first call (the compile) is behind it
 
 
 class Request(NamedTuple):
@@ -94,7 +96,7 @@ class Engine:
     @property
     def phases(self) -> dict:
         """What the engine has run since it started, its two programs apart (compiles not counted): prompt tokens
-        prefilled and their seconds; tokens generated, decode steps and rows, and their seconds."""
+        prefilled and their seconds; tokens generated, decode steps, rows and row-steps, and their seconds."""
         with self._lock:
             return dict(self._phases)
 
@@ -107,7 +109,7 @@ class Engine:
                 pre, dec = programs.split_fns(
                     self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=self.mesh, rules=self.rules
                 )
-                self._programs[key] = _Bucket(jax.jit(pre), jax.jit(dec, donate_argnums=1), [False])  # the cache
+                self._programs[key] = _Bucket(jax.jit(pre), jax.jit(dec, donate_argnums=1))  # the cache donated
                 log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
             return self._programs[key]
 
@@ -122,7 +124,7 @@ class Engine:
         out = jax.tree.map(np.asarray, out)
         t2 = time.perf_counter()
         with self._lock:
-            if bucket.ran[0]:
+            if bucket.ran:
                 ph = self._phases
                 ph["prefill_tokens"] += prompt_tokens
                 ph["prefill_s"] += t1 - t0
@@ -131,7 +133,7 @@ class Engine:
                 ph["decode_rows"] += int(out.lengths_B.shape[0])
                 ph["decode_row_steps"] += int(out.lengths_B.shape[0]) * int(out.steps)
                 ph["decode_s"] += t2 - t1
-            bucket.ran[0] = True
+            bucket.ran = True
         return out, prompt_routing
 
     def check(self, prompt: Sequence[int], params: Params) -> None:

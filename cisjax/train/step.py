@@ -236,7 +236,7 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
             grads = jax.tree.map(lambda g: g / scale, grads)
         loss = jnp.sum(aux["loss"])
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))  # fp32, before clipping
-        # the update in fp32 from the sum, whatever the params' dtype (bf16 master weights: optim.apply_updates)
+        # the update from the sum, whatever the params' dtype (bf16 master weights: optim.apply_updates rounds it)
         ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         # Where the gradient is not finite the update below is garbage, and is discarded leaf by leaf.
         if offload:  # the moments in host memory, brought to the device a layer at a time
