@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cisjax.sampler.sampling import draw, key_data, sampling_logprobs
+from cisjax.sampler.sampling import block_width, draw, key_data, sampling_logprobs
 
 NEG = -math.inf
 
@@ -113,6 +113,43 @@ def test_draw_frequencies_match_the_distribution(temperature, top_k, top_p):
     se = np.sqrt(n * want * (1 - want)) + 1e-9
     assert np.all(np.abs(counts - n * want) <= 5 * se + (want == 0) * 0), (counts, n * want)
     assert np.all(counts[want == 0] == 0)
+
+
+@pytest.mark.parametrize(("v", "width"), [(1, 1), (6, 4), (1000, 32), (8192, 128), (151_936, 512)])
+def test_block_width_is_the_power_of_two_at_or_above_sqrt_v(v, width):
+    assert block_width(v) == width
+
+
+def test_draw_over_many_blocks_matches_the_distribution():
+    """V = 1,000: 32 blocks of 32, the last padded; whole blocks filtered out, mass spread from 0.3 to 1e-3 over
+    tokens in different blocks, the rest a flat tail. Each token's count within 5 sigma of n p; filtered tokens never."""
+    v, n = 1000, 40_000
+    probs = np.zeros(v)
+    probs[[3, 40, 500, 999]] = [0.3, 0.2, 0.1, 0.05]  # blocks 0, 1, 15, 31 (the padded one)
+    tail = np.r_[64:128, 700:900]  # blocks 2-3 and 21-28: 264 tokens
+    probs[tail] = (1 - probs.sum()) / len(tail)
+    lp_V = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1)), NEG).astype(np.float32)
+    keys = jax.random.split(jax.random.key(7), n)
+    tokens = np.asarray(draw(keys, jnp.asarray(np.tile(lp_V, (n, 1))), jnp.zeros((n,), bool)))
+    counts = np.bincount(tokens, minlength=v)
+    want = n * probs
+    se = np.sqrt(want * (1 - probs))
+    assert np.all(np.abs(counts - want) <= 5 * se + 1e-9), np.flatnonzero(np.abs(counts - want) > 5 * se)
+    assert counts[probs == 0].sum() == 0
+    # the tail's tokens together (0.35): within 1% of their share
+    assert abs(counts[tail].sum() / n - probs[tail].sum()) < 0.01
+
+
+def test_greedy_draw_is_the_first_best_token_across_blocks():
+    """Greedy rows (their keys unused): the first index of the largest logprob, ties in two blocks and in one block."""
+    v = 100  # blocks of 16, the last padded
+    lp = np.full((3, v), -5.0, np.float32)
+    lp[0, [20, 70]] = -0.1  # a tie across blocks 1 and 4: the first
+    lp[1, [66, 67]] = -0.2  # a tie in block 4
+    lp[2, 99] = -0.3  # in the padded block
+    keys = jax.random.split(jax.random.key(0), 3)
+    tokens = np.asarray(draw(keys, jnp.asarray(lp), jnp.ones((3,), bool)))
+    np.testing.assert_array_equal(tokens, [20, 66, 99])
 
 
 def test_key_data_keeps_all_64_bits():
