@@ -41,7 +41,7 @@ def sampling_logprobs(logits_BxV, temperature_B, top_k_B, top_p_B, greedy_B) -> 
 
 
 def block_width(v: int) -> int:
-    """The width of draw's blocks for a vocabulary of v: the power of two nearest above sqrt(v) (so the blocks and
+    """The width of draw's blocks for a vocabulary of v: the power of two at or above sqrt(v) (so the blocks and
     the tokens of one block are about as many: ~2 sqrt(v) Gumbel draws per row)."""
     return 1 << max(0, math.ceil(math.log2(math.sqrt(v))))
 
@@ -53,7 +53,7 @@ def draw(keys_B, logprobs_BxV, greedy_B) -> jax.Array:
     (block_width; the last padded with -inf); a block is drawn with probability its mass (the logsumexp of its
     logprobs), then a token of that block with probability its logprob minus the block's mass, so token i comes out
     with probability p_i (the product of the two). A Gumbel-max over the whole vocabulary (jax.random.categorical)
-    draws V random numbers per row and took about two fifths of a decode step on a CPU (a 8,192 vocabulary, 128 rows:
+    draws V random numbers per row and took about 30% of a decode step on a CPU (an 8,192 vocabulary, 128 rows:
     docs/results.md)."""
     b, v = logprobs_BxV.shape
     w = block_width(v)
