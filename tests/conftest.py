@@ -1,8 +1,6 @@
 """Test session set-up: 8 fake CPU devices for sharding tests (must precede the first jax import)."""
 
 import os
-import shutil
-import tempfile
 
 # 8 fake CPU devices, and the suite's cheaper compile (tests/xla_flags.py); subprocesses inherit them. Flags the
 # caller set win.
@@ -28,18 +26,6 @@ if engine_env.cpu_build():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent compilation cache for the session: the pytest processes (xdist's workers inherit the controller's
-# environment) and every process a test starts (the CLI, servers, the loop's workers) compile each distinct program
-# once. Most of the suite's time is compiling tiny programs (tests/xla_flags.py), and many tests compile the same
-# ones (a tiny model's train step, rescoring, sampler buckets). Made by the first pytest process, removed at its
-# end; a JAX_COMPILATION_CACHE_DIR the caller set is used instead (and kept).
-_SESSION_CACHE = None
-if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _SESSION_CACHE = tempfile.mkdtemp(prefix="cisjax-test-compiles-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-    # a size limit turns on the cache's file lock: processes then never read an entry another is still writing
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 import json  # noqa: E402
 
@@ -107,8 +93,3 @@ def pytest_collection_modifyitems(config, items):
     # `slow` tests first (a stable sort: modules stay together): the workers take tests in this order, and a long test
     # taken last would keep one worker busy while the other has nothing left to do
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-def pytest_unconfigure(config):
-    if _SESSION_CACHE is not None:
-        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -45,13 +45,12 @@ def parity_reward(text: str, reference: str) -> float:
 
 def subprocess_env(cache_dir) -> dict:
     """The trainer's environment: one CPU device (not the suite's 8 fake ones: faster compiles), and a persistent
-    compilation cache shared by the runs of a test module (a resumed run compiles the same programs): the session's
-    (tests/conftest.py) where there is one."""
+    compilation cache shared by the runs of a test module (a resumed run compiles the same programs)."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         HF_HUB_OFFLINE="1",
-        JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache_dir)),
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         PYTHONPATH=str(REPO),
     )
