@@ -26,8 +26,9 @@ FP32_BATCH = {"full": (4, 2, 64), "small": (2, 2, 16)}
 FULL_UNIT_S = {"init": 25.0, "64": 25.0, "256": 32.0, "profile": 7.0, "bfloat16": 10.0, "float32": 57.0}
 CHUNK = 1024  # the trainer forward's logprob chunk (configs/base.py logprobs.chunk_size)
 METHOD = (
-    "the Engine's program (cisjax.sampler.programs.sample_fn: prefill, expand to n, decode) as two jitted programs per "
-    "batch on a one-device mesh, each timed alone: prefill (+ expand) of the prompts, then the decode loop; no stop "
+    "the Engine's programs (cisjax.sampler.programs.split_fns: prefill, then every sample in a decode row of its "
+    "own) as two jitted programs per batch on a one-device mesh, each timed alone: the prompts' prefill, then the "
+    "rows' entering and the decode loop; no stop "
     "token, so every row decodes new_tokens tokens; sampling at temperature 1 without truncation (RL rollouts)"
 )
 
@@ -44,11 +45,11 @@ def _sampler_kwargs(dtype: str) -> dict:
 
 
 def sampler_programs(graphdef, mesh, rules, n: int, max_new: int):
-    """(prefill, decode), jitted: `(params, tokens_BxP, valid_BxP) -> Prefilled` (prefill into P + max_new slots, then
-    expand to n samples per prompt) and `(params, Prefilled, Rows) -> Decoded` (programs.split_fns, as the Engine)."""
+    """(prefill, decode), jitted: `(params, tokens_BxP, valid_BxP) -> Prompts` (the prompts' cache of P slots) and
+    `(params, Prompts, Rows) -> Decoded` (every sample in a row of its own, to the end: programs.split_fns)."""
     pre_fn, dec_fn = programs.split_fns(graphdef, n=n, max_new=max_new, mesh=mesh, rules=rules)
-    # not donated: the unit times the same Prefilled again (the written cache, not returned, is not kept)
-    return jax.jit(pre_fn), jax.jit(lambda params, pre, rows: dec_fn(params, pre.cache, pre, rows)[0])
+    # not donated: the unit times the same Prompts again
+    return jax.jit(pre_fn), jax.jit(dec_fn)
 
 
 def rows_of(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> programs.Rows:

@@ -43,25 +43,28 @@ class InProcess:
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inproc-engine") if thread == "engine" else None
         )
 
-    def generate(self, prompts, n: int, max_new_tokens: int, temperature: float, seed: int):
-        """[prompt][sample] -> (token ids, sampled-token logprobs), like the client returns them."""
+    def generate(self, prompts, params):
+        """[prompt][sample] -> (token ids, sampled-token logprobs), like the client returns them: `params` a
+        client.SamplingParams (its n, temperature, max_new_tokens, stop_token_ids, and seed: the per-sample seeds)."""
         if self._pool is not None:
-            return self._pool.submit(self._generate, prompts, n, max_new_tokens, temperature, seed).result()
-        return self._generate(prompts, n, max_new_tokens, temperature, seed)
+            return self._pool.submit(self._generate, prompts, params).result()
+        return self._generate(prompts, params)
 
-    def _generate(self, prompts, n: int, max_new_tokens: int, temperature: float, seed: int):
+    def _generate(self, prompts, params):
         reqs, sps = [], []
+        n = params.n
         for i, ids in enumerate(prompts):
             for j in range(n):
                 reqs.append(self._vllm.TokensPrompt(prompt_token_ids=list(ids)))
                 sps.append(
                     self._vllm.SamplingParams(
                         n=1,
-                        temperature=temperature,
+                        temperature=params.temperature,
                         top_p=1.0,
                         top_k=0,
-                        seed=sample_seed(seed, i, j),
-                        max_tokens=max_new_tokens,
+                        seed=sample_seed(params.seed, i, j),
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=list(params.stop_token_ids) or None,
                         ignore_eos=True,
                         logprobs=0,
                         detokenize=False,

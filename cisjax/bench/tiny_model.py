@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import numpy as np
 import transformers
 
 
@@ -23,6 +24,7 @@ class Sizes:
     vocab: int
 
 
+STOP_TOKENS = 8  # --lengths varied: the vocabulary's last tokens, made likelier, are the samples' stop tokens
 # the flags of the model's sizes that must be positive
 SIZE_FLAGS = ("hidden", "layers", "heads", "kv_heads", "experts", "top_k", "vocab")
 
@@ -77,13 +79,32 @@ def hf_config(args: argparse.Namespace, *, max_positions: int) -> dict:
     return hf
 
 
-def save_random(args: argparse.Namespace, path, *, max_positions: int, dtype: str = "float32") -> dict:
-    """Random weights (torch seeded with args.seed) saved by transformers in `dtype` to `path`; returns the config."""
+def save_random(
+    args: argparse.Namespace, path, *, max_positions: int, dtype: str = "float32", stop_hazard: float = 0.0
+) -> dict:
+    """Random weights (torch seeded with args.seed) saved by transformers in `dtype` to `path`; returns the config.
+    With a `stop_hazard`, the vocabulary's last STOP_TOKENS tokens are made likelier (stop_columns)."""
     import torch  # lazy: torch
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     hf = hf_config(args, max_positions=max_positions)
     model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**hf))
+    if stop_hazard:
+        with torch.no_grad():
+            w_VxD = model.lm_head.weight
+            w_VxD[-STOP_TOKENS:] = torch.from_numpy(stop_columns(w_VxD.numpy(), stop_hazard))
     model.to(getattr(torch, dtype)).save_pretrained(path)
     return hf
+
+
+def stop_columns(w_VxD: np.ndarray, hazard: float) -> np.ndarray:
+    """The unembedding rows of the last STOP_TOKENS tokens rescaled so that, at temperature 1, one of them comes out
+    with about `hazard` chance per token. A logit h.w with the final norm's output h (norm about sqrt(D), any
+    direction) is about normal with the variance |w|^2, so a token's mean weight is exp(|w|^2 / 2): the stop rows get
+    the norm s with k exp(s^2 / 2) = hazard (V - k) exp(sigma^2 / 2), sigma^2 the other rows' mean squared norm."""
+    k = STOP_TOKENS
+    rest_sq = float(np.mean(np.sum(w_VxD[:-k].astype(np.float64) ** 2, axis=1)))
+    target = np.sqrt(rest_sq + 2.0 * np.log(hazard * (len(w_VxD) - k) / k))
+    rows = w_VxD[-k:].astype(np.float64)
+    return (rows * (target / np.linalg.norm(rows, axis=1, keepdims=True))).astype(w_VxD.dtype)

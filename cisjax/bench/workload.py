@@ -4,11 +4,12 @@ tokens/s rows against a baseline."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 from rich.console import Console
 
-from cisjax.bench import harness
+from cisjax.bench import harness, tiny_model
 from cisjax.rollout.client import SamplingParams
 
 # the flags of the workload that must be positive
@@ -24,22 +25,54 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [rng.integers(0, vocab, int(rng.integers(lo, args.prompt_len + 1))).tolist() for _ in range(args.prompts)]
 
 
+def add_lengths(group: argparse._ActionsContainer) -> None:
+    """--lengths: every sample at --max-new-tokens, or lengths that vary from sample to sample (stop tokens)."""
+    group.add_argument(
+        "--lengths",
+        default="fixed",
+        choices=("fixed", "varied"),
+        help="fixed: EOS is ignored, every sample has --max-new-tokens; varied: the random model's last "
+        f"{tiny_model.STOP_TOKENS} tokens are stop tokens, likelier than the rest, so samples end after about half "
+        "of --max-new-tokens on average, from a few tokens to all of them (RL's responses; a batch's rows end at "
+        "different steps) (default: %(default)s)",
+    )
+
+
+def stop_ids(args: argparse.Namespace) -> list[int]:
+    """The stop tokens of --lengths varied (none for fixed): the vocabulary's last tiny_model.STOP_TOKENS."""
+    if getattr(args, "lengths", "fixed") == "fixed":
+        return []
+    return list(range(args.vocab - tiny_model.STOP_TOKENS, args.vocab))
+
+
+def stop_hazard(args: argparse.Namespace) -> float:
+    """The chance per token of a stop token that --lengths varied builds the random model for: a mean length of half
+    --max-new-tokens."""
+    return 2.0 / args.max_new_tokens
+
+
 def sampling(args: argparse.Namespace) -> tuple[SamplingParams, SamplingParams]:
     """(the timed calls' sampling parameters, the untimed warm-up's: the same with at most 2 new tokens)."""
-    timed = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    warm = SamplingParams(
-        n=args.n, temperature=args.temperature, max_new_tokens=min(2, args.max_new_tokens), seed=args.seed
+    stops = stop_ids(args)
+    timed = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop_token_ids=stops,
     )
+    warm = dataclasses.replace(timed, max_new_tokens=min(2, args.max_new_tokens))
     return timed, warm
 
 
 def requests(args: argparse.Namespace, prompt_ids: list[list[int]]) -> dict:
-    """What one call asks for: prompts, samples, prompt tokens and new tokens (EOS is ignored: each sample has M)."""
+    """What one call asks for: prompts, samples, prompt tokens and new tokens (at most, with stop tokens)."""
     return dict(
         prompts=len(prompt_ids),
         samples=len(prompt_ids) * args.n,
         prompt_tokens=sum(map(len, prompt_ids)),
         new_tokens=len(prompt_ids) * args.n * args.max_new_tokens,
+        stop_token_ids=stop_ids(args),
     )
 
 
@@ -55,13 +88,24 @@ def title(res: dict) -> str:
     return (
         f"random {arch} hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_experts']} experts "
         f"top-{m['num_experts_per_tok']}, vocab {m['vocab_size']}, {c['dtype']}; "
-        f"{r['prompts']} prompts x n={c['n']} x {c['max_new_tokens']} new tokens"
+        f"{r['prompts']} prompts x n={c['n']} x "
+        + (
+            f"up to {c['max_new_tokens']} new tokens (stop tokens)"
+            if r.get("stop_token_ids")
+            else f"{c['max_new_tokens']} new tokens"
+        )
     )
 
 
 def tokens(samples_per_prompt) -> int:
     """Generated tokens of [prompt][sample] -> (token ids, ...)."""
     return sum(len(t) for per_prompt in samples_per_prompt for t, _ in per_prompt)
+
+
+def lengths(samples_per_prompt) -> dict:
+    """The samples' numbers of new tokens, of [prompt][sample] -> (token ids, ...): mean, min, max."""
+    n = [len(t) for per_prompt in samples_per_prompt for t, _ in per_prompt]
+    return dict(mean=sum(n) / len(n), min=min(n), max=max(n))
 
 
 def same_samples(a, b) -> dict:

@@ -63,11 +63,12 @@ def attention_mask(segment_ids_BxL: jax.Array) -> jax.Array:
 
 
 def cache_mask(valid_BxS: jax.Array, index, length: int) -> jax.Array:
-    """[B, L, S] bool for L new tokens written into a KV cache at slots index..index+L-1: each sees the valid slots
-    (written, not padding) up to its own. Every row sees at least itself once its own slot is valid."""
+    """[B, L, S] bool for L new tokens written into a KV cache at slots index..index+L-1 (`index`: one for all rows,
+    or a [B] array, each row's own): each sees the valid slots (written, not padding) up to its own. Every row sees
+    at least itself once its own slot is valid."""
     slots_S = jnp.arange(valid_BxS.shape[1])
-    query_L = index + jnp.arange(length)
-    return valid_BxS[:, None, :] & (slots_S[None, None, :] <= query_L[None, :, None])
+    query_BxL = jnp.reshape(index, (-1, 1)) + jnp.arange(length)[None]
+    return valid_BxS[:, None, :] & (slots_S[None, None, :] <= query_BxL[:, :, None])
 
 
 def einsum_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, mask_BxLxS, scale: float) -> jax.Array:

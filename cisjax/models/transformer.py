@@ -76,20 +76,29 @@ class DecoderLayer(nnx.Module):
         q = self.attn.query(h_BxLxD)
         new = self.attn.kv(h_BxLxD, positions_BxL)
         seen = mask_BxLxS.shape[-1]
+        cache = tuple(_write(c, n, index, layer) for c, n in zip(cache, new))
         if layer is None:
-            cache = tuple(
-                jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=1) for c, n in zip(cache, new)
-            )
             mine = tuple(c[:, :seen] for c in cache)
         else:
-            cache = tuple(
-                jax.lax.dynamic_update_slice(c, n.astype(c.dtype)[None], (layer, 0, index) + (0,) * (c.ndim - 3))
-                for c, n in zip(cache, new)
-            )
             mine = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:, :seen] for c in cache)
         x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
+
+
+def _write(cache_xBxSx, new_BxLx, index, layer=None):
+    """new_BxLx (a layer's entries of L new tokens) into a cache array [B, S, ...] (or with `layer`, its stack's
+    [n, B, S, ...]) at slots index..index+L-1: `index` one for all rows (a slice update), or a [B] array, each row's
+    own slot for L = 1 (a scatter of one entry per row: rows of a decode that entered at different steps)."""
+    new_BxLx = new_BxLx.astype(cache_xBxSx.dtype)
+    if jnp.ndim(index) == 1:
+        rows_B = jnp.arange(new_BxLx.shape[0])
+        at = (rows_B, index) if layer is None else (layer, rows_B, index)
+        return cache_xBxSx.at[at].set(new_BxLx[:, 0], indices_are_sorted=True, unique_indices=True)
+    if layer is None:
+        return jax.lax.dynamic_update_slice_in_dim(cache_xBxSx, new_BxLx, index, axis=1)
+    start = (layer, 0, index) + (0,) * (cache_xBxSx.ndim - 3)
+    return jax.lax.dynamic_update_slice(cache_xBxSx, new_BxLx[None], start)
 
 
 def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:
@@ -361,9 +370,10 @@ class CausalLM(nnx.Module):
 
     def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS):
         """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for
-        all rows: left-pad the prompts), attending to the slots valid_BxS marks (written and not padding; it must
-        already mark the new tokens') -> (ModelOutput, the updated cache). Prefill: L = the padded prompt length at
-        index 0; decode: L = 1 at the next slot. The same layers, weights and routers as __call__."""
+        all rows: left-pad the prompts; or, for L = 1, a [B] array: each row's own slot), attending to the slots
+        valid_BxS marks (written and not padding; it must already mark the new tokens') -> (ModelOutput, the updated
+        cache). Prefill: L = the padded prompt length at index 0; decode: L = 1 at the next slot. The same layers,
+        weights and routers as __call__."""
         b, l = tokens_BxL.shape
         # a static index (the prefill's): attend over the slots up to the last new token only, not the whole cache
         seen = index + l if isinstance(index, int) else valid_BxS.shape[1]

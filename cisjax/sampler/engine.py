@@ -1,10 +1,13 @@
-"""The JAX sampler's host side: requests padded into a shape bucket, one compiled program per bucket (prefill, expand
-to n samples, decode), and the results as the rollout backends return them."""
+"""The JAX sampler's host side: requests padded into a shape bucket, their prompts prefilled, their samples through
+decode rows that free as samples end (the waiting ones enter them), and the results as the rollout backends return
+them."""
 
 from __future__ import annotations
 
-import dataclasses
+import collections
+import functools
 import logging
+import math
 import secrets
 import threading
 import time
@@ -21,10 +24,19 @@ from cisjax.sampler import programs
 from cisjax.sampler.sampling import key_data
 
 STOP_SLOTS = programs.STOP_SLOTS
-BUCKET_KEYS = ("batch", "prompt_len", "n", "new_tokens", "top_logprobs", "support")
+# decode steps per call: between two calls, waiting samples enter the rows that ended, and the decode narrows once
+# fewer rows are active (a row that ends mid-call idles until the call's end: at most this many steps)
+DECODE_STEPS = 16
+MAX_ROWS = 256  # rows decoding at once by default: the samples past them wait for a row that ends
+MIN_ROWS = 32  # the decode narrows down to this many rows, not below: a narrower one gains little
+# The decode's widths (rows) on a CPU: multiples of this, so that it narrows as rows end (a step's work there grows
+# with its rows: measured, a decode step of the bench's model took about 10 ms + 0.5 ms per row). On an accelerator
+# a step reads the weights whatever its rows, a narrower one saves only its KV reads, and each width is a long
+# compile: powers of two there (the decode halves).
+CPU_WIDTH_STEP = 16
 
 # Engine.phases: what the engine ran, its prefill and decode programs apart
-# (decode_row_steps: rows x steps of each call, summed: a row that has ended still takes its slot until the loop ends)
+# (decode_row_steps: rows x steps of each decode call, summed: a row that has ended or waits takes its slot anyway)
 PHASE_KEYS = (
     "prefill_tokens",
     "prefill_s",
@@ -36,13 +48,6 @@ PHASE_KEYS = (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Bucket:
-    prefill: object  # jitted (params, tokens_BxP, valid_BxP) -> Prefilled
-    decode: object  # jitted (params, cache, Prefilled, Rows) -> (Decoded, cache), the cache donated
-    ran: bool = False  # its first call (the compile) is behind it
 
 
 class Request(NamedTuple):
@@ -62,10 +67,15 @@ def bucket(n: int, smallest: int) -> int:
 class Engine:
     """Generates with a cisjax CausalLM (graphdef + params, e.g. hf_io.load's): a batch of requests (each its own
     sampling parameters; one n) has its size, prompt length and new-token count rounded up to buckets (prompt_bucket,
-    new_bucket: the smallest sizes), so a run compiles one program per bucket it meets (`compiled` counts them).
+    new_bucket: the smallest sizes). Its prompts are prefilled together; then its samples decode in at most
+    `max_rows` rows, each row at its own step, `decode_steps` steps per call: a sample that ends frees its row for the
+    next waiting one, and once no sample waits, the decode narrows to the active rows (down to `min_rows`) where that
+    saves a width step: `width_step` rows (default CPU_WIDTH_STEP on a CPU; 0: powers of two, the decode halves).
+    A run compiles a handful of programs per bucket (`compiled` counts them: prefill, a decode per width, the
+    samples' entering and the narrowing).
     `params` may be swapped whole between calls (same structure): the compiled programs stay. With a `mesh` (and its
     logical `rules`), the programs lay the activations and the KV cache out as the trainer does (params sharded as
-    hf_io.load places them on that mesh) and the batch bucket is a multiple of the batch shards."""
+    hf_io.load places them on that mesh) and the row counts are multiples of the batch shards."""
 
     def __init__(
         self,
@@ -75,6 +85,10 @@ class Engine:
         max_len: int,
         prompt_bucket: int = 16,
         new_bucket: int = 16,
+        max_rows: int = MAX_ROWS,
+        min_rows: int = MIN_ROWS,
+        width_step: int | None = None,
+        decode_steps: int = DECODE_STEPS,
         mesh=None,
         rules=None,
     ):
@@ -83,7 +97,19 @@ class Engine:
         self.prompt_bucket, self.new_bucket = prompt_bucket, new_bucket
         self.mesh, self.rules = mesh, (sharding.rules_from_config(rules) if mesh is not None else None)
         self.batch_multiple = sharding.axis_multiple(mesh, self.rules, "batch") if mesh is not None else 1
-        self._programs: dict[tuple, _Bucket] = {}
+        if min(max_rows, min_rows, decode_steps) < 1 or (width_step is not None and width_step < 0):
+            raise ValueError(
+                f"max_rows={max_rows}, min_rows={min_rows}, decode_steps={decode_steps}, width_step={width_step}: "
+                "not positive"
+            )
+        self.decode_steps = decode_steps
+        if width_step is None:
+            platform = mesh.devices.flat[0].platform if mesh is not None else jax.devices()[0].platform
+            width_step = CPU_WIDTH_STEP if platform == "cpu" else 0
+        self.width_step = math.lcm(width_step, self.batch_multiple) if width_step else 0
+        self.max_rows, self.min_rows = self._width(max_rows), self._width(min_rows)
+        self._programs: dict[tuple, object] = {}
+        self._ran: set[tuple] = set()  # programs whose first call (the compile) is behind them
         self._lock = threading.Lock()
         self._phases = dict.fromkeys(PHASE_KEYS, 0)
         self._phases.update(prefill_s=0.0, decode_s=0.0)
@@ -96,44 +122,114 @@ class Engine:
     @property
     def phases(self) -> dict:
         """What the engine has run since it started, its two programs apart (compiles not counted): prompt tokens
-        prefilled and their seconds; tokens generated, decode steps, rows and row-steps, and their seconds."""
+        prefilled and their seconds; tokens generated, decode steps, samples decoded, row-steps (rows x steps of each
+        decode call) and their seconds (the samples' entering and the narrowing included)."""
         with self._lock:
             return dict(self._phases)
 
-    def _program(self, b: int, p: int, n: int, max_new: int, top_n: int, mask_n: int):
-        """The bucket's (prefill, decode) programs, jitted (programs.split_fns); the decode takes the prefill's
-        cache donated (written in place)."""
-        key = (b, p, n, max_new, top_n, mask_n)
+    def _width(self, rows: int) -> int:
+        """The decode width (rows) that holds `rows`: a multiple of width_step above it, else (and with no step) a
+        power of two; a multiple of the batch shards either way."""
+        if self.width_step and rows > self.width_step:
+            return -(-rows // self.width_step) * self.width_step
+        return -(-bucket(rows, 1) // self.batch_multiple) * self.batch_multiple
+
+    def _narrowed(self, width: int, active: int) -> int:
+        """The width a decode of `width` rows, `active` of them active and no sample waiting, goes on at: the width
+        of the active rows (at least min_rows) when that is narrower by a width step (or half, for powers of two)."""
+        to = max(self._width(active), self.min_rows)
+        return to if to <= width - (self.width_step or width // 2) else width
+
+    def _jit(self, key: tuple, make):
+        """The program `key` (jitted by make() at its first use)."""
         with self._lock:
             if key not in self._programs:
-                pre, dec = programs.split_fns(
-                    self.graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=self.mesh, rules=self.rules
-                )
-                self._programs[key] = _Bucket(jax.jit(pre), jax.jit(dec, donate_argnums=1))  # the cache donated
-                log.info("compiling sampler program %d: %s", len(self._programs), dict(zip(BUCKET_KEYS, key)))
+                self._programs[key] = make()
+                log.info("compiling sampler program %d: %s %s", len(self._programs), key[0], key[1:])
             return self._programs[key]
 
-    def _run(self, bucket: _Bucket, params, tokens_BxP, valid_BxP, rows: programs.Rows, prompt_tokens: int):
-        """(Decoded, the prompt's routing ids) as host arrays, prefill and decode timed apart into `phases` (a
-        bucket's first call, which compiles, is not counted)."""
+    def _prefill(self, b: int, p: int):
+        return self._jit(
+            ("prefill", b, p), lambda: jax.jit(programs.traced(self.graphdef, programs.prefill, *self._on))
+        )
+
+    @property
+    def _on(self) -> tuple:
+        return self.mesh, self.rules
+
+    def _empty(self, r: int, q: int, b: int, p: int, new: int, top_n: int, mask_n: int):
+        def make():
+            fn = lambda model, prompts: programs.empty(  # noqa: E731
+                model, prompts, slots=r, samples=q, max_new=new, top_n=top_n, mask_n=mask_n
+            )
+            return jax.jit(programs.traced(self.graphdef, fn, *self._on))
+
+        return self._jit(("empty", r, q, b, p, new, top_n, mask_n), make)
+
+    def _enter(self, r: int, q: int, b: int, p: int, new: int):
+        return self._jit(("enter", r, q, b, p, new), lambda: jax.jit(programs.enter, donate_argnums=0))
+
+    def _decode(self, r: int, q: int, p: int, new: int, top_n: int, mask_n: int):
+        def make():
+            fn = functools.partial(programs.decode, steps=min(self.decode_steps, new))
+            return jax.jit(programs.traced(self.graphdef, fn, *self._on), donate_argnums=(1, 2))
+
+        return self._jit(("decode", r, q, p, new, top_n, mask_n), make)
+
+    def _keep(self, r: int, to: int, p: int, new: int):
+        return self._jit(("narrow", r, to, p, new), lambda: jax.jit(programs.keep))
+
+    def _run(self, params, tokens_BxP, valid_BxP, rows: programs.Rows, samples: list, prompt_tokens: int, **bucket_of):
+        """The requests' samples (`samples`: their indices, sample i * n + j being prompt i's j-th; the others are
+        padding) through the programs -> (Decoded, the prompts' routing ids) as host arrays, prefill and decode timed
+        apart into `phases` (a call that compiles a program is not counted)."""
+        n, new, top_n, mask_n = (bucket_of[k] for k in ("n", "new", "top_n", "mask_n"))
+        b, p = tokens_BxP.shape
+        q = b * n
+        used = [("prefill", b, p)]
         t0 = time.perf_counter()
-        pre = jax.block_until_ready(bucket.prefill(params, tokens_BxP, valid_BxP))
-        prompt_routing = None if pre.prompt_ids_XxBxPxK is None else np.asarray(pre.prompt_ids_XxBxPxK)
+        prompts = jax.block_until_ready(self._prefill(b, p)(params, tokens_BxP, valid_BxP))
         t1 = time.perf_counter()
-        out, _ = bucket.decode(params, pre.cache, pre._replace(cache=None), rows)
-        out = jax.tree.map(np.asarray, out)
+        prompt_routing = None if prompts.prompt_ids_XxBxPxK is None else np.asarray(prompts.prompt_ids_XxBxPxK)
+        r = min(self._width(len(samples)), self.max_rows)
+        slots, out = self._empty(r, q, b, p, new, top_n, mask_n)(params, prompts)
+        waiting = collections.deque(samples)
+        active_R = np.zeros(r, bool)
+        steps = row_steps = 0
         t2 = time.perf_counter()
+        while True:
+            free_R = np.flatnonzero(~active_R)[: len(waiting)]
+            if len(free_R):  # waiting samples into the free rows
+                sample_R = np.full(r, q, np.int32)
+                sample_R[free_R] = [waiting.popleft() for _ in free_R]
+                prompt_R = np.where(sample_R < q, sample_R // n, -1).astype(np.int32)
+                slots = self._enter(r, q, b, p, new)(slots, prompts, rows, jnp.asarray(prompt_R), jnp.asarray(sample_R))
+                active_R[free_R] = True
+            if not active_R.any():
+                break
+            to = r if waiting else self._narrowed(r, int(active_R.sum()))
+            if to < r:  # the active rows into fewer
+                kept = np.concatenate([np.flatnonzero(active_R), np.flatnonzero(~active_R)])[:to]
+                slots = self._keep(r, to, p, new)(slots, jnp.asarray(kept.astype(np.int32)))
+                r, active_R = to, active_R[kept]
+            used.append(("decode", r, q, p, new, top_n, mask_n))
+            slots, out, ran = self._decode(r, q, p, new, top_n, mask_n)(params, slots, out, rows)
+            active_R = np.array(slots.active_R)  # synchronises (a copy: written here)
+            steps += int(ran)
+            row_steps += r * int(ran)
+        out = jax.tree.map(np.asarray, out)
+        t3 = time.perf_counter()
         with self._lock:
-            if bucket.ran:
+            if self._ran.issuperset(used):  # a call that compiled is not counted
                 ph = self._phases
                 ph["prefill_tokens"] += prompt_tokens
                 ph["prefill_s"] += t1 - t0
                 ph["decode_tokens"] += int(out.lengths_B.sum())
-                ph["decode_steps"] += int(out.steps)
-                ph["decode_rows"] += int(out.lengths_B.shape[0])
-                ph["decode_row_steps"] += int(out.lengths_B.shape[0]) * int(out.steps)
-                ph["decode_s"] += t2 - t1
-            bucket.ran = True
+                ph["decode_steps"] += steps
+                ph["decode_rows"] += len(samples)
+                ph["decode_row_steps"] += row_steps
+                ph["decode_s"] += t3 - t2
+            self._ran.update(used)
         return out, prompt_routing
 
     def check(self, prompt: Sequence[int], params: Params) -> None:
@@ -150,7 +246,7 @@ class Engine:
         return self.generate_many([Request(list(p), i, params) for p, i in zip(prompts, prompt_ids)])
 
     def generate_many(self, requests: Sequence[Request]):
-        """Requests with the same n in one program, each row with its own sampling parameters, stop tokens and
+        """Requests with the same n in one bucket, each sample with its own sampling parameters, stop tokens and
         length: per request, its n samples as SampleResults."""
         ns = {r.params.n for r in requests}
         if len(ns) != 1:
@@ -196,22 +292,27 @@ class Engine:
         )
         version = self.version
         params_now = self.params
+        samples = [i * n + j for i in range(len(requests)) for j in range(n)]
         out, prompt_routing = self._run(
-            self._program(b, p, n, new, top_n, mask_n),
             params_now,
             jnp.asarray(tokens_BxP),
             jnp.asarray(valid_BxP),
             rows,
+            samples,
             sum(len(r.prompt) for r in requests),
+            n=n,
+            new=new,
+            top_n=top_n,
+            mask_n=mask_n,
         )
-        return [self._samples(out, prompt_routing, i * n, n, p, r, version) for i, r in enumerate(requests)]
+        return [self._samples(out, prompt_routing, i, n, p, r, version) for i, r in enumerate(requests)]
 
     @staticmethod
-    def _samples(out: programs.Decoded, prompt_routing, first: int, n: int, p: int, r: Request, version: int):
+    def _samples(out: programs.Decoded, prompt_routing, prompt: int, n: int, p: int, r: Request, version: int):
         samples = []
         top = r.params.logprobs
         for j in range(n):
-            i = first + j
+            i = prompt * n + j
             m = int(out.lengths_B[i])
             s = SampleResult(
                 sample_index=j,
@@ -226,14 +327,14 @@ class Engine:
                 s.support = Engine._support(out, i, m, r.params)
             if r.params.return_routing and out.routing_BxNxXxK is not None:
                 s.routing = out.routing_BxNxXxK[i, :m]
-                # [X, B*n, P, k] -> the real prompt's positions but its last: [len - 1, X, k]
-                s.prompt_routing = np.moveaxis(prompt_routing[:, i, p - len(r.prompt) : p - 1], 0, 1)
+                # [X, B, P, k] -> the real prompt's positions but its last: [len - 1, X, k]
+                s.prompt_routing = np.moveaxis(prompt_routing[:, prompt, p - len(r.prompt) : p - 1], 0, 1)
             samples.append(s)
         return samples
 
     @staticmethod
     def _support(out: programs.Decoded, i: int, m: int, params: Params) -> tuple[list, list]:
-        """(kept ids, a count per token) of row i's m tokens: counts of 0 when the distribution was not cut."""
+        """(kept ids, a count per token) of sample i's m tokens: counts of 0 when the distribution was not cut."""
         if not params.truncates:
             return [], [0] * m
         counts = out.support_counts_BxN[i, :m]

@@ -1,5 +1,5 @@
-"""The sampler's device programs: prefill of left-padded prompts, expansion to n samples per prompt, and a decode
-`lax.while_loop` over the KV cache that stops when no row is active."""
+"""The sampler's device programs: prefill of left-padded prompts, and decode slots that samples enter and leave (each
+row at its own step; a row that ends frees its slot for the next sample), in a `lax.while_loop` of bounded steps."""
 
 from __future__ import annotations
 
@@ -20,29 +20,45 @@ STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
 STOP_EVERY = 4
 
 
-class Prefilled(NamedTuple):
-    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, S, ...]
-    valid_BxS: jax.Array  # the slots written and not padding
-    logits_BxV: jax.Array  # fp32, after each row's last prompt token
+class Prompts(NamedTuple):
+    """Prefilled prompts: what a decode slot takes from its sample's prompt when the sample enters it."""
+
+    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, P, ...] (the prompts' P slots)
+    valid_BxP: jax.Array  # the slots that are not padding
+    logits_BxV: jax.Array  # fp32, after each prompt's last token: its samples' first distribution
     ids_XxBxK: jax.Array | None  # the routers' expert ids at the last prompt position (the first token's routing)
     prompt_ids_XxBxPxK: jax.Array | None  # the routers' expert ids at every prompt slot
 
 
 class Rows(NamedTuple):
-    """Per row (sample) of a decode: its prompt length and sampling parameters, traced."""
+    """Per sample: its prompt length and sampling parameters, traced (B: the samples, Q elsewhere in this module)."""
 
     prompt_len_B: jax.Array  # int32
     temperature_B: jax.Array  # float32
     top_k_B: jax.Array  # int32, 0 = off
     top_p_B: jax.Array  # float32, 1 = off
     greedy_B: jax.Array  # bool
-    key_data_Bx2: jax.Array  # uint32: the row's PRNG key (sampling.key_data)
-    max_new_B: jax.Array  # int32: tokens this row may produce (<= the program's N)
-    stop_ids_BxT: jax.Array  # int32: the row's stop tokens, padded with -1
+    key_data_Bx2: jax.Array  # uint32: the sample's PRNG key (sampling.key_data)
+    max_new_B: jax.Array  # int32: tokens this sample may produce (<= the program's N)
+    stop_ids_BxT: jax.Array  # int32: the sample's stop tokens, padded with -1
+
+
+class Slots(NamedTuple):
+    """The decode's R rows: the sample each holds, how far it is, its cache and its next token's distribution."""
+
+    cache: list  # per stack, arrays [layers, R, P + N, ...]: the sample's prompt in the first P slots, then its tokens
+    valid_RxP: jax.Array  # the prompt slots that are not padding
+    sample_R: jax.Array  # int32: the sample the row holds (Q: none yet)
+    t_R: jax.Array  # int32: tokens the row's sample has drawn (its next token's slot is P + t)
+    active_R: jax.Array  # bool: still drawing
+    logits_RxV: jax.Array  # fp32: the distribution of the row's next token, before the sampling filters
+    ids_XxRxK: jax.Array | None  # the routers' expert ids of the forward that gave logits_RxV
 
 
 class Decoded(NamedTuple):
-    tokens_BxN: jax.Array  # int32, 0 after a row's end
+    """Per sample (Q of them), what its tokens came with."""
+
+    tokens_BxN: jax.Array  # int32, 0 after a sample's end
     logprobs_BxN: jax.Array  # fp32, the sampling distribution's logprob of each token
     lengths_B: jax.Array  # int32, tokens produced (the stop token included)
     stopped_B: jax.Array  # bool: ended on a stop token (else on its length)
@@ -53,7 +69,6 @@ class Decoded(NamedTuple):
     # support is the first count of the S when count <= S; a larger count: ties past the top-k bound)
     support_ids_BxNxS: jax.Array | None = None
     support_counts_BxN: jax.Array | None = None
-    steps: jax.Array | None = None  # int32: the decode steps run (the loop's last t; a multiple of STOP_EVERY's)
 
 
 def _last_logits(model, hidden_BxD) -> jax.Array:
@@ -61,172 +76,213 @@ def _last_logits(model, hidden_BxD) -> jax.Array:
     return jnp.einsum("bd,dv->bv", hidden_BxD.astype(model.cfg.dtype), w_DxV, preferred_element_type=jnp.float32)
 
 
-def prefill(model, tokens_BxP, valid_BxP, slots: int) -> Prefilled:
-    """Left-padded prompts (one write index for all rows; positions from the pad mask) into a fresh cache of
-    `slots` positions; only the last position's logits are computed."""
-    b, p = tokens_BxP.shape
+def prefill(model, tokens_BxP, valid_BxP) -> Prompts:
+    """Left-padded prompts (one write index for all rows; positions from the pad mask) into a cache of their P slots;
+    only the last position's logits are computed."""
     positions_BxP = jnp.maximum(jnp.cumsum(valid_BxP.astype(jnp.int32), axis=1) - 1, 0)
-    valid_BxS = jnp.zeros((b, slots), bool).at[:, :p].set(valid_BxP)
-    out, cache = model.cached(tokens_BxP, positions_BxP, model.init_cache(b, slots), 0, valid_BxS)
+    b, p = tokens_BxP.shape
+    out, cache = model.cached(tokens_BxP, positions_BxP, model.init_cache(b, p), 0, valid_BxP)
     ids = out.expert_ids_XxBxLxK
-    return Prefilled(
+    return Prompts(
         cache,
-        valid_BxS,
+        valid_BxP,
         _last_logits(model, out.hidden_BxLxD[:, -1]),
         None if ids is None else ids[:, :, -1],
         ids,
     )
 
 
-def expand(pre: Prefilled, n: int) -> Prefilled:
-    """Each prompt's row repeated for its n samples, in order (rows 0..n-1 are prompt 0's): one prefill per prompt."""
-    rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
-    return Prefilled(
-        [tuple(rep(a, 1) for a in entries) for entries in pre.cache],
-        rep(pre.valid_BxS, 0),
-        rep(pre.logits_BxV, 0),
-        rep(pre.ids_XxBxK, 1),
-        rep(pre.prompt_ids_XxBxPxK, 1),
+def empty(model, prompts: Prompts, *, slots: int, samples: int, max_new: int, top_n: int = 0, mask_n: int = 0):
+    """(Slots, Decoded): `slots` rows holding no sample, with caches of P + max_new slots; zeroed outputs for
+    `samples` samples (their routing, top-n and support buffers where asked and the model routes)."""
+    r, q, p = slots, samples, prompts.valid_BxP.shape[1]
+    v = prompts.logits_BxV.shape[1]
+    ids = prompts.ids_XxBxK
+    mask_n = min(mask_n, v)  # a top_k of V or more cuts nothing
+    dtype = jax.tree.leaves(prompts.cache)[0].dtype
+    free = Slots(
+        model.init_cache(r, p + max_new, dtype),
+        jnp.zeros((r, p), bool),
+        jnp.full((r,), q, jnp.int32),
+        jnp.zeros((r,), jnp.int32),
+        jnp.zeros((r,), bool),
+        jnp.zeros((r, v), jnp.float32),
+        None if ids is None else jnp.zeros((ids.shape[0], r, ids.shape[2]), ids.dtype),
+    )
+    out = Decoded(
+        jnp.zeros((q, max_new), jnp.int32),
+        jnp.zeros((q, max_new), jnp.float32),
+        jnp.zeros((q,), jnp.int32),
+        jnp.zeros((q,), bool),
+        jnp.zeros((q, max_new, top_n), jnp.int32) if top_n else None,
+        jnp.zeros((q, max_new, top_n), jnp.float32) if top_n else None,
+        None if ids is None else jnp.zeros((q, max_new, ids.shape[0], ids.shape[2]), ids.dtype),
+        jnp.zeros((q, max_new, mask_n), jnp.int32) if mask_n else None,
+        jnp.zeros((q, max_new), jnp.int32) if mask_n else None,
+    )
+    return free, out
+
+
+def enter(slots: Slots, prompts: Prompts, rows: Rows, prompt_R, sample_R) -> Slots:
+    """Samples into rows: row r takes sample sample_R[r] of prompt prompt_R[r] (its prompt's cache entries, mask and
+    first distribution; its step at 0) where prompt_R[r] >= 0; the other rows are left as they are. Only the
+    entering rows' prompt slots are written (a row's own tokens past them are masked by its step)."""
+    enters_R = prompt_R >= 0
+    src_R = jnp.maximum(prompt_R, 0)
+
+    def take(old, new, axis):
+        shape = [1] * old.ndim
+        shape[axis] = -1
+        return jnp.where(enters_R.reshape(shape), jnp.take(new, src_R, axis=axis), old)
+
+    p = prompts.valid_BxP.shape[1]
+    cache = [
+        tuple(jax.lax.dynamic_update_slice_in_dim(c, take(c[:, :, :p], n, 1), 0, axis=2) for c, n in zip(cs, ns))
+        for cs, ns in zip(slots.cache, prompts.cache)
+    ]
+    sample_R = jnp.where(enters_R, sample_R, slots.sample_R)
+    max_new_R = jnp.take(rows.max_new_B, jnp.minimum(sample_R, rows.max_new_B.shape[0] - 1))
+    return Slots(
+        cache,
+        take(slots.valid_RxP, prompts.valid_BxP, 0),
+        sample_R,
+        jnp.where(enters_R, 0, slots.t_R),
+        jnp.where(enters_R, max_new_R > 0, slots.active_R),
+        take(slots.logits_RxV, prompts.logits_BxV, 0),
+        None if slots.ids_XxRxK is None else take(slots.ids_XxRxK, prompts.ids_XxBxK, 1),
     )
 
 
-def decode(
-    model, pre: Prefilled, rows: Rows, *, max_new: int, top_n: int = 0, mask_n: int = 0, return_cache: bool = False
-):
-    """Up to `max_new` tokens per row: each step draws from the rows' sampling distributions, records the token and
-    its logprob (and the `top_n` best of the distribution; with `mask_n`, the support: its `mask_n` best ids and the
-    count of tokens it kept), and feeds the tokens back through the cache at the next slot. A row ends on one of its
-    stop tokens (kept, with its logprob) or at its max_new_B; the loop ends when no row is active (checked every
-    STOP_EVERY steps). The cache's slots: the prompt's P, then max_new. Returns the Decoded, and with
-    `return_cache` (Decoded, the final cache): returned, a donated cache is updated in place (split_fns)."""
-    b = pre.logits_BxV.shape[0]
-    mask_n = min(mask_n, pre.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
-    p = pre.valid_BxS.shape[1] - max_new
-    keys_B = jax.random.wrap_key_data(rows.key_data_Bx2)
-    routed = pre.ids_XxBxK is not None
-    x, k = (pre.ids_XxBxK.shape[0], pre.ids_XxBxK.shape[2]) if routed else (0, 0)
+def keep(slots: Slots, rows_R) -> Slots:
+    """The rows `rows_R` (indices) alone, in that order: a smaller decode once fewer rows are active."""
+    take = lambda a, axis: None if a is None else jnp.take(a, rows_R, axis=axis)  # noqa: E731
+    return Slots(
+        [tuple(take(c, 1) for c in cs) for cs in slots.cache],
+        take(slots.valid_RxP, 0),
+        take(slots.sample_R, 0),
+        take(slots.t_R, 0),
+        take(slots.active_R, 0),
+        take(slots.logits_RxV, 0),
+        take(slots.ids_XxRxK, 1),
+    )
+
+
+def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tuple[Slots, Decoded, jax.Array]:
+    """Up to `steps` decode steps of every row (the loop ends early once no row is active, checked every STOP_EVERY
+    steps) -> (Slots, Decoded, the steps run). A step draws each active row's token from its sample's sampling
+    distribution (its key folded with the sample's own step: the draw does not depend on the row or on the other
+    rows), records it in its sample's outputs at that step (with its logprob, and, as `out` has buffers for them, the
+    distribution's best ids, the support, the routing), and feeds it back through the cache at the row's next slot.
+    A sample ends on one of its stop tokens (kept, with its logprob) or at its max_new_B; its row is then free (its
+    computations until a sample enters it are not read)."""
+    q, n = out.tokens_BxN.shape
+    r, p = slots.valid_RxP.shape
+    top_n = 0 if out.top_ids_BxNxT is None else out.top_ids_BxNxT.shape[2]
+    mask_n = 0 if out.support_ids_BxNxS is None else out.support_ids_BxNxS.shape[2]
+    routed = slots.ids_XxRxK is not None
 
     class Carry(NamedTuple):
-        t: jax.Array
-        cache: list
-        valid_BxS: jax.Array
-        logits_BxV: jax.Array
-        ids_XxBxK: jax.Array | None
-        active_B: jax.Array
+        i: jax.Array
+        slots: Slots
         out: Decoded
 
-    init = Carry(
-        jnp.int32(0),
-        pre.cache,
-        pre.valid_BxS,
-        pre.logits_BxV,
-        pre.ids_XxBxK,
-        rows.max_new_B > 0,
-        Decoded(
-            jnp.zeros((b, max_new), jnp.int32),
-            jnp.zeros((b, max_new), jnp.float32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), bool),
-            jnp.zeros((b, max_new, top_n), jnp.int32) if top_n else None,
-            jnp.zeros((b, max_new, top_n), jnp.float32) if top_n else None,
-            jnp.zeros((b, max_new, x, k), pre.ids_XxBxK.dtype) if routed else None,
-            jnp.zeros((b, max_new, mask_n), jnp.int32) if mask_n else None,
-            jnp.zeros((b, max_new), jnp.int32) if mask_n else None,
-        ),
-    )
-
-    every = math.gcd(STOP_EVERY, max_new)  # steps per iteration: never past max_new
-
-    def cond(c: Carry):
-        return (c.t < max_new) & jnp.any(c.active_B)
-
-    def steps(c: Carry) -> Carry:
-        return jax.lax.fori_loop(0, every, lambda _, c: body(c), c) if every > 1 else body(c)
-
     def body(c: Carry) -> Carry:
-        t, o = c.t, c.out
-        lp_BxV = sampling_logprobs(c.logits_BxV, rows.temperature_B, rows.top_k_B, rows.top_p_B, rows.greedy_B)
-        step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, t)
-        tok_B = draw(step_keys_B, lp_BxV, rows.greedy_B)
-        lp_B = jnp.take_along_axis(lp_BxV, tok_B[:, None], axis=-1)[:, 0]
-        on_B = c.active_B
-        put = lambda buf, val: buf.at[:, t].set(jnp.where(on_B.reshape((b,) + (1,) * (val.ndim - 1)), val, buf[:, t]))  # noqa: E731
-        stop_B = on_B & jnp.any(tok_B[:, None] == rows.stop_ids_BxT, axis=-1)
+        s, o = c.slots, c.out
+        row = jax.tree.map(lambda a: jnp.take(a, jnp.minimum(s.sample_R, q - 1), axis=0), rows)
+        lp_RxV = sampling_logprobs(s.logits_RxV, row.temperature_B, row.top_k_B, row.top_p_B, row.greedy_B)
+        keys_R = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(row.key_data_Bx2), s.t_R)
+        tok_R = draw(keys_R, lp_RxV, row.greedy_B)
+        lp_R = jnp.take_along_axis(lp_RxV, tok_R[:, None], axis=-1)[:, 0]
+        on_R = s.active_R
+        at_R = jnp.where(on_R, s.sample_R, q)  # an inactive row's writes fall outside the buffers: dropped
+        t_R = jnp.minimum(s.t_R, n - 1)  # a row that ended at its N-th token stays at its last slot
+        put = lambda buf, val: buf.at[at_R, t_R].set(val, mode="drop")  # noqa: E731
+        stop_R = on_R & jnp.any(tok_R[:, None] == row.stop_ids_BxT, axis=-1)
         top = (None, None)
         if top_n:
-            top_v, top_i = jax.lax.top_k(lp_BxV, top_n)
+            top_v, top_i = jax.lax.top_k(lp_RxV, top_n)
             top = (put(o.top_ids_BxNxT, top_i.astype(jnp.int32)), put(o.top_logprobs_BxNxT, top_v))
         support = (None, None)
         if mask_n:  # the support: the tokens the filters left finite (at most mask_n of them when top_k bounds it)
-            _, mask_i = jax.lax.top_k(lp_BxV, mask_n)
-            kept_B = jnp.sum(jnp.isfinite(lp_BxV), axis=-1).astype(jnp.int32)
-            support = (put(o.support_ids_BxNxS, mask_i.astype(jnp.int32)), put(o.support_counts_BxN, kept_B))
-        out = Decoded(
-            put(o.tokens_BxN, tok_B),
-            put(o.logprobs_BxN, lp_B),
-            o.lengths_B + on_B.astype(jnp.int32),
-            o.stopped_B | stop_B,
+            _, mask_i = jax.lax.top_k(lp_RxV, mask_n)
+            kept_R = jnp.sum(jnp.isfinite(lp_RxV), axis=-1).astype(jnp.int32)
+            support = (put(o.support_ids_BxNxS, mask_i.astype(jnp.int32)), put(o.support_counts_BxN, kept_R))
+        o = Decoded(
+            put(o.tokens_BxN, tok_R),
+            put(o.logprobs_BxN, lp_R),
+            o.lengths_B.at[at_R].add(1, mode="drop"),
+            o.stopped_B.at[at_R].set(stop_R, mode="drop"),
             *top,
-            put(o.routing_BxNxXxK, jnp.moveaxis(c.ids_XxBxK, 1, 0)) if routed else None,
+            put(o.routing_BxNxXxK, jnp.moveaxis(s.ids_XxRxK, 1, 0)) if routed else None,
             *support,
         )
-        active_B = on_B & ~stop_B & (t + 1 < rows.max_new_B)
-        # the tokens back through the model at slot p + t (a finished row's too: its results are not read)
-        slot = p + t
-        valid_BxS = c.valid_BxS.at[:, slot].set(True)
-        positions_Bx1 = (rows.prompt_len_B + t)[:, None]
-        fwd, cache = model.cached(tok_B[:, None], positions_Bx1, c.cache, slot, valid_BxS)
+        # the tokens back through the model at each row's slot p + t (a free row's too: its results are not read)
+        valid_RxS = jnp.concatenate([s.valid_RxP, jnp.arange(n)[None] <= t_R[:, None]], axis=1)
+        positions_Rx1 = (row.prompt_len_B + t_R)[:, None]
+        fwd, cache = model.cached(tok_R[:, None], positions_Rx1, s.cache, p + t_R, valid_RxS)
         ids = fwd.expert_ids_XxBxLxK
-        return Carry(
-            t + 1,
+        s = Slots(
             cache,
-            valid_BxS,
+            s.valid_RxP,
+            s.sample_R,
+            s.t_R + on_R.astype(jnp.int32),
+            on_R & ~stop_R & (s.t_R + 1 < row.max_new_B),
             _last_logits(model, fwd.hidden_BxLxD[:, 0]),
             None if ids is None else ids[:, :, 0],
-            active_B,
-            out,
         )
+        return Carry(c.i + 1, s, o)
 
-    final = jax.lax.while_loop(cond, steps, init)
-    out = final.out._replace(steps=final.t)
-    return (out, final.cache) if return_cache else out
+    every = math.gcd(STOP_EVERY, steps)  # steps per iteration: never past `steps`
+
+    def chunk(c: Carry) -> Carry:
+        return jax.lax.fori_loop(0, every, lambda _, c: body(c), c) if every > 1 else body(c)
+
+    final = jax.lax.while_loop(
+        lambda c: (c.i < steps) & jnp.any(c.slots.active_R), chunk, Carry(jnp.int32(0), slots, out)
+    )
+    return final.slots, final.out, final.i
+
+
+def traced(graphdef, fn, mesh=None, rules=None):
+    """`fn(model, *args)` as `(params, *args) -> ...`, the model merged from `graphdef` and the params; with a `mesh`
+    (and its logical `rules`), traced under them: the activations laid out as the trainer's."""
+
+    def run(params, *args):
+        with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
+            model = nnx.merge(graphdef, params)
+            with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
+                return fn(model, *args)
+
+    return run
+
+
+def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
+    """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end."""
+    q = prompts.valid_BxP.shape[0] * n
+    slots, out = empty(model, prompts, slots=q, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
+    sample_R = jnp.arange(q, dtype=jnp.int32)
+    slots = enter(slots, prompts, rows, sample_R // n, sample_R)
+    return decode(model, slots, out, rows, steps=max_new)[1]
 
 
 def split_fns(graphdef, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0, mesh=None, rules=None):
-    """A bucket's two programs, to jit: `(params, tokens_BxP, valid_BxP) -> Prefilled` (prefill into a cache of P +
-    max_new slots, expanded to n samples per prompt) and `(params, cache, Prefilled, Rows) -> (Decoded, cache)` (the
-    decode loop over the Prefilled with `cache` in place of its own: jitted with the cache donated, the loop writes
-    it in place, as one program would; the returned cache is the written one). Apart, each is timed alone (the
-    engine's prefill and decode figures). With a `mesh` (and its logical `rules`), traced under them, the
-    activations laid out as the trainer's are."""
+    """One batch's two programs, to jit: `(params, tokens_BxP, valid_BxP) -> Prompts` (the prefill) and `(params,
+    Prompts, Rows) -> Decoded` (`whole`: every sample in a row of its own, to the end). Apart, each is timed alone."""
 
-    def traced(fn):
-        def run(params, *args):
-            with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
-                model = nnx.merge(graphdef, params)
-                with runtime.matmul_precision(model.cfg.dtype):  # fp32 on a GPU: no TF32
-                    return fn(model, *args)
+    def dec(model, prompts: Prompts, rows: Rows):
+        return whole(model, prompts, rows, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n)
 
-        return run
-
-    def pre(model, tokens_BxP, valid_BxP):
-        return expand(prefill(model, tokens_BxP, valid_BxP, tokens_BxP.shape[1] + max_new), n)
-
-    def dec(model, cache, pre: Prefilled, rows: Rows):
-        pre = pre._replace(cache=cache)
-        return decode(model, pre, rows, max_new=max_new, top_n=top_n, mask_n=mask_n, return_cache=True)
-
-    return traced(pre), traced(dec)
+    return traced(graphdef, prefill, mesh, rules), traced(graphdef, dec, mesh, rules)
 
 
 def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, mesh=None, rules=None):
-    """One bucket's whole program, `(params, tokens_BxP, valid_BxP, rows) -> (Decoded, the prompt's routing ids)`:
+    """One batch's whole program, `(params, tokens_BxP, valid_BxP, rows) -> (Decoded, the prompt's routing ids)`:
     split_fns' two in one (how `cisjax plan` compiles the sampler for a slice: one program's memory)."""
     pre_fn, dec_fn = split_fns(graphdef, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n, mesh=mesh, rules=rules)
 
     def run(params, tokens_BxP, valid_BxP, rows: Rows):
-        pre = pre_fn(params, tokens_BxP, valid_BxP)
-        return dec_fn(params, pre.cache, pre, rows)[0], pre.prompt_ids_XxBxPxK
+        prompts = pre_fn(params, tokens_BxP, valid_BxP)
+        return dec_fn(params, prompts, rows), prompts.prompt_ids_XxBxPxK
 
     return run
 

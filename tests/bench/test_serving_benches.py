@@ -116,6 +116,8 @@ def test_bench_rollout_tiny(tmp_path):
             "2",
             "--max-new-tokens",
             "8",
+            "--lengths",
+            "varied",
             "--clients",
             "2",
             "--repeats",
@@ -127,9 +129,14 @@ def test_bench_rollout_tiny(tmp_path):
     )
     rows = {r["key"]: r for r in res["rows"]}
     assert set(rows) == {"inproc", "grpc", "grpc_concurrent", "grpc_jax", "grpc_tls"}
+    # --lengths varied: the random model's last 8 tokens stop a sample, 1 in 4 tokens on average at this length
+    assert res["requests"]["stop_token_ids"] == list(range(256 - 8, 256))
+    made = rows["inproc"]["tokens"]
+    assert res["lengths"]["min"] < 8 and res["lengths"]["max"] <= 8 and made == 4 * 2 * res["lengths"]["mean"]
     for r in rows.values():
-        assert r["tokens"] == 4 * 2 * 8, r  # EOS ignored: every sample has max_new_tokens
+        assert r["tokens"] <= 4 * 2 * 8, r
         assert r["median_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio"] > 0, r
+    assert rows["grpc"]["tokens"] == rows["grpc_tls"]["tokens"] == made  # the same engine and seeds: the same samples
     assert res["ratio"] == rows["grpc"]["ratio"] and res["ratio_concurrent"] == rows["grpc_concurrent"]["ratio"]
     assert rows["grpc"]["server_prompts_in_flight"] > 0
     assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 0.9
@@ -139,9 +146,11 @@ def test_bench_rollout_tiny(tmp_path):
     assert res["ratio_tls_vs_plain_paired"] > 0
     # the JAX sampler's programs apart, over the timed round: the 4 prompts, 8 samples x 8 tokens
     ph = res["jax_phases"]
-    assert ph["prefill_tokens"] == res["requests"]["prompt_tokens"] and ph["decode_tokens"] == 4 * 2 * 8
-    assert ph["decode_steps"] == 8
-    assert ph["prefill_tokens_per_s"] > 0 and ph["decode_tokens_per_s"] > 0 and ph["decode_slot_use"] == 1.0
+    assert (
+        ph["prefill_tokens"] == res["requests"]["prompt_tokens"] and ph["decode_tokens"] == rows["grpc_jax"]["tokens"]
+    )
+    assert ph["decode_steps"] == 8 and ph["decode_rows"] == 4 * 2
+    assert ph["prefill_tokens_per_s"] > 0 and ph["decode_tokens_per_s"] > 0 and ph["decode_slot_use"] <= 1.0
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

@@ -175,3 +175,13 @@ def test_model_forward_matches_einsum(impl, tiny_hf_dir):
         positions = jnp.asarray([list(range(12)) + list(range(8)), list(range(15)) + [0] * 5])
         out[name] = model(tokens, positions, ids).hidden_BxLxD
     np.testing.assert_allclose(out[impl], out["einsum"], atol=2e-5)
+
+
+def test_a_cache_mask_with_each_rows_own_slot():
+    """Decode rows at different steps (index [B]): row 0 writes slot 1, row 1 slot 3; each sees its valid slots up to
+    its own (row 1's slot 0 is a prompt pad)."""
+    valid = jnp.array([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], bool)
+    got = attention.cache_mask(valid, jnp.array([1, 3]), 1)
+    np.testing.assert_array_equal(got, [[[1, 1, 0, 0, 0]], [[0, 1, 1, 1, 0]]])
+    got = attention.cache_mask(jnp.ones((2, 5), bool), jnp.array([0, 2]), 1)
+    np.testing.assert_array_equal(got, [[[1, 0, 0, 0, 0]], [[1, 1, 1, 0, 0]]])

@@ -10,7 +10,7 @@ import pytest
 
 from cisjax.models import hf_io
 from cisjax.rollout import transformers_backend
-from cisjax.sampler.engine import Engine, bucket
+from cisjax.sampler.engine import Engine, Request, bucket
 from tests.helpers import TINY_FAMILIES, engine_params, log_softmax
 from tests.models import parity
 
@@ -81,13 +81,14 @@ def test_a_stop_token_ends_the_sample_with_its_logprob(loaded):
     np.testing.assert_allclose(cut.logprobs, full.logprobs[: first + 1], atol=1e-6)
 
 
-def test_top_logprobs_and_one_program_per_bucket(loaded):
+def test_top_logprobs_and_programs_per_bucket(loaded):
     _, _, engine = loaded("qwen3_moe")
     before = engine.compiled
     params = dataclasses.replace(GREEDY, logprobs=3, max_new_tokens=5)
     a = engine.generate([[1, 2, 3]], [0], params)[0][0]
+    assert engine.compiled == before + 4  # prefill, the empty rows, the samples' entering, the decode
     engine.generate([[4, 5, 6, 7, 8, 9]], [1], dataclasses.replace(params, max_new_tokens=9))  # same buckets
-    assert engine.compiled == before + 1
+    assert engine.compiled == before + 4
     assert len(a.top_ids) == 5 and all(len(t) == 3 for t in a.top_ids)
     assert [t[0] for t in a.top_ids] == a.token_ids  # greedy: the best token is the one taken
     np.testing.assert_allclose([v[0] for v in a.top_logprobs], a.logprobs, atol=1e-6)
@@ -113,6 +114,55 @@ def test_phases_count_prefill_and_decode_apart_but_not_a_compile(loaded):
     fresh = Engine(*nnx.split(loaded("qwen2_moe")[1]), max_len=64)
     fresh.generate(prompts, [0, 1], params)
     assert all(v == 0 for v in fresh.phases.values())  # the compiling call is not counted
+
+
+def _tokens(out):
+    return [[(s.token_ids, s.finish_reason) for s in per] for per in out]
+
+
+def test_samples_past_the_rows_wait_and_enter_as_rows_end(loaded):
+    """Six samples of different lengths through two rows: each enters a row that a sample left, and comes out as
+    from a decode that holds them all at once (same tokens, logprobs, routing)."""
+    _, model, wide = loaded("qwen2_moe")
+    narrow = Engine(*nnx.split(model), max_len=64, max_rows=2)
+    base = engine_params(n=2, seed=3, return_routing=True)
+    requests = [
+        Request(p, i, dataclasses.replace(base, max_new_tokens=m))
+        for i, (p, m) in enumerate(zip(PROMPTS + [[9, 9, 4]], [3, 9, 5]))
+    ]
+    want, got = wide.generate_many(requests), narrow.generate_many(requests)
+    assert _tokens(got) == _tokens(want)
+    assert [len(s.token_ids) for per in got for s in per] == [3, 3, 9, 9, 5, 5]
+    for a, b in zip((s for per in got for s in per), (s for per in want for s in per)):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(a.routing, b.routing)
+        np.testing.assert_array_equal(a.prompt_routing, b.prompt_routing)
+    before = narrow.phases
+    narrow.generate_many(requests)
+    got = {k: narrow.phases[k] - before[k] for k in before}
+    assert got["decode_rows"] == 6 and got["decode_row_steps"] == 2 * got["decode_steps"]
+    assert got["decode_steps"] >= 9 + 5  # the two rows take the samples in turn: the 9-token pair after the 3-token one
+
+
+def test_the_decode_narrows_to_its_active_rows(loaded):
+    """Once no sample waits, a decode call goes on at the width of its active rows: 8 rows for 4 steps, then the two
+    long samples alone in 2 rows, with the tokens of the wide decode."""
+    _, model, wide = loaded("qwen2_moe")
+    engine = Engine(*nnx.split(model), max_len=64, min_rows=1, width_step=1, decode_steps=4)
+    base = engine_params(n=2, seed=5, return_routing=False)
+    lengths = [2, 2, 2, 12]
+    prompts = PROMPTS + [[1, 2], [3, 4, 5, 6]]
+    requests = [
+        Request(p, i, dataclasses.replace(base, max_new_tokens=m)) for i, (p, m) in enumerate(zip(prompts, lengths))
+    ]
+    want = wide.generate_many(requests)
+    engine.generate_many(requests)  # compiles
+    before = engine.phases
+    got = engine.generate_many(requests)
+    ran = {k: engine.phases[k] - before[k] for k in before}
+    assert _tokens(got) == _tokens(want)
+    assert ran["decode_steps"] == 12 and ran["decode_row_steps"] == 8 * 4 + 2 * 8
+    assert ran["decode_tokens"] == 2 * sum(lengths)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.6])
