@@ -85,6 +85,23 @@ def einsum_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, mask_BxLxS, scale: float) 
     return o_BxLxKxGxV.reshape(b, l, n, v_BxSxKxV.shape[-1])
 
 
+def cache_attention(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale: float) -> jax.Array:
+    """einsum_attention over a KV cache's heads-major keys and values (transformer.Cache): the batched matmuls over
+    (row, head) read them as they lie (a [B, S, K, H] cache is transposed whole, per layer and step, first). Returns
+    [B, L, N, V]."""
+    b, l, n, h = q_BxLxNxH.shape
+    kv = k_BxKxSxH.shape[1]
+    q_BxLxKxGxH = q_BxLxNxH.reshape(b, l, kv, n // kv, h)
+    s_BxKxGxLxS = jnp.einsum("blkgh,bksh->bkgls", q_BxLxKxGxH, k_BxKxSxH, preferred_element_type=jnp.float32)
+    s_BxKxGxLxS = s_BxKxGxLxS * scale
+    s_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxKxSxV.dtype)
+    # the values first: XLA:CPU then runs the (row, head)-batched matmuls of few query rows as its library's, not its
+    # own loops (measured 1.6x faster on a decode step's shapes)
+    o_BxLxKxGxV = jnp.einsum("bksv,bkgls->blkgv", v_BxKxSxV, p_BxKxGxLxS)
+    return o_BxLxKxGxV.reshape(b, l, n, v_BxKxSxV.shape[-1])
+
+
 def attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, mask, scale: float, impl: str = "auto") -> jax.Array:
     """Queries over keys and values under `mask` -> [B, L, N, V]. mask: Segments (a full-sequence pass: `impl` picks
     the core) or a [B, L, S] bool array (a KV-cache pass: the einsum)."""

@@ -174,10 +174,11 @@ class MLAttention(nnx.Module):
         if cfg.attention_bias:
             self.bo_D = param(rngs, (d,), ("embed",), pd, zeros)
 
-    def cache_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Per token, the trailing shapes of what a KV cache keeps (kv): the normed latent [C] and the rotary key
-        shared by the heads [1, P] (the per-head keys and values are re-expanded from the latent, as in training)."""
-        return ((self.cfg.kv_lora_rank,), (1, self.cfg.qk_rope_head_dim))
+    def cache_shapes(self) -> tuple[tuple, ...]:
+        """Per row, the shapes of what a KV cache keeps (kv), None where the slots go: the normed latent [S, C] and
+        the rotary key shared by the heads [S, 1, P] (the per-head keys and values are re-expanded from the latent, as
+        in training, or the queries absorbed into the latent space)."""
+        return ((None, self.cfg.kv_lora_rank), (None, 1, self.cfg.qk_rope_head_dim))
 
     def _rope(self, positions_BxL):
         p = self.cfg.qk_rope_head_dim

@@ -9,7 +9,7 @@ import jax
 
 from cisjax import sharding
 from cisjax.models import hf_config
-from cisjax.models.attention import attention
+from cisjax.models.attention import Segments, attention, cache_attention
 from cisjax.models.layers import MLP, RMSNorm, apply_rope, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
 from cisjax.models.transformer import CausalLM, decoder_layers
@@ -76,9 +76,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=pd, axes=("head_dim",))
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=pd, axes=("head_dim",))
 
-    def cache_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Per token, the trailing shapes of what a KV cache keeps (kv): keys and values, [K, H] each."""
-        return ((self.cfg.num_key_value_heads, self.cfg.head_dim),) * 2
+    def cache_shapes(self) -> tuple[tuple, ...]:
+        """Per row, the shapes of what a KV cache keeps (kv), None where the slots go: keys and values, [K, S, H]
+        each (heads-major: a decode step's batched matmuls over (row, head) read them in place)."""
+        return ((self.cfg.num_key_value_heads, None, self.cfg.head_dim),) * 2
 
     def _rope(self, positions_BxL):
         h = self.cfg.head_dim
@@ -106,14 +107,16 @@ class Attention(nnx.Module):
         return self.q_norm(q_BxLxNxH) if self.qk_norm else q_BxLxNxH
 
     def attend(self, q_BxLxNxH, positions_BxL, kv, mask):
-        """Queries (query()) over `kv` (keys, values [B, S, K, H]: kv() of the same tokens, or a cache's) under `mask`
-        (attention.Segments of the same tokens, or a cache's [B, L, S] bool mask)."""
+        """Queries (query()) over `kv` under `mask`: kv() of the same tokens (keys, values [B, S, K, H]) under their
+        attention.Segments, or a cache's arrays ([B, K, S, H], cache_shapes()) under its [B, L, S] bool mask."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, l = positions_BxL.shape
         cos, sin = self._rope(positions_BxL)
         q_BxLxNxH = sharding.constrain(apply_rope(q_BxLxNxH, cos, sin), ("batch", "length", "act_heads", None))
-        k_BxSxKxH, v_BxSxKxH = kv
-        o_BxLxNxH = attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask, cfg.head_dim**-0.5, cfg.attention_impl)
+        if isinstance(mask, Segments):
+            o_BxLxNxH = attention(q_BxLxNxH, *kv, mask, cfg.head_dim**-0.5, cfg.attention_impl)
+        else:
+            o_BxLxNxH = cache_attention(q_BxLxNxH, *kv, mask, cfg.head_dim**-0.5)
         return dense(o_BxLxNxH.reshape(b, l, -1), self.wo_QxD, dt)
 
     def __call__(self, x_BxLxD, positions_BxL, mask):

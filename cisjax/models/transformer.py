@@ -24,7 +24,8 @@ REMAT_POLICIES = {
 
 
 # A KV cache: per stack of layers (layer_runs), the arrays its attention keeps per token (attn.cache_shapes(): GQA's
-# keys and values, MLA's latent and rotary key), each [n, B, S, ...] (n = the stack's layers, S = cache slots).
+# keys and values [n, B, K, S, H], heads-major, so that attention's batched matmuls read them in place; MLA's latent
+# [n, B, S, C] and rotary key [n, B, S, 1, P]); n = the stack's layers, S = cache slots.
 Cache = list[tuple[jax.Array, ...]]
 
 
@@ -76,29 +77,39 @@ class DecoderLayer(nnx.Module):
         q = self.attn.query(h_BxLxD)
         new = self.attn.kv(h_BxLxD, positions_BxL)
         seen = mask_BxLxS.shape[-1]
-        cache = tuple(_write(c, n, index, layer) for c, n in zip(cache, new))
-        if layer is None:
-            mine = tuple(c[:, :seen] for c in cache)
-        else:
-            mine = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:, :seen] for c in cache)
+        axes = [1 + slot_axis(shape) for shape in self.attn.cache_shapes()]  # of a layer's arrays [B, ...]
+        cache = tuple(_write(c, n, index, a, layer) for c, n, a in zip(cache, new, axes))
+        if layer is not None:
+            cache_j = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in cache)
+        mine = tuple(
+            jax.lax.slice_in_dim(c, 0, seen, axis=a) for c, a in zip(cache if layer is None else cache_j, axes)
+        )
         x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
 
 
-def _write(cache_xBxSx, new_BxLx, index, layer=None):
-    """new_BxLx (a layer's entries of L new tokens) into a cache array [B, S, ...] (or with `layer`, its stack's
-    [n, B, S, ...]) at slots index..index+L-1: `index` one for all rows (a slice update), or a [B] array, each row's
-    own slot for L = 1 (a scatter of one entry per row: rows of a decode that entered at different steps)."""
-    new_BxLx = new_BxLx.astype(cache_xBxSx.dtype)
-    if jnp.ndim(index) == 1:
-        rows_B = jnp.arange(new_BxLx.shape[0])
-        at = (rows_B, index) if layer is None else (layer, rows_B, index)
-        return cache_xBxSx.at[at].set(new_BxLx[:, 0], indices_are_sorted=True, unique_indices=True)
+def slot_axis(shape: tuple) -> int:
+    """Where the slots go in a per-row cache shape of attn.cache_shapes() (its None)."""
+    return shape.index(None)
+
+
+def _write(cache, new_BxLx, index, axis: int, layer=None):
+    """new_BxLx (a layer's entries of L new tokens, token-major: kv()'s) into a cache array of a layer ([B, ...], its
+    slots on `axis`; or, with `layer`, its stack's [n, B, ...]) at slots index..index+L-1: `index` one for all rows
+    (a slice update), or a [B] array, each row's own slot for L = 1 (a scatter of one entry per row: rows of a
+    decode that entered at different steps)."""
+    new_BxLx = new_BxLx.astype(cache.dtype)
+    lead = () if layer is None else (layer,)
+    if jnp.ndim(index) == 1:  # the row and slot indices apart or side by side: the entries [B, ...] either way
+        at = (*lead, jnp.arange(new_BxLx.shape[0])) + (slice(None),) * (axis - 1) + (index,)
+        return cache.at[at].set(new_BxLx[:, 0], indices_are_sorted=True, unique_indices=True)
+    new = jnp.moveaxis(new_BxLx, 1, axis)
+    start = [0] * new.ndim
+    start[axis] = index
     if layer is None:
-        return jax.lax.dynamic_update_slice_in_dim(cache_xBxSx, new_BxLx, index, axis=1)
-    start = (layer, 0, index) + (0,) * (cache_xBxSx.ndim - 3)
-    return jax.lax.dynamic_update_slice(cache_xBxSx, new_BxLx[None], start)
+        return jax.lax.dynamic_update_slice(cache, new, start)
+    return jax.lax.dynamic_update_slice(cache, new[None], [layer, *start])
 
 
 def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:
@@ -364,9 +375,16 @@ class CausalLM(nnx.Module):
         """An empty KV cache of `slots` positions for `batch` rows (zeros, the compute dtype unless given)."""
         dtype = dtype or self.cfg.dtype
         return [
-            tuple(jnp.zeros((len(run), batch, slots, *shape), dtype) for shape in stack.attn.cache_shapes())
+            tuple(
+                jnp.zeros((len(run), batch, *(slots if d is None else d for d in shape)), dtype)
+                for shape in stack.attn.cache_shapes()
+            )
             for stack, run in zip(self.stacks, layer_runs(self.cfg))
         ]
+
+    def cache_slot_axes(self) -> list[tuple[int, ...]]:
+        """Per stack, per cache array [n, B, ...] (init_cache's), the axis of its slots."""
+        return [tuple(2 + slot_axis(shape) for shape in stack.attn.cache_shapes()) for stack in self.stacks]
 
     def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS):
         """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for

@@ -167,7 +167,8 @@ class Engine:
         return self._jit(("empty", r, q, b, p, new, top_n, mask_n), make)
 
     def _enter(self, r: int, q: int, b: int, p: int, new: int):
-        return self._jit(("enter", r, q, b, p, new), lambda: jax.jit(programs.enter, donate_argnums=0))
+        make = lambda: jax.jit(programs.traced(self.graphdef, programs.enter, *self._on), donate_argnums=1)  # noqa: E731
+        return self._jit(("enter", r, q, b, p, new), make)
 
     def _decode(self, r: int, q: int, p: int, new: int, top_n: int, mask_n: int):
         def make():
@@ -203,7 +204,8 @@ class Engine:
                 sample_R = np.full(r, q, np.int32)
                 sample_R[free_R] = [waiting.popleft() for _ in free_R]
                 prompt_R = np.where(sample_R < q, sample_R // n, -1).astype(np.int32)
-                slots = self._enter(r, q, b, p, new)(slots, prompts, rows, jnp.asarray(prompt_R), jnp.asarray(sample_R))
+                enter = self._enter(r, q, b, p, new)
+                slots = enter(params, slots, prompts, rows, jnp.asarray(prompt_R), jnp.asarray(sample_R))
                 active_R[free_R] = True
             if not active_R.any():
                 break

@@ -23,7 +23,7 @@ STOP_EVERY = 4
 class Prompts(NamedTuple):
     """Prefilled prompts: what a decode slot takes from its sample's prompt when the sample enters it."""
 
-    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, P, ...] (the prompts' P slots)
+    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, ...] of the prompts' P slots
     valid_BxP: jax.Array  # the slots that are not padding
     logits_BxV: jax.Array  # fp32, after each prompt's last token: its samples' first distribution
     ids_XxBxK: jax.Array | None  # the routers' expert ids at the last prompt position (the first token's routing)
@@ -46,7 +46,9 @@ class Rows(NamedTuple):
 class Slots(NamedTuple):
     """The decode's R rows: the sample each holds, how far it is, its cache and its next token's distribution."""
 
-    cache: list  # per stack, arrays [layers, R, P + N, ...]: the sample's prompt in the first P slots, then its tokens
+    cache: (
+        list  # per stack, arrays [layers, R, ...] of P + N slots: the sample's prompt in the first P, then its tokens
+    )
     valid_RxP: jax.Array  # the prompt slots that are not padding
     sample_R: jax.Array  # int32: the sample the row holds (Q: none yet)
     t_R: jax.Array  # int32: tokens the row's sample has drawn (its next token's slot is P + t)
@@ -123,7 +125,7 @@ def empty(model, prompts: Prompts, *, slots: int, samples: int, max_new: int, to
     return free, out
 
 
-def enter(slots: Slots, prompts: Prompts, rows: Rows, prompt_R, sample_R) -> Slots:
+def enter(model, slots: Slots, prompts: Prompts, rows: Rows, prompt_R, sample_R) -> Slots:
     """Samples into rows: row r takes sample sample_R[r] of prompt prompt_R[r] (its prompt's cache entries, mask and
     first distribution; its step at 0) where prompt_R[r] >= 0; the other rows are left as they are. Only the
     entering rows' prompt slots are written (a row's own tokens past them are masked by its step)."""
@@ -137,8 +139,11 @@ def enter(slots: Slots, prompts: Prompts, rows: Rows, prompt_R, sample_R) -> Slo
 
     p = prompts.valid_BxP.shape[1]
     cache = [
-        tuple(jax.lax.dynamic_update_slice_in_dim(c, take(c[:, :, :p], n, 1), 0, axis=2) for c, n in zip(cs, ns))
-        for cs, ns in zip(slots.cache, prompts.cache)
+        tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, take(jax.lax.slice_in_dim(c, 0, p, axis=a), n, 1), 0, axis=a)
+            for c, n, a in zip(cs, ns, axes)
+        )
+        for cs, ns, axes in zip(slots.cache, prompts.cache, model.cache_slot_axes())
     ]
     sample_R = jnp.where(enters_R, sample_R, slots.sample_R)
     max_new_R = jnp.take(rows.max_new_B, jnp.minimum(sample_R, rows.max_new_B.shape[0] - 1))
@@ -261,7 +266,7 @@ def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: i
     q = prompts.valid_BxP.shape[0] * n
     slots, out = empty(model, prompts, slots=q, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     sample_R = jnp.arange(q, dtype=jnp.int32)
-    slots = enter(slots, prompts, rows, sample_R // n, sample_R)
+    slots = enter(model, slots, prompts, rows, sample_R // n, sample_R)
     return decode(model, slots, out, rows, steps=max_new)[1]
 
 

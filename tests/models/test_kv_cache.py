@@ -47,8 +47,10 @@ def test_prefill_then_decode_equals_the_full_forward(family):
     positions_BxP = np.maximum(np.cumsum(valid_BxS[:, :p], axis=1) - 1, 0)
 
     cache = model.init_cache(2, slots)
-    for entries, run in zip(cache, layer_runs(cfg)):  # per stack: [layers, rows, slots, ...] per kept array
-        assert [a.shape[:3] for a in entries] == [(len(run), 2, slots)] * len(entries)
+    # per stack: [layers, rows, ...] per kept array, its slots on its slot axis (GQA's heads before them)
+    for entries, run, axes in zip(cache, layer_runs(cfg), model.cache_slot_axes()):
+        assert [(a.shape[:2], a.shape[ax]) for a, ax in zip(entries, axes)] == [((len(run), 2), slots)] * len(entries)
+        assert axes == ((2, 2) if family == "deepseek_v2" else (3, 3))
     logits, ids, cache = _cached(model, jnp.asarray(tokens_BxP), jnp.asarray(positions_BxP), cache, 0, valid_BxS)
     got = [[logits[r, -1]] for r in range(2)]  # per row: the logits that predict each next token
     got_ids = [[None if ids is None else ids[:, r, p - len(prompts[r]) :]] for r in range(2)]
