@@ -53,6 +53,16 @@ def tiny_hf_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """The demo's task and tiny MoE, not warmed up (tests.train.looputil.prepare): built once per session (one per
+    xdist worker; ~10-25 s each) for the train, launcher, sweep, bench and evaluation tests that run on it. Read only:
+    runs, exports and caches go to each test's own directories."""
+    from tests.train import looputil
+
+    return looputil.prepare(tmp_path_factory.mktemp("demo"))
+
+
 # Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one
 # unit of work each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
 ONE_WORKER_MODULES = (

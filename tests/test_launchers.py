@@ -476,11 +476,6 @@ def test_distributed_is_opt_in(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
 def env(tmp_path_factory):
     return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
 

@@ -40,8 +40,7 @@ def test_summary_against_hand_values():
 
 
 @pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
-def test_bench_loop_tiny(tmp_path):
-    prepared = looputil.prepare(tmp_path / "demo")
+def test_bench_loop_tiny(prepared, tmp_path):
     out = tmp_path / "bench.json"
     argv = [
         "bench",

@@ -1,8 +1,9 @@
-"""The GPU check (launchers/gpu_check.sh, cisjax.bench.gpu_check) at toy sizes on the CPU, end to end through the
-launcher; its exactness check failing on a wrong reference; the time boxes; MFU's peak table."""
+"""The GPU check (launchers/gpu_check.sh, cisjax.bench.gpu_check) at toy sizes on the CPU, every section end to end
+through the launcher; its exactness check failing on a wrong reference; the time boxes; MFU's peak table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -19,20 +20,57 @@ from cisjax.plan import hardware
 from tests import xla_flags
 from tests.test_launchers import REPO
 
+# The launcher's sections in three calls (--only), one test each, which pytest-xdist spreads over its workers: one call
+# of every section was the suite's longest test (6-8 min on a loaded CI worker), the loop running beside the others.
+# Three, not one a section: each call pays the launcher's start and the environment probe (~8 s). The loop still runs
+# beside a section here (the MoE layer table), its result put back in the sections' order. That a call without --only
+# runs every section: test_default_call_runs_every_section.
+CALLS = {
+    "loop": ("loop", "moe_layer"),
+    "sampler": ("sampler", "torch_step"),
+    "kernels": ("train_step", "exactness"),
+}
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory):
-    """launchers/gpu_check.sh with this Python, one CPU device and the suite's cheap compile: (exit code, JSON, output)."""
-    out = tmp_path_factory.mktemp("gpu_check")
+
+def _check(tmp_path, sections) -> tuple[dict, str]:
+    """launchers/gpu_check.sh --only SECTIONS with this Python, one CPU device and the suite's cheap compile: (its
+    JSON, its output), checked for what every call of the check has: the environment, every part ok within the
+    budget, the targets, the tables of the sections that ran."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "PYTHONPATH")}
     env.update(
-        OUT=str(out), PYTHON=sys.executable, BUDGET_S="600", JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(xla_flags.COMPILE)
+        OUT=str(tmp_path),
+        PYTHON=sys.executable,
+        BUDGET_S="600",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=" ".join(xla_flags.COMPILE),
     )
     r = subprocess.run(
-        ["bash", str(REPO / "launchers" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=900
+        ["bash", str(REPO / "launchers" / "gpu_check.sh"), "--only", *sections],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    res = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
-    return r.returncode, res, r.stdout + r.stderr
+    output = r.stdout + r.stderr
+    assert r.returncode == 0 and (tmp_path / "gpu_check.json").is_file(), output[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["size"] == "small" and res["env"]["backend"] == "cpu" and res["env"]["device_kind"] == "cpu"
+    assert res["environment"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.93"  # the launcher's
+    assert res["env"]["versions"]["jax"] and res["env"]["versions"]["python"]
+    secs = res["sections"]
+    assert list(secs) == list(sections) and not res["deferred"] and res["next_call"] is None  # in SECTIONS' order
+    assert all(run["status"] == "ok" for s in secs.values() for run in s["runs"]), output[-3000:]
+    assert all(_real(s["estimate_s"]) and _real(s["seconds"]) for s in secs.values())  # the budget's columns
+    targets = {t["name"]: t for t in res["summary"]["targets"]}
+    assert {t["issue"] for t in targets.values()} == {45, 46, 47}
+    assert all(t["verdict"] in ("met", "missed", "not measured") for t in targets.values())
+    assert all(t["why"] for t in targets.values() if t["verdict"] == "not measured")
+    assert targets["the check fits its budget"]["verdict"] == "met"
+    tables = {"loop": "the RL loop", "sampler": "the JAX sampler", "exactness": "exactness", "train_step": "train step"}
+    tables.update(torch_step="torch step", moe_layer="MoE layer fwd+bwd")
+    for table in [tables[s] for s in sections] + ["targets", "budget"]:
+        assert table in output  # the printed tables
+    return res, output
 
 
 def _real(x) -> bool:
@@ -40,18 +78,57 @@ def _real(x) -> bool:
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_every_section_small_on_cpu(checked):
-    code, res, output = checked
-    assert code == 0 and res is not None, output[-3000:]
-    assert res["size"] == "small" and res["env"]["backend"] == "cpu" and res["env"]["device_kind"] == "cpu"
-    assert res["environment"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.93"  # the launcher's
-    assert res["env"]["versions"]["jax"] and res["env"]["versions"]["python"]
-    secs = res["sections"]
-    assert set(secs) == set(gpu_check.DEFAULT_SECTIONS) and not res["deferred"] and res["next_call"] is None
-    assert all(run["status"] == "ok" for s in secs.values() for run in s["runs"]), output[-3000:]
-    assert all(_real(s["estimate_s"]) and _real(s["seconds"]) for s in secs.values())  # the budget's columns
+def test_gpu_check_loop_beside_the_moe_layer_small_on_cpu(tmp_path):
+    res, output = _check(tmp_path, CALLS["loop"])
+    loop = res["sections"]["loop"]["stages"]
+    assert [loop[k]["status"] for k in ("prepare", "colocated", "gpu_local")] == ["ok"] * 3, output[-3000:]
+    for stage in ("colocated", "gpu_local"):  # four steps each, end to end, the canary read at every publish
+        run = loop[stage]["run"]
+        assert run["steps"] == 4 and all(0.0 <= r <= 1.0 for r in run["rewards"])
+        assert run["canary"]["checked"] == 4 and all(_real(run["phases"][p]["median_s"]) for p in ("train", "step"))
+    assert loop["colocated"]["run"]["eval"]  # the in-loop evaluation ran on the colocated sampler
+    targets = {t["name"]: t for t in res["summary"]["targets"]}
+    assert targets["loop: gpu_local.sh"]["verdict"] == "met"
 
-    ex = secs["exactness"]
+    layer = res["sections"]["moe_layer"]
+    tokens = gpu_parts.MOE_LAYER["small"]["tokens"]
+    assert list(layer["shapes"]) == [f"{s}@{tokens}" for s in gpu_parts.MOE_LAYER["small"]["shapes"]]
+    for shape in layer["shapes"].values():
+        row = shape["impls"][res["env"]["moe_default"]]
+        assert row["status"] == "ok" and _real(row["moe"]["ratio"]) and _real(row["moe"]["tflops"])
+        assert row["moe"]["mfu"] is None  # no peak for a CPU: omitted, with the reason
+    assert "no documented peak" in layer["mfu_omitted"]
+
+
+@pytest.mark.slow
+def test_gpu_check_sampler_and_torch_step_small_on_cpu(tmp_path):
+    res, _ = _check(tmp_path, CALLS["sampler"])
+    sam = res["sections"]["sampler"]
+    assert sam["jax"]["batches"] and sam["torch"]["batches"]
+    torch = res["sections"]["torch_step"]
+    assert torch["device"] == "cpu" and any(k.startswith("fastest@") for k in torch)
+    assert all(torch[k]["status"] == "ok" and _real(torch[k]["tokens_per_s"]) for k in torch if "@" in k)
+
+
+@pytest.mark.slow
+def test_gpu_check_train_step_and_exactness_small_on_cpu(tmp_path):
+    res, _ = _check(tmp_path, CALLS["kernels"])
+    steps = res["sections"]["train_step"]
+    combos = [k for k in steps if "@" in k]
+    default, (rows0, seq0) = res["env"]["moe_default"], gpu_parts.STEP_TOKENS["small"][0]
+    assert combos == [f"{default}@{r}x{t}" for r, t in gpu_parts.STEP_TOKENS["small"]] + [
+        f"{default}+{o}@{rows0}x{seq0}"
+        for o in gpu_parts.STATE_OPTIONS  # the optimizer state's memory options
+    ]
+    for key in combos:
+        r = steps[key]
+        assert r["status"] == "ok" and _real(r["tokens_per_s"]) and _real(r["train_flops"]) and r["mfu"] is None
+        assert r["peak_gib"] is None and r["memory_note"] and math.isfinite(r["loss"])
+        split = r["memory_split"]  # the compiler's buffer assignment of the step it ran, beside the peak
+        assert split["live_before_gib"] is None and split["compiled_gib"]["arguments"] > 0
+        assert split["compiled_gib"]["aliased"] > 0 and split["compiled_gib"]["temporaries"] > 0  # state donated
+
+    ex = res["sections"]["exactness"]
     assert ex["ok"] and not ex["failures"] and res["summary"]["exactness"]["ok"] is True
     assert set(ex["moe"]) == set(moe.IMPLS) - {"auto"} and set(ex["attention"]) == set(attention.IMPLS) - {"auto"}
     measured = set()
@@ -71,52 +148,16 @@ def test_gpu_check_runs_every_section_small_on_cpu(checked):
     assert {"tiled", "ragged", "dense", "einsum"} <= measured  # XLA's own impls run everywhere
     sizes = ex["moe_group_sizes"]
     assert 0 in sizes and len(set(s for s in sizes if s)) > 1  # empty and ragged groups
-
-    layer = secs["moe_layer"]
-    tokens = gpu_parts.MOE_LAYER["small"]["tokens"]
-    assert list(layer["shapes"]) == [f"{s}@{tokens}" for s in gpu_parts.MOE_LAYER["small"]["shapes"]]
-    for shape in layer["shapes"].values():
-        row = shape["impls"][res["env"]["moe_default"]]
-        assert row["status"] == "ok" and _real(row["moe"]["ratio"]) and _real(row["moe"]["tflops"])
-        assert row["moe"]["mfu"] is None  # no peak for a CPU: omitted, with the reason
-    assert "no documented peak" in layer["mfu_omitted"]
-
-    steps = secs["train_step"]
-    combos = [k for k in steps if "@" in k]
-    default, (rows0, seq0) = res["env"]["moe_default"], gpu_parts.STEP_TOKENS["small"][0]
-    assert combos == [f"{default}@{r}x{t}" for r, t in gpu_parts.STEP_TOKENS["small"]] + [
-        f"{default}+{o}@{rows0}x{seq0}"
-        for o in gpu_parts.STATE_OPTIONS  # the optimizer state's memory options
-    ]
-    for key in combos:
-        r = steps[key]
-        assert r["status"] == "ok" and _real(r["tokens_per_s"]) and _real(r["train_flops"]) and r["mfu"] is None
-        assert r["peak_gib"] is None and r["memory_note"] and math.isfinite(r["loss"])
-        split = r["memory_split"]  # the compiler's buffer assignment of the step it ran, beside the peak
-        assert split["live_before_gib"] is None and split["compiled_gib"]["arguments"] > 0
-        assert split["compiled_gib"]["aliased"] > 0 and split["compiled_gib"]["temporaries"] > 0  # state donated
-    torch = secs["torch_step"]
-    assert torch["device"] == "cpu" and any(k.startswith("fastest@") for k in torch)
-    assert all(torch[k]["status"] == "ok" and _real(torch[k]["tokens_per_s"]) for k in torch if "@" in k)
-
-    loop = secs["loop"]["stages"]
-    assert [loop[k]["status"] for k in ("prepare", "colocated", "gpu_local")] == ["ok"] * 3, output[-3000:]
-    for stage in ("colocated", "gpu_local"):  # four steps each, end to end, the canary read at every publish
-        run = loop[stage]["run"]
-        assert run["steps"] == 4 and all(0.0 <= r <= 1.0 for r in run["rewards"])
-        assert run["canary"]["checked"] == 4 and all(_real(run["phases"][p]["median_s"]) for p in ("train", "step"))
-    assert loop["colocated"]["run"]["eval"]  # the in-loop evaluation ran on the colocated sampler
-    sam = secs["sampler"]
-    assert sam["jax"]["batches"] and sam["torch"]["batches"]
-
     targets = {t["name"]: t for t in res["summary"]["targets"]}
-    assert {t["issue"] for t in targets.values()} == {45, 46, 47}
-    assert all(t["verdict"] in ("met", "missed", "not measured") for t in targets.values())
-    assert all(t["why"] for t in targets.values() if t["verdict"] == "not measured")
-    assert targets["loop: gpu_local.sh"]["verdict"] == "met" and targets["exactness"]["verdict"] == "met"
-    assert targets["the check fits its budget"]["verdict"] == "met"
-    for table in ("the RL loop", "the JAX sampler", "exactness", "train step", "torch step", "targets", "budget"):
-        assert table in output  # the printed tables
+    assert targets["exactness"]["verdict"] == "met"
+
+
+def test_default_call_runs_every_section():
+    """Without --only the check runs every section but the sweep, and the calls above together run them all."""
+    parser = argparse.ArgumentParser()
+    gpu_check.add_args(parser)
+    assert parser.parse_args(["--out", "x.json"]).only == list(gpu_check.DEFAULT_SECTIONS)
+    assert sorted(s for call in CALLS.values() for s in call) == sorted(gpu_check.DEFAULT_SECTIONS)
 
 
 def test_exactness_fails_on_a_wrong_reference():

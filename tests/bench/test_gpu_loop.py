@@ -1,5 +1,5 @@
 """The GPU check's loop section: its learning verdict by hand and on a recorded run's metrics, a run's figures from
-metrics.jsonl rows. (The section itself runs end to end in tests/bench/test_gpu_check.py's launcher run.)"""
+metrics.jsonl rows. (The section itself runs end to end in tests/bench/test_gpu_check.py's launcher call.)"""
 
 from __future__ import annotations
 

@@ -15,17 +15,11 @@ from cisjax.evaluation.served import check_vocabulary
 from cisjax.evaluation.sets import BENCHMARKS
 from cisjax.rollout import engine_env
 from tests.rollout import serverutil
-from tests.train import looputil
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax eval on the real vLLM engine
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DATA = f"{FIXTURES / 'eval'},gsm8k={FIXTURES / 'gsm8k' / 'test.jsonl'}"
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,6 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 
 from cisjax.commands import mismatch as command  # noqa: E402
 from cisjax.mismatch import engines, records  # noqa: E402
-from tests.train import looputil  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -23,14 +22,13 @@ N_PROMPTS, N, NEW, TOPK, PROBES = 4, 2, 8, 20, 12
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, prepared):
     """The tiny MoE, and a vLLM, a transformers and a JAX server on it (fp32: the engines agree to ~1e-5), once per
     module."""
     from cisjax.rollout.client import RolloutClient
     from cisjax.rollout.launch import ChildServer
 
     root = tmp_path_factory.mktemp("measure")
-    prepared = looputil.prepare(root / "demo")
     (root / "exports").mkdir()
     started = []
     try:

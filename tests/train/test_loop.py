@@ -26,11 +26,6 @@ from tests.train import looputil  # noqa: E402
 REPO = str(looputil.REPO)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
-
-
 def _cfg(prepared, run_dir, **overrides):
     base = [
         f"--config.model.path={prepared / 'model'}",

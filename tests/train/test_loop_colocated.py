@@ -15,11 +15,6 @@ from tests.train import looputil
 REPO = str(looputil.REPO)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
-
-
 def _cfg(prepared, run_dir, *extra):
     return config_lib.load(
         os.path.join(REPO, "configs", "demo_cpu.py"),

@@ -23,15 +23,6 @@ STEPS = 4  # the two-process run is stopped after 3 (a checkpoint) and resumed f
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    from cisjax import demo
-
-    out = tmp_path_factory.mktemp("demo")
-    assert demo.prepare(out, seed=0, warmup_steps=0, heldout=64, eval_size=0, log=lambda *_: None) == 0
-    return out
-
-
 class _Run:
     """The worker processes of one `train` call (one per jax process), their logs under `tmp`."""
 

@@ -19,11 +19,6 @@ EXIT_S = 60.0  # from Ctrl-C to exit: the step in flight, the checkpoint, the se
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
 def env(tmp_path_factory):
     return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
 
