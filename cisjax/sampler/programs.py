@@ -262,11 +262,28 @@ def traced(graphdef, fn, mesh=None, rules=None):
 
 
 def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
-    """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end."""
+    """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end. The
+    rows are made as `enter` would fill them, but in one piece: each prompt's entries repeated for its samples and
+    padded with the decode's slots (entering rows into empty ones would hold a gathered copy of their prompt slots
+    beside the cache)."""
     q = prompts.valid_BxP.shape[0] * n
-    slots, out = empty(model, prompts, slots=q, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
-    sample_R = jnp.arange(q, dtype=jnp.int32)
-    slots = enter(model, slots, prompts, rows, sample_R // n, sample_R)
+    _, out = empty(model, prompts, slots=0, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
+    rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
+
+    def padded(a, axis):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, max_new)
+        return jnp.pad(rep(a, 1), widths)
+
+    slots = Slots(
+        [tuple(padded(a, ax) for a, ax in zip(cs, axes)) for cs, axes in zip(prompts.cache, model.cache_slot_axes())],
+        rep(prompts.valid_BxP, 0),
+        jnp.arange(q, dtype=jnp.int32),
+        jnp.zeros((q,), jnp.int32),
+        rows.max_new_B > 0,
+        rep(prompts.logits_BxV, 0),
+        rep(prompts.ids_XxBxK, 1),
+    )
     return decode(model, slots, out, rows, steps=max_new)[1]
 
 
