@@ -73,21 +73,15 @@ def cache_mask(valid_BxS: jax.Array, index, length: int) -> jax.Array:
 
 def einsum_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxV, mask_BxLxS, scale: float) -> jax.Array:
     """Grouped-query attention; scores and softmax in fp32, probabilities cast to the value dtype
-    (as the HF eager path). Returns [B, L, N, V]."""
-    b, l, n, h = q_BxLxNxH.shape
-    kv = k_BxSxKxH.shape[2]
-    q_BxLxKxGxH = q_BxLxNxH.reshape(b, l, kv, n // kv, h)
-    s_BxKxGxLxS = jnp.einsum("blkgh,bskh->bkgls", q_BxLxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
-    s_BxKxGxLxS = s_BxKxGxLxS * scale
-    s_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxSxKxV.dtype)
-    o_BxLxKxGxV = jnp.einsum("bkgls,bskv->blkgv", p_BxKxGxLxS, v_BxSxKxV)
-    return o_BxLxKxGxV.reshape(b, l, n, v_BxSxKxV.shape[-1])
+    (as the HF eager path). Returns [B, L, N, V]. cache_attention's, over keys and values token-major."""
+    k_BxKxSxH, v_BxKxSxV = (jnp.moveaxis(a, 2, 1) for a in (k_BxSxKxH, v_BxSxKxV))
+    return cache_attention(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale)
 
 
 def cache_attention(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale: float) -> jax.Array:
-    """einsum_attention over a KV cache's heads-major keys and values (transformer.Cache): the batched matmuls over
-    (row, head) read them as they lie (a [B, S, K, H] cache is transposed whole, per layer and step, first). Returns
+    """Grouped-query attention over heads-major keys and values (a KV cache's: transformer.Cache); scores and softmax
+    in fp32, probabilities cast to the value dtype (as the HF eager path). The batched matmuls over (row, head) read
+    them as they lie (a [B, S, K, H] cache would be transposed whole, per layer and step, first). Returns
     [B, L, N, V]."""
     b, l, n, h = q_BxLxNxH.shape
     kv = k_BxKxSxH.shape[1]
