@@ -132,7 +132,11 @@ class Engine:
         power of two; a multiple of the batch shards either way."""
         if self.width_step and rows > self.width_step:
             return -(-rows // self.width_step) * self.width_step
-        return -(-bucket(rows, 1) // self.batch_multiple) * self.batch_multiple
+        return self._shards(bucket(rows, 1))
+
+    def _shards(self, rows: int) -> int:
+        """`rows` rounded up to a multiple of the batch shards."""
+        return -(-rows // self.batch_multiple) * self.batch_multiple
 
     def _narrowed(self, width: int, active: int) -> int:
         """The width a decode of `width` rows, `active` of them active and no sample waiting, goes on at: the width
@@ -193,6 +197,7 @@ class Engine:
         t1 = time.perf_counter()
         prompt_routing = None if prompts.prompt_ids_XxBxPxK is None else np.asarray(prompts.prompt_ids_XxBxPxK)
         r = min(self._width(len(samples)), self.max_rows)
+        used.append(("empty", r, q, b, p, new, top_n, mask_n))
         slots, out = self._empty(r, q, b, p, new, top_n, mask_n)(params, prompts)
         waiting = collections.deque(samples)
         active_R = np.zeros(r, bool)
@@ -204,6 +209,7 @@ class Engine:
                 sample_R = np.full(r, q, np.int32)
                 sample_R[free_R] = [waiting.popleft() for _ in free_R]
                 prompt_R = np.where(sample_R < q, sample_R // n, -1).astype(np.int32)
+                used.append(("enter", r, q, b, p, new))
                 enter = self._enter(r, q, b, p, new)
                 slots = enter(params, slots, prompts, rows, jnp.asarray(prompt_R), jnp.asarray(sample_R))
                 active_R[free_R] = True
@@ -212,6 +218,7 @@ class Engine:
             to = r if waiting else self._narrowed(r, int(active_R.sum()))
             if to < r:  # the active rows into fewer
                 kept = np.concatenate([np.flatnonzero(active_R), np.flatnonzero(~active_R)])[:to]
+                used.append(("narrow", r, to, p, new))
                 slots = self._keep(r, to, p, new)(slots, jnp.asarray(kept.astype(np.int32)))
                 r, active_R = to, active_R[kept]
             used.append(("decode", r, q, p, new, top_n, mask_n))
@@ -257,7 +264,7 @@ class Engine:
             self.check(r.prompt, r.params)
         n = ns.pop()
         p = bucket(max(len(r.prompt) for r in requests), self.prompt_bucket)
-        b = -(-bucket(len(requests), 1) // self.batch_multiple) * self.batch_multiple
+        b = self._shards(bucket(len(requests), 1))
         new = bucket(max(r.params.max_new_tokens for r in requests), self.new_bucket)
         top_n = max(r.params.logprobs for r in requests)
         # return_sampling_mask of a truncated request: its support lies in the top_k best ids (ties aside)

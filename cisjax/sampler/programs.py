@@ -95,12 +95,10 @@ def prefill(model, tokens_BxP, valid_BxP) -> Prompts:
 
 
 def empty(model, prompts: Prompts, *, slots: int, samples: int, max_new: int, top_n: int = 0, mask_n: int = 0):
-    """(Slots, Decoded): `slots` rows holding no sample, with caches of P + max_new slots; zeroed outputs for
-    `samples` samples (their routing, top-n and support buffers where asked and the model routes)."""
+    """(Slots, Decoded): `slots` rows holding no sample, with caches of P + max_new slots; `outputs` for `samples`
+    samples."""
     r, q, p = slots, samples, prompts.valid_BxP.shape[1]
-    v = prompts.logits_BxV.shape[1]
     ids = prompts.ids_XxBxK
-    mask_n = min(mask_n, v)  # a top_k of V or more cuts nothing
     dtype = jax.tree.leaves(prompts.cache)[0].dtype
     free = Slots(
         model.init_cache(r, p + max_new, dtype),
@@ -108,10 +106,18 @@ def empty(model, prompts: Prompts, *, slots: int, samples: int, max_new: int, to
         jnp.full((r,), q, jnp.int32),
         jnp.zeros((r,), jnp.int32),
         jnp.zeros((r,), bool),
-        jnp.zeros((r, v), jnp.float32),
+        jnp.zeros((r, prompts.logits_BxV.shape[1]), jnp.float32),
         None if ids is None else jnp.zeros((ids.shape[0], r, ids.shape[2]), ids.dtype),
     )
-    out = Decoded(
+    return free, outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
+
+
+def outputs(prompts: Prompts, *, samples: int, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
+    """Zeroed outputs for `samples` samples of up to max_new tokens (their routing, top-n and support buffers where
+    asked and the model routes)."""
+    q, ids = samples, prompts.ids_XxBxK
+    mask_n = min(mask_n, prompts.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
+    return Decoded(
         jnp.zeros((q, max_new), jnp.int32),
         jnp.zeros((q, max_new), jnp.float32),
         jnp.zeros((q,), jnp.int32),
@@ -122,7 +128,6 @@ def empty(model, prompts: Prompts, *, slots: int, samples: int, max_new: int, to
         jnp.zeros((q, max_new, mask_n), jnp.int32) if mask_n else None,
         jnp.zeros((q, max_new), jnp.int32) if mask_n else None,
     )
-    return free, out
 
 
 def enter(model, slots: Slots, prompts: Prompts, rows: Rows, prompt_R, sample_R) -> Slots:
@@ -267,7 +272,7 @@ def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: i
     padded with the decode's slots (entering rows into empty ones would hold a gathered copy of their prompt slots
     beside the cache)."""
     q = prompts.valid_BxP.shape[0] * n
-    _, out = empty(model, prompts, slots=0, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
+    out = outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
 
     def padded(a, axis):
