@@ -24,7 +24,11 @@ def test_sampling_and_requests():
     params, warm = workload.sampling(_args())
     assert (params.n, params.max_new_tokens, params.temperature, params.seed) == (2, 3, 0.7, 0)
     assert (warm.n, warm.max_new_tokens) == (2, 2)  # the warm-up: at most 2 new tokens
-    assert workload.requests(_args(), [[1, 2], [3]]) == dict(prompts=2, samples=4, prompt_tokens=3, new_tokens=12)
+    want = dict(prompts=2, samples=4, prompt_tokens=3, new_tokens=12)
+    assert workload.requests(_args(), [[1, 2], [3]]) == {**want, "stop_token_ids": []}  # fixed lengths: no stops
+    varied = _args(lengths="varied", vocab=100)
+    stops = list(range(100 - tiny_model.STOP_TOKENS, 100))  # the vocabulary's last ids
+    assert workload.requests(varied, [[1, 2], [3]]) == {**want, "stop_token_ids": stops}
 
 
 def test_throughput_rows_against_a_baseline():
