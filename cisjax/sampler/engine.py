@@ -195,7 +195,7 @@ class Engine:
         t0 = time.perf_counter()
         prompts = jax.block_until_ready(self._prefill(b, p)(params, tokens_BxP, valid_BxP))
         t1 = time.perf_counter()
-        prompt_routing = None if prompts.prompt_ids_XxBxPxK is None else np.asarray(prompts.prompt_ids_XxBxPxK)
+        prompt_routing = None if prompts.prompt_ids_XxKxBxP is None else np.asarray(prompts.prompt_ids_XxKxBxP)
         r = min(self._width(len(samples)), self.max_rows)
         used.append(("empty", r, q, b, p, new, top_n, mask_n))
         slots, out = self._empty(r, q, b, p, new, top_n, mask_n)(params, prompts)
@@ -329,15 +329,15 @@ class Engine:
                 logprobs=out.logprobs_BxN[i, :m].tolist(),
                 finish_reason="stop" if out.stopped_B[i] else "length",
                 versions=[version] * m,
-                top_ids=out.top_ids_BxNxT[i, :m, :top].tolist() if top else None,
-                top_logprobs=out.top_logprobs_BxNxT[i, :m, :top].tolist() if top else None,
+                top_ids=out.top_ids_BxTxN[i, :top, :m].T.tolist() if top else None,
+                top_logprobs=out.top_logprobs_BxTxN[i, :top, :m].T.tolist() if top else None,
             )
             if r.params.return_sampling_mask:
                 s.support = Engine._support(out, i, m, r.params)
-            if r.params.return_routing and out.routing_BxNxXxK is not None:
-                s.routing = out.routing_BxNxXxK[i, :m]
-                # [X, B, P, k] -> the real prompt's positions but its last: [len - 1, X, k]
-                s.prompt_routing = np.moveaxis(prompt_routing[:, prompt, p - len(r.prompt) : p - 1], 0, 1)
+            if r.params.return_routing and out.routing_XxKxBxN is not None:
+                s.routing = np.moveaxis(out.routing_XxKxBxN[:, :, i, :m], 2, 0)  # [m, X, k]
+                # [X, k, B, P] -> the real prompt's positions but its last: [len - 1, X, k]
+                s.prompt_routing = np.moveaxis(prompt_routing[:, :, prompt, p - len(r.prompt) : p - 1], 2, 0)
             samples.append(s)
         return samples
 
@@ -348,9 +348,9 @@ class Engine:
             return [], [0] * m
         counts = out.support_counts_BxN[i, :m]
         wide = int(counts.max(initial=0))
-        if wide > out.support_ids_BxNxS.shape[-1]:  # ties at the k-th value kept more than top_k tokens
+        if wide > out.support_ids_BxSxN.shape[1]:  # ties at the k-th value kept more than top_k tokens
             raise ValueError(
                 f"a sampling support of {wide} tokens exceeds the top_k={params.top_k} bound (ties at the k-th value)"
             )
-        ids = [tok for t in range(m) for tok in out.support_ids_BxNxS[i, t, : counts[t]].tolist()]
+        ids = [tok for t in range(m) for tok in out.support_ids_BxSxN[i, : counts[t], t].tolist()]
         return ids, counts.tolist()

@@ -27,7 +27,8 @@ class Prompts(NamedTuple):
     valid_BxP: jax.Array  # the slots that are not padding
     logits_BxV: jax.Array  # fp32, after each prompt's last token: its samples' first distribution
     ids_XxBxK: jax.Array | None  # the routers' expert ids at the last prompt position (the first token's routing)
-    prompt_ids_XxBxPxK: jax.Array | None  # the routers' expert ids at every prompt slot
+    # the routers' expert ids at every prompt slot, the slots minor (ids minor, a TPU pads k to 128 lanes: 32x at k = 4)
+    prompt_ids_XxKxBxP: jax.Array | None
 
 
 class Rows(NamedTuple):
@@ -58,18 +59,19 @@ class Slots(NamedTuple):
 
 
 class Decoded(NamedTuple):
-    """Per sample (Q of them), what its tokens came with."""
+    """Per sample (Q of them), what its tokens came with. Buffers of several values per step hold the steps minor: a
+    TPU lays an array out in tiles of 128 along its minor axis, so [Q, N, T] at T = 5 would take 25x its bytes."""
 
     tokens_BxN: jax.Array  # int32, 0 after a sample's end
     logprobs_BxN: jax.Array  # fp32, the sampling distribution's logprob of each token
     lengths_B: jax.Array  # int32, tokens produced (the stop token included)
     stopped_B: jax.Array  # bool: ended on a stop token (else on its length)
-    top_ids_BxNxT: jax.Array | None  # the T most likely tokens of each step's distribution
-    top_logprobs_BxNxT: jax.Array | None
-    routing_BxNxXxK: jax.Array | None  # expert ids of the forward that produced each token
+    top_ids_BxTxN: jax.Array | None  # the T most likely tokens of each step's distribution
+    top_logprobs_BxTxN: jax.Array | None
+    routing_XxKxBxN: jax.Array | None  # expert ids of the forward that produced each token
     # return_sampling_mask: the S most likely ids of each step's distribution, and how many tokens it kept (the
     # support is the first count of the S when count <= S; a larger count: ties past the top-k bound)
-    support_ids_BxNxS: jax.Array | None = None
+    support_ids_BxSxN: jax.Array | None = None
     support_counts_BxN: jax.Array | None = None
 
 
@@ -90,7 +92,7 @@ def prefill(model, tokens_BxP, valid_BxP) -> Prompts:
         valid_BxP,
         _last_logits(model, out.hidden_BxLxD[:, -1]),
         None if ids is None else ids[:, :, -1],
-        ids,
+        None if ids is None else jnp.moveaxis(ids, 3, 1),
     )
 
 
@@ -117,16 +119,20 @@ def outputs(prompts: Prompts, *, samples: int, max_new: int, top_n: int = 0, mas
     asked and the model routes)."""
     q, ids = samples, prompts.ids_XxBxK
     mask_n = min(mask_n, prompts.logits_BxV.shape[1])  # a top_k of V or more cuts nothing
+
+    def zeros(dtype, *shape, at=0):  # the samples (axis `at`) split over the mesh's batch shards, as their rows are
+        return sharding.constrain(jnp.zeros(shape, dtype), [None] * at + ["batch"] + [None] * (len(shape) - at - 1))
+
     return Decoded(
-        jnp.zeros((q, max_new), jnp.int32),
-        jnp.zeros((q, max_new), jnp.float32),
-        jnp.zeros((q,), jnp.int32),
-        jnp.zeros((q,), bool),
-        jnp.zeros((q, max_new, top_n), jnp.int32) if top_n else None,
-        jnp.zeros((q, max_new, top_n), jnp.float32) if top_n else None,
-        None if ids is None else jnp.zeros((q, max_new, ids.shape[0], ids.shape[2]), ids.dtype),
-        jnp.zeros((q, max_new, mask_n), jnp.int32) if mask_n else None,
-        jnp.zeros((q, max_new), jnp.int32) if mask_n else None,
+        zeros(jnp.int32, q, max_new),
+        zeros(jnp.float32, q, max_new),
+        zeros(jnp.int32, q),
+        zeros(bool, q),
+        zeros(jnp.int32, q, top_n, max_new) if top_n else None,
+        zeros(jnp.float32, q, top_n, max_new) if top_n else None,
+        None if ids is None else zeros(ids.dtype, ids.shape[0], ids.shape[2], q, max_new, at=2),
+        zeros(jnp.int32, q, mask_n, max_new) if mask_n else None,
+        zeros(jnp.int32, q, max_new) if mask_n else None,
     )
 
 
@@ -187,8 +193,8 @@ def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tupl
     computations until a sample enters it are not read)."""
     q, n = out.tokens_BxN.shape
     r, p = slots.valid_RxP.shape
-    top_n = 0 if out.top_ids_BxNxT is None else out.top_ids_BxNxT.shape[2]
-    mask_n = 0 if out.support_ids_BxNxS is None else out.support_ids_BxNxS.shape[2]
+    top_n = 0 if out.top_ids_BxTxN is None else out.top_ids_BxTxN.shape[1]
+    mask_n = 0 if out.support_ids_BxSxN is None else out.support_ids_BxSxN.shape[1]
     routed = slots.ids_XxRxK is not None
 
     class Carry(NamedTuple):
@@ -207,23 +213,24 @@ def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tupl
         at_R = jnp.where(on_R, s.sample_R, q)  # an inactive row's writes fall outside the buffers: dropped
         t_R = jnp.minimum(s.t_R, n - 1)  # a row that ended at its N-th token stays at its last slot
         put = lambda buf, val: buf.at[at_R, t_R].set(val, mode="drop")  # noqa: E731
+        put_many = lambda buf, val_RxT: buf.at[at_R, :, t_R].set(val_RxT, mode="drop")  # noqa: E731  [Q, T, N]
         stop_R = on_R & jnp.any(tok_R[:, None] == row.stop_ids_BxT, axis=-1)
         top = (None, None)
         if top_n:
             top_v, top_i = jax.lax.top_k(lp_RxV, top_n)
-            top = (put(o.top_ids_BxNxT, top_i.astype(jnp.int32)), put(o.top_logprobs_BxNxT, top_v))
+            top = (put_many(o.top_ids_BxTxN, top_i.astype(jnp.int32)), put_many(o.top_logprobs_BxTxN, top_v))
         support = (None, None)
         if mask_n:  # the support: the tokens the filters left finite (at most mask_n of them when top_k bounds it)
             _, mask_i = jax.lax.top_k(lp_RxV, mask_n)
             kept_R = jnp.sum(jnp.isfinite(lp_RxV), axis=-1).astype(jnp.int32)
-            support = (put(o.support_ids_BxNxS, mask_i.astype(jnp.int32)), put(o.support_counts_BxN, kept_R))
+            support = (put_many(o.support_ids_BxSxN, mask_i.astype(jnp.int32)), put(o.support_counts_BxN, kept_R))
         o = Decoded(
             put(o.tokens_BxN, tok_R),
             put(o.logprobs_BxN, lp_R),
             o.lengths_B.at[at_R].add(1, mode="drop"),
             o.stopped_B.at[at_R].set(stop_R, mode="drop"),
             *top,
-            put(o.routing_BxNxXxK, jnp.moveaxis(s.ids_XxRxK, 1, 0)) if routed else None,
+            o.routing_XxKxBxN.at[:, :, at_R, t_R].set(jnp.moveaxis(s.ids_XxRxK, 2, 1), mode="drop") if routed else None,
             *support,
         )
         # the tokens back through the model at each row's slot p + t (a free row's too: its results are not read)
@@ -266,22 +273,31 @@ def traced(graphdef, fn, mesh=None, rules=None):
     return run
 
 
+def _rows_of(prompt_nxBx, axis: int, *, n: int, max_new: int) -> jax.Array:
+    """A stack's cache array of the prompts' P slots [layers, B, ...] (slots on `axis`) -> the rows' [layers, B * n, ...]
+    of P + max_new slots: each prompt's entries in its n rows' first P slots, zeros after. Padded then repeated, or
+    repeated then padded, whichever leaves the smaller copy beside the cache (the padded prompts' B x (P + N) slots,
+    or the repeated ones' B n x P). Built a layer at a time in a loop instead, the TPU compiler kept the loop's output
+    apart from the decode's (a second cache: docs/results.md)."""
+    p = prompt_nxBx.shape[axis]
+    widths = [(0, max_new) if i == axis else (0, 0) for i in range(prompt_nxBx.ndim)]
+    if n * p < p + max_new:
+        return jnp.pad(jnp.repeat(prompt_nxBx, n, axis=1), widths)
+    return jnp.repeat(jnp.pad(prompt_nxBx, widths), n, axis=1)
+
+
 def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
     """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end. The
-    rows are made as `enter` would fill them, but in one piece: each prompt's entries repeated for its samples and
-    padded with the decode's slots (entering rows into empty ones would hold a gathered copy of their prompt slots
-    beside the cache)."""
+    rows are made as `enter` would fill them, but in one piece (_rows_of; entering rows into empty ones would hold a
+    gathered copy of their prompt slots beside the cache)."""
     q = prompts.valid_BxP.shape[0] * n
     out = outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
-
-    def padded(a, axis):
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, max_new)
-        return jnp.pad(rep(a, 1), widths)
-
     slots = Slots(
-        [tuple(padded(a, ax) for a, ax in zip(cs, axes)) for cs, axes in zip(prompts.cache, model.cache_slot_axes())],
+        [
+            tuple(_rows_of(a, ax, n=n, max_new=max_new) for a, ax in zip(cs, axes))
+            for cs, axes in zip(prompts.cache, model.cache_slot_axes())
+        ],
         rep(prompts.valid_BxP, 0),
         jnp.arange(q, dtype=jnp.int32),
         jnp.zeros((q,), jnp.int32),
@@ -309,7 +325,7 @@ def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, me
 
     def run(params, tokens_BxP, valid_BxP, rows: Rows):
         prompts = pre_fn(params, tokens_BxP, valid_BxP)
-        return dec_fn(params, prompts, rows), prompts.prompt_ids_XxBxPxK
+        return dec_fn(params, prompts, rows), prompts.prompt_ids_XxKxBxP
 
     return run
 

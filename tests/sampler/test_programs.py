@@ -41,3 +41,35 @@ def test_fp32_sampling_on_a_gpu_is_full_precision(tiny_hf_dir, monkeypatch):
     outside = [eqn.params["precision"] for eqn, inside in dots if not inside]
     assert len(outside) > 5 and any(inside for _, inside in dots)  # the model's matmuls, the Triton kernels'
     assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in outside), outside
+
+
+def test_per_step_outputs_hold_the_steps_minor_and_split_over_the_batch_shards():
+    """The buffers of several values per step (top ids and logprobs, the support, the routing) have the steps as their
+    minor axis (a TPU pads a minor axis to 128 lanes: [Q, N, X, k] at k = 4 took 32x its bytes), and every per-sample
+    buffer is split over the mesh's batch shards as the samples' rows are (whole on every chip, the routing buffer of
+    Qwen1.5-MoE's 1,024 samples was 12 GiB per chip of v5p-16)."""
+    x, b, k, v = 3, 16, 4, 50  # MoE layers, prompts, experts per token, vocabulary
+    prompts = programs.Prompts(
+        cache=[],
+        valid_BxP=jax.ShapeDtypeStruct((b, 8), bool),
+        logits_BxV=jax.ShapeDtypeStruct((b, v), jax.numpy.float32),
+        ids_XxBxK=jax.ShapeDtypeStruct((x, b, k), jax.numpy.int32),
+        prompt_ids_XxKxBxP=None,
+    )
+    q, new, top_n, mask_n = 2 * b, 12, 5, 7
+    mesh = sharding.make_mesh({"fsdp": 8})
+
+    def zeroed(prompts):
+        with sharding.use_mesh(mesh):
+            return programs.outputs(prompts, samples=q, max_new=new, top_n=top_n, mask_n=mask_n)
+
+    out = jax.jit(zeroed)(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), prompts))
+    assert out.top_ids_BxTxN.shape == out.top_logprobs_BxTxN.shape == (q, top_n, new)
+    assert out.support_ids_BxSxN.shape == (q, mask_n, new)
+    assert out.routing_XxKxBxN.shape == (x, k, q, new)
+    for name, buf in out._asdict().items():
+        batch_axis = 2 if name == "routing_XxKxBxN" else 0
+        shard = buf.sharding.shard_shape(buf.shape)
+        assert shard[batch_axis] == q // 8 and shard[:batch_axis] + shard[batch_axis + 1 :] == (
+            buf.shape[:batch_axis] + buf.shape[batch_axis + 1 :]
+        ), (name, shard)
