@@ -17,6 +17,7 @@ from cisjax.models import hf_io
 from cisjax.plan import flops as flops_lib
 from cisjax.plan import hardware
 from cisjax.sampler import programs
+from cisjax.sampler.costs import decode_bytes_per_step, kv_cache_bytes, param_counts, roofline_fraction
 from cisjax.sampler.sampling import key_data
 
 # the fp32 agreement's batch (an fp32 engine and trainer: twice the weights' bytes): prompts, n, new tokens
@@ -68,43 +69,6 @@ def rows_of(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> progr
 
 
 # ----------------------------------------------------------------------------- work and bytes, from the shapes
-
-
-def param_counts(model) -> dict:
-    """An (abstract) model's parameters as one decode step reads them: `shared` (read whatever the batch: attention,
-    norms, routers, shared experts, the unembedding; not the embedding table, of which a step gathers a row per
-    sample), `experts` (every layer's routed expert stacks), E and top-k."""
-    total = flops_lib.total_params(model)
-    experts, e, k = 0, 1, 0
-    for stack in model.stacks:
-        if stack.is_moe:
-            moe = stack.mlp.moe
-            experts += sum(int(np.prod(w.shape)) for w in (moe.wg_ExDxF, moe.wu_ExDxF, moe.wo_ExFxD))
-            e, k = moe.wg_ExDxF.shape[1], moe.k
-    embed = 0 if model.cfg.tie_word_embeddings else int(np.prod(model.embed_VxD.shape))
-    return dict(total=total, shared=total - experts - embed, experts=experts, num_experts=e, top_k=k)
-
-
-def kv_cache_bytes(model, rows: int, slots: int) -> int:
-    """Bytes of the KV cache of `rows` samples and `slots` positions (model.init_cache's arrays; nothing allocated)."""
-    cache = jax.eval_shape(lambda: model.init_cache(rows, slots))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-
-
-def decode_bytes_per_step(
-    *, shared_params: int, expert_params: int, num_experts: int, top_k: int, rows: int, kv_bytes: int, param_bytes=2
-) -> dict:
-    """The bytes one decode step must read from HBM (it is memory-bound): the shared parameters, the routed experts
-    the step's rows touch (min(E, rows x k) of E per layer: at rows x k >= E every expert, an upper bound below), at
-    `param_bytes` each, and the KV cache read (`kv_bytes`)."""
-    touched = min(num_experts, rows * top_k)
-    weights = param_bytes * (shared_params + expert_params * touched / num_experts)
-    return dict(experts_touched=touched, param_bytes=weights, kv_bytes=kv_bytes, bytes=weights + kv_bytes)
-
-
-def roofline_fraction(bytes_per_step: float, step_s: float, bandwidth: float) -> float:
-    """The memory-bound roofline's time of a step (its bytes at the HBM bandwidth) over the measured step."""
-    return bytes_per_step / bandwidth / step_s
 
 
 def prefill_flops(model, prompts: int, prompt_len: int) -> float:

@@ -16,9 +16,11 @@ from cisjax import errors
 from cisjax.bench import harness, rollout_fleet, serving, tiny_model, workload
 from cisjax.bench.inprocess import InProcess
 from cisjax.bench.serving import Server, engine_env
+from cisjax.plan import hardware
 from cisjax.rollout.client import RolloutClient
 from cisjax.rollout.local_ca import LocalCA
 from cisjax.rollout.tls import ClientTLS
+from cisjax.sampler import costs
 
 TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same engine settings
 MODEL = tiny_model.Sizes(256, 4, 4, 2, 8, 2, 256, 512, 8192)
@@ -267,15 +269,27 @@ def _phases(target: str) -> dict:
 
 def phase_figures(before: dict, after: dict) -> dict:
     """The JAX sampler's work between two reads of its phases (Engine.phases): prefill and decode tokens per second
-    of their own programs' time, and the decode's slot use (tokens generated / rows x steps decoded: the share of the
-    decode's row-steps that produced a token; a row that ended early, or a padding row, holds its slot to the end)."""
-    d = {k: after[k] - before[k] for k in after}
-    return dict(
+    of their own programs' time, the decode's slot use (tokens generated / rows x steps decoded: the share of the
+    decode's row-steps that produced a token; a row that ended early, or a padding row, holds its slot to the end),
+    and its roofline fraction: the time its bytes take at the device's memory bandwidth over the time it took
+    (omitted, with the reason, for a device of no listed bandwidth: a CPU)."""
+    kind = after.get("device_kind", "")
+    d = {k: after[k] - before[k] for k in after if k != "device_kind"}
+    out = dict(
         d,
+        device_kind=kind,
         prefill_tokens_per_s=d["prefill_tokens"] / d["prefill_s"] if d["prefill_s"] > 0 else None,
         decode_tokens_per_s=d["decode_tokens"] / d["decode_s"] if d["decode_s"] > 0 else None,
         decode_slot_use=d["decode_tokens"] / d["decode_row_steps"] if d["decode_row_steps"] else None,
+        decode_bytes_per_s=d["decode_bytes"] / d["decode_s"] if d["decode_s"] > 0 else None,
+        decode_roofline=None,
     )
+    bandwidth = hardware.device_bandwidth(kind)
+    if bandwidth is None:
+        out["decode_roofline_omitted"] = f"no memory bandwidth listed for device kind {kind!r} (plan.hardware)"
+    elif d["decode_s"] > 0:
+        out["decode_roofline"] = costs.roofline_fraction(d["decode_bytes"], d["decode_s"], bandwidth[0])
+    return out
 
 
 def _results(names: dict, times: harness.Timings) -> dict:
@@ -360,6 +374,15 @@ def _print(res: dict) -> None:
             f"tokens/s ({ph['prefill_tokens']} in {ph['prefill_s']:.2f}s), decode {ph['decode_tokens_per_s']:.0f} "
             f"tokens/s ({ph['decode_tokens']} in {ph['decode_s']:.2f}s, {ph['decode_steps']} steps); decode slot use "
             f"{ph['decode_slot_use']:.0%} (tokens / rows x steps: rows that ended early or pad the batch hold slots)"
+        )
+        roofline = (
+            f"{ph['decode_roofline']:.1%} of the memory-bandwidth roofline"
+            if ph["decode_roofline"] is not None
+            else f"roofline omitted: {ph['decode_roofline_omitted']}"
+        )
+        console.print(
+            f"JAX sampler decode: {ph['decode_bytes_per_s'] / 1e9:.1f} GB/s of the weights its rows touch and their KV "
+            f"cache ({ph['device_kind']}; {roofline})"
         )
     base = res["rows"][0]
     for row in res["rows"][1:]:  # where the gRPC time goes

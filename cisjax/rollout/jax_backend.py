@@ -68,7 +68,7 @@ class Backend(backend_lib.Backend):
 
     @property
     def phases(self) -> dict:
-        return self.sampler.phases
+        return dict(self.sampler.phases, device_kind=self.sampler.device_kind)
 
     def _open(self, model_dir):
         """The model at `model_dir` (CheckpointError naming a missing or misshapen tensor: nothing is swapped)."""

@@ -14,13 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cisjax import sharding
 from cisjax.rollout.backend import Params, SampleResult, sample_seed
-from cisjax.sampler import programs
+from cisjax.sampler import costs, programs
 from cisjax.sampler.sampling import key_data
 
 STOP_SLOTS = programs.STOP_SLOTS
@@ -36,7 +37,9 @@ MIN_ROWS = 32  # the decode narrows down to this many rows, not below: a narrowe
 CPU_WIDTH_STEP = 16
 
 # Engine.phases: what the engine ran, its prefill and decode programs apart
-# (decode_row_steps: rows x steps of each decode call, summed: a row that has ended or waits takes its slot anyway)
+# (decode_row_steps: rows x steps of each decode call, summed: a row that has ended or waits takes its slot anyway;
+# decode_bytes: what those steps must read from memory, summed: sampler.costs.decode_bytes_per_step of each call's
+# rows and slots)
 PHASE_KEYS = (
     "prefill_tokens",
     "prefill_s",
@@ -45,6 +48,7 @@ PHASE_KEYS = (
     "decode_rows",
     "decode_row_steps",
     "decode_s",
+    "decode_bytes",
 )
 
 log = logging.getLogger(__name__)
@@ -112,8 +116,16 @@ class Engine:
         self._ran: set[tuple] = set()  # programs whose first call (the compile) is behind them
         self._lock = threading.Lock()
         self._phases = dict.fromkeys(PHASE_KEYS, 0)
-        self._phases.update(prefill_s=0.0, decode_s=0.0)
+        self._phases.update(prefill_s=0.0, decode_s=0.0, decode_bytes=0.0)
         self.version = 0
+        # what a decode step reads (costs), from the params' shapes: nothing held of the arrays themselves
+        self._abstract = nnx.merge(graphdef, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+        self._counts = costs.param_counts(self._abstract)
+        largest = max(jax.tree.leaves(params), key=lambda a: a.size)  # an expert stack: the weights' dtype
+        self._param_bytes = jnp.dtype(largest.dtype).itemsize
+        self._step_bytes: dict[tuple[int, int], float] = {}
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.device_kind = device.device_kind
 
     @property
     def compiled(self) -> int:
@@ -126,6 +138,22 @@ class Engine:
         decode call) and their seconds (the samples' entering and the narrowing included)."""
         with self._lock:
             return dict(self._phases)
+
+    def step_bytes(self, rows: int, slots: int) -> float:
+        """The bytes one decode step of `rows` rows over `slots` cache slots must read (costs.decode_bytes_per_step:
+        the weights they touch, at the params' dtype, and their KV cache)."""
+        if (rows, slots) not in self._step_bytes:
+            c = self._counts
+            self._step_bytes[rows, slots] = costs.decode_bytes_per_step(
+                shared_params=c["shared"],
+                expert_params=c["experts"],
+                num_experts=c["num_experts"],
+                top_k=c["top_k"],
+                rows=rows,
+                kv_bytes=costs.kv_cache_bytes(self._abstract, rows, slots),
+                param_bytes=self._param_bytes,
+            )["bytes"]
+        return self._step_bytes[rows, slots]
 
     def _width(self, rows: int) -> int:
         """The decode width (rows) that holds `rows`: a multiple of width_step above it, else (and with no step) a
@@ -202,6 +230,7 @@ class Engine:
         waiting = collections.deque(samples)
         active_R = np.zeros(r, bool)
         steps = row_steps = 0
+        read = 0.0  # bytes the decode steps must read
         t2 = time.perf_counter()
         while True:
             free_R = np.flatnonzero(~active_R)[: len(waiting)]
@@ -226,6 +255,7 @@ class Engine:
             active_R = np.array(slots.active_R)  # synchronises (a copy: written here)
             steps += int(ran)
             row_steps += r * int(ran)
+            read += int(ran) * self.step_bytes(r, p + new)
         out = jax.tree.map(np.asarray, out)
         t3 = time.perf_counter()
         with self._lock:
@@ -238,6 +268,7 @@ class Engine:
                 ph["decode_rows"] += len(samples)
                 ph["decode_row_steps"] += row_steps
                 ph["decode_s"] += t3 - t2
+                ph["decode_bytes"] += read
             self._ran.update(used)
         return out, prompt_routing
 

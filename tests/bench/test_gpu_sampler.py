@@ -1,6 +1,6 @@
 """cisjax.bench.gpu_sampler (the GPU check's sampler part) at toy size on the CPU: prefill and decode tokens/s per
 batch, the sampled tokens' logprobs against the trainer forward's, a profiler trace of one decode call, the time box;
-the decode roofline's bytes by hand; transformers' generate on the same workload (gpu_torch_generate)."""
+transformers' generate on the same workload (gpu_torch_generate)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from cisjax.bench import gpu_parts, gpu_profile, gpu_sampler, gpu_torch_generate
 from cisjax.models import hf_io
+from cisjax.sampler import costs
 from tests.test_launchers import REPO
 
 BATCHES = [gpu_torch_generate.batch_key(p, n) for p, n in gpu_torch_generate.WORKLOAD["small"]["batches"]]
@@ -105,16 +106,6 @@ def test_units_past_the_deadline_are_skipped_saying_so(tmp_path):
     assert not any(tmp_path.iterdir())  # no trace taken
 
 
-def test_decode_bytes_per_step_by_hand():
-    """1,000 shared and 6,000 expert parameters (E = 60, k = 4) in bf16: 2 rows touch 8 experts, 2 x (1000 + 6000 x
-    8 / 60) = 3,600 bytes, + 400 of KV cache; 16 rows (64 >= 60) read every expert."""
-    args = dict(shared_params=1000, expert_params=6000, num_experts=60, top_k=4, kv_bytes=400)
-    two = gpu_sampler.decode_bytes_per_step(rows=2, **args)
-    assert two == dict(experts_touched=8, param_bytes=3600.0, kv_bytes=400, bytes=4000.0)
-    assert gpu_sampler.decode_bytes_per_step(rows=16, **args)["bytes"] == 2 * 7000 + 400
-    assert gpu_sampler.roofline_fraction(4000, 2e-6, 4e9) == pytest.approx(0.5)  # 1 us of 2 at 4 GB/s
-
-
 def test_full_cut_counts_and_kv_cache_by_hand():
     """The full-width 4-layer Qwen1.5-MoE cut (abstract: nothing allocated). Per layer: q, k, v 2048 x 2048 with
     biases, o 2048 x 2048, two norms, the router 2048 x 60, the shared expert 3 x 2048 x 5632 and its 2048 x 1 gate;
@@ -122,12 +113,12 @@ def test_full_cut_counts_and_kv_cache_by_hand():
     4 x 60 x 3 x 2048 x 1408. KV cache of 256 rows x 512 slots: 4 layers x (k, v) x 16 heads x 128 x 2 bytes."""
     hf, cfg = gpu_parts.model_of("full", 512, gpu_sampler._sampler_kwargs("bfloat16"))
     model = nnx.merge(*hf_io.abstract_model(hf, cfg))
-    counts = gpu_sampler.param_counts(model)
+    counts = costs.param_counts(model)
     layer = 4 * 2048 * 2048 + 3 * 2048 + 2 * 2048 + 2048 * 60 + 3 * 2048 * 5632 + 2048
     assert counts["shared"] == 4 * layer + 2048 + 2048 * 151936
     assert counts["experts"] == 4 * 60 * 3 * 2048 * 1408 and (counts["num_experts"], counts["top_k"]) == (60, 4)
     assert counts["total"] == counts["shared"] + counts["experts"] + 151936 * 2048
-    assert gpu_sampler.kv_cache_bytes(model, 256, 512) == 4 * 2 * 256 * 512 * 16 * 128 * 2 == 4 * 2**30
+    assert costs.kv_cache_bytes(model, 256, 512) == 4 * 2 * 256 * 512 * 16 * 128 * 2 == 4 * 2**30
 
 
 def test_top_kernels_of_a_device_trace():

@@ -151,6 +151,9 @@ def test_bench_rollout_tiny(tmp_path):
     )
     assert ph["decode_steps"] == 8 and ph["decode_rows"] == 4 * 2
     assert ph["prefill_tokens_per_s"] > 0 and ph["decode_tokens_per_s"] > 0 and ph["decode_slot_use"] <= 1.0
+    # the bytes its steps read, against no listed bandwidth on a CPU: the roofline omitted, said why
+    assert ph["decode_bytes_per_s"] > 0 and ph["device_kind"] == "cpu" and ph["decode_roofline"] is None
+    assert "no memory bandwidth listed" in ph["decode_roofline_omitted"]
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

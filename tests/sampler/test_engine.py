@@ -111,9 +111,24 @@ def test_phases_count_prefill_and_decode_apart_but_not_a_compile(loaded):
     assert got["prefill_tokens"] == 6 and got["decode_tokens"] == made and got["decode_rows"] == 2 * 2
     assert got["decode_steps"] == 8 and got["decode_row_steps"] == 4 * 8  # 7 tokens in groups of STOP_EVERY = 4
     assert got["prefill_s"] > 0 and got["decode_s"] > 0
+    # the bytes those steps read: 8 steps of the bucket's 4 rows over 16 + 16 slots (prompt and new-token buckets)
+    assert got["decode_bytes"] == 8 * engine.step_bytes(4, 32)
     fresh = Engine(*nnx.split(loaded("qwen2_moe")[1]), max_len=64)
     fresh.generate(prompts, [0, 1], params)
     assert all(v == 0 for v in fresh.phases.values())  # the compiling call is not counted
+
+
+def test_step_bytes_by_hand(loaded):
+    """The tiny Qwen2-MoE (hidden 32, 2 layers, 4 heads of 8, 2 KV heads, 8 experts of 24 top-2, a shared expert of 48,
+    vocabulary 97, untied): per layer q 32x32 + 32, k and v 32x16 + 16 each, o 32x32, two norms, the router 32x8, the
+    shared expert 3x32x48 and its gate 32x1: 8,096 shared parameters; then the final norm and the 32x97 head (the
+    embedding table is gathered, not read): 19,328. Routed: 2 x 8 x 3 x 32 x 24 = 36,864, all touched by 4 rows x 2
+    (of 8), a quarter by 1 row (2 of 8). KV cache of 4 rows x 32 slots: 2 layers x (k, v) x 2 heads x 8."""
+    _, model, engine = loaded("qwen2_moe")
+    item = np.dtype(model.embed_VxD[...].dtype).itemsize
+    assert engine.step_bytes(4, 32) == item * (19328 + 36864 + 2 * 2 * 4 * 32 * 2 * 8)
+    assert engine.step_bytes(1, 32) == item * (19328 + 36864 / 4 + 2 * 2 * 1 * 32 * 2 * 8)
+    assert engine.device_kind == model.embed_VxD[...].devices().pop().device_kind
 
 
 def _tokens(out):
