@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import moe, routing
+from cisjax.models import moe, moe_tpu, routing
 from tests.helpers import MESHES
 from tests.models import mgpu_interpret
 
@@ -254,3 +254,14 @@ def test_moe_module_routes_then_dispatches():
         x_NxD, mod.wg_ExDxF[...], mod.wu_ExDxF[...], mod.wo_ExFxD[...], ids_ref, w_ref, np.zeros((10, 8))
     )
     np.testing.assert_allclose(np.asarray(y).reshape(10, 8), y_ref, rtol=2e-5, atol=2e-6)
+
+
+def test_gmm_row_tile_follows_the_rows_per_expert():
+    """megablox's row tile: the power of two at or above the mean group size within [16, 512], never past the rows
+    (rounded up to 16). Training's 65,536 rows over 60 experts: 512; a decode step's 512 rows per chip over 60 (8.5
+    each): 16, not 512 (the kernel computes a whole tile per group it visits); 4,096 over 60 (68): 128; 300 over 5:
+    64; 10 rows: 16. The lanes: 512, 256 or 128 where they divide the dimension, else the dimension."""
+    tiling = moe_tpu.gmm_tiling
+    assert tiling(65536, 2048, 1408, 60) == (512, 512, 128)
+    assert tiling(512, 2048, 1408, 60)[0] == 16 and tiling(4096, 1408, 2048, 60) == (128, 128, 512)
+    assert tiling(300, 8, 4, 5) == (64, 8, 4) and tiling(10, 8, 4, 1)[0] == 16 and tiling(40, 8, 4, 1)[0] == 48
