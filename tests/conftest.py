@@ -54,6 +54,15 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache directory for the `cisjax` subprocesses of the session's tests (one per xdist
+    worker: its tests run one at a time, so two of them never write an entry at once), given to them by
+    tests.train.looputil.subprocess_env: the demo's programs compile once per worker, not once per test (runs of the
+    loop, sweep, bench and launcher tests share their shapes)."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """The demo's task and tiny MoE, not warmed up (tests.train.looputil.prepare): built once per session (one per
     xdist worker; ~10-25 s each) for the train, launcher, sweep, bench and evaluation tests that run on it. Read only:

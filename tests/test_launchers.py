@@ -476,8 +476,8 @@ def test_distributed_is_opt_in(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
+def env(jax_cache):
+    return looputil.subprocess_env(jax_cache)
 
 
 def _small(prepared, steps=2):

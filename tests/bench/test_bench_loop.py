@@ -40,7 +40,7 @@ def test_summary_against_hand_values():
 
 
 @pytest.mark.slow  # not in the fast tier (make test-fast): two full loop runs
-def test_bench_loop_tiny(prepared, tmp_path):
+def test_bench_loop_tiny(prepared, jax_cache, tmp_path):
     out = tmp_path / "bench.json"
     argv = [
         "bench",
@@ -72,7 +72,7 @@ def test_bench_loop_tiny(prepared, tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-        env=looputil.subprocess_env(tmp_path / "cache"),
+        env=looputil.subprocess_env(jax_cache),
         cwd=str(looputil.REPO),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

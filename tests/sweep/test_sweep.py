@@ -46,8 +46,8 @@ def _sweep(prepared, out, cache, *extra):
     return subprocess.run(cmd, env=looputil.subprocess_env(cache), capture_output=True, text=True, timeout=1500)
 
 
-def test_two_arms_run_summarise_and_resume(prepared, tmp_path):
-    out, cache = tmp_path / "sweep", tmp_path / "cache"
+def test_two_arms_run_summarise_and_resume(prepared, jax_cache, tmp_path):
+    out, cache = tmp_path / "sweep", jax_cache
 
     listed = _sweep(prepared, out, cache, "--config.run.steps=2", "--print-commands")
     assert listed.returncode == 0, listed.stderr

@@ -45,7 +45,8 @@ def parity_reward(text: str, reference: str) -> float:
 
 def subprocess_env(cache_dir) -> dict:
     """The trainer's environment: one CPU device (not the suite's 8 fake ones: faster compiles), and a persistent
-    compilation cache shared by the runs of a test module (a resumed run compiles the same programs)."""
+    compilation cache (the session's, tests/conftest.py's `jax_cache`: a resumed run, or another test's run of the
+    same shapes, compiles nothing again)."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",

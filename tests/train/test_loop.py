@@ -51,14 +51,14 @@ def _cfg(prepared, run_dir, **overrides):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shared_compiles(tmp_path_factory):
-    """The module's runs share their compiled programs through a persistent cache, as runs of `cisjax train` in the
-    subprocess tests do (looputil.subprocess_env): a resumed run, and a run with the same shapes, compile nothing
-    again. Off again after the module: the rest of the suite compiles as before."""
+def shared_compiles(jax_cache):
+    """The module's runs share their compiled programs through the session's persistent cache, as runs of `cisjax
+    train` in the subprocess tests do (looputil.subprocess_env): a resumed run, and a run with the same shapes,
+    compile nothing again. Off again after the module: the rest of the suite compiles as before."""
     before = {
         k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     }
-    compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("jax_cache")))
+    compilation_cache.set_cache_dir(str(jax_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     compilation_cache.reset_cache()
     yield

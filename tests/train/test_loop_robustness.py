@@ -19,8 +19,8 @@ EXIT_S = 60.0  # from Ctrl-C to exit: the step in flight, the checkpoint, the se
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return looputil.subprocess_env(tmp_path_factory.mktemp("jax_cache"))
+def env(jax_cache):
+    return looputil.subprocess_env(jax_cache)
 
 
 def _overrides(prepared, run_dir, **extra):
