@@ -3,17 +3,16 @@ the KV cache; against a device's bandwidth, the step's roofline."""
 
 from __future__ import annotations
 
+import flax.nnx as nnx
 import jax
 import numpy as np
-
-from cisjax.plan import flops as flops_lib
 
 
 def param_counts(model) -> dict:
     """An (abstract) model's parameters as one decode step reads them: `shared` (read whatever the batch: attention,
     norms, routers, shared experts, the unembedding; not the embedding table, of which a step gathers a row per
     sample), `experts` (every layer's routed expert stacks), E and top-k."""
-    total = flops_lib.total_params(model)
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     experts, e, k = 0, 1, 0
     for stack in model.stacks:
         if stack.is_moe:
