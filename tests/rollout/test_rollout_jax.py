@@ -75,7 +75,9 @@ def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, t
     before = client.info()["phases"]
     again = client.generate(PROMPTS, params)  # the bucket compiled: this call is counted whole
     phases = client.info()["phases"]
-    made = {k: phases[k] - before[k] for k in phases}
+    assert phases["device_kind"] == "cpu"  # the engine's device: the roofline's bandwidth (none listed for a CPU)
+    made = {k: phases[k] - before[k] for k in phases if k != "device_kind"}
+    assert made["decode_bytes"] > 0  # what its steps read: the weights and the KV cache (tests/sampler/test_engine.py)
     assert made["prefill_tokens"] == sum(len(p) for p in PROMPTS) and made["prefill_s"] > 0
     assert made["decode_tokens"] == sum(len(s.response_ids) for per in again for s in per) and made["decode_s"] > 0
     assert [[s.response_ids for s in per] for per in samples] == [[s.response_ids for s in per] for per in again]
