@@ -34,6 +34,7 @@ import secrets
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -138,6 +139,8 @@ class Backend(backend_lib.Backend):
             self.engine_options["gpu_memory_utilization"] = float(gpu_memory_utilization)
         self.version = 0
         self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
+        # removes _owned_dir: when it is replaced, at close(), or at the interpreter's exit if close() never came
+        self._owned_cleanup: weakref.finalize | None = None
         self.weights_dir = Path(model_dir)  # what a restart loads
         self.llm = self._start(self.weights_dir)
         # the capture hooks vLLM's torch model runner; tpu-inference runs its own (JAX) runner: no routing there, and a
@@ -442,8 +445,11 @@ class Backend(backend_lib.Backend):
             self._restart()
             raise
         if self._owned_dir is not None and self._owned_dir != path:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
+            self._owned_cleanup()
+        elif self._owned_cleanup is not None:
+            self._owned_cleanup.detach()  # the same dir again: one hook for it
         self._owned_dir = path if owned else None
+        self._owned_cleanup = weakref.finalize(self, shutil.rmtree, path, True) if owned else None
         self.weights_dir = path
         self.version = version
 
@@ -474,8 +480,8 @@ class Backend(backend_lib.Backend):
         self._inbox.put(_Stop())
         self._thread.join(timeout=60)
         self._shutdown_engine()
-        if self._owned_dir is not None:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
+        if self._owned_cleanup is not None:
+            self._owned_cleanup()
 
 
 def _request(prompt_ids, **sampling) -> tuple:

@@ -114,3 +114,31 @@ def test_cancel_and_stop():
     assert "shutting down" in str(pending.future.exception()) and "shutting down" in str(
         work.exclusive[0].future.exception()
     )
+
+
+def test_streamed_weights_dirs_are_removed_when_replaced_and_when_the_backend_goes(tmp_path):
+    """The temp dir a tensor stream was written to (load_tensors) is the backend's: removed when another replaces it,
+    and when the backend goes without close() (a finalizer; also run at the interpreter's exit), not left behind."""
+    import gc
+
+    b = _backend()
+    b.platform, b._owned_dir, b._owned_cleanup = "cpu", None, None
+    b._reload = lambda llm, path: None  # the engine's in-place reload: nothing to do here
+    first, second, plain = (tmp_path / name for name in ("first", "second", "plain"))
+    for d in (first, second, plain):
+        d.mkdir()
+    b._swap(first, 4, owned=True)
+    b._swap(second, 5, owned=True)
+    assert not first.exists() and second.exists() and b.weights_dir == second and b.version == 5
+    b._swap(second, 6, owned=True)  # the same dir again: kept, one hook for it
+    assert second.exists()
+    del b
+    gc.collect()
+    assert not second.exists()
+    kept = _backend()
+    kept.platform, kept._owned_dir, kept._owned_cleanup = "cpu", None, None
+    kept._reload = lambda llm, path: None
+    kept._swap(plain, 7, owned=False)  # a directory the caller gave (update_weights): never removed
+    del kept
+    gc.collect()
+    assert plain.exists()
