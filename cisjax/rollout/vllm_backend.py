@@ -138,9 +138,7 @@ class Backend(backend_lib.Backend):
         if gpu_memory_utilization:
             self.engine_options["gpu_memory_utilization"] = float(gpu_memory_utilization)
         self.version = 0
-        self._owned_dir: Path | None = None  # a temp dir holding the served weights (after load_tensors)
-        # removes _owned_dir: when it is replaced, at close(), or at the interpreter's exit if close() never came
-        self._owned_cleanup: weakref.finalize | None = None
+        self._owned_dir = self._owned_cleanup = None  # load_tensors' temp dir; its removal (a finalizer: also at exit)
         self.weights_dir = Path(model_dir)  # what a restart loads
         self.llm = self._start(self.weights_dir)
         # the capture hooks vLLM's torch model runner; tpu-inference runs its own (JAX) runner: no routing there, and a
@@ -444,10 +442,8 @@ class Backend(backend_lib.Backend):
             log.exception("vLLM reload failed; restarting the engine on the previous weights")
             self._restart()
             raise
-        if self._owned_dir is not None and self._owned_dir != path:
-            self._owned_cleanup()
-        elif self._owned_cleanup is not None:
-            self._owned_cleanup.detach()  # the same dir again: one hook for it
+        if self._owned_cleanup is not None:  # the previous stream's dir: removed, unless it is this one again
+            self._owned_cleanup() if self._owned_dir != path else self._owned_cleanup.detach()
         self._owned_dir = path if owned else None
         self._owned_cleanup = weakref.finalize(self, shutil.rmtree, path, True) if owned else None
         self.weights_dir = path
