@@ -16,8 +16,7 @@ from cisjax.bench.gpu_torch_generate import WORKLOAD, batch_key, prompt_ids, tim
 from cisjax.models import hf_io
 from cisjax.plan import flops as flops_lib
 from cisjax.plan import hardware
-from cisjax.sampler import programs
-from cisjax.sampler.costs import decode_bytes_per_step, kv_cache_bytes, param_counts, roofline_fraction
+from cisjax.sampler import costs, programs
 from cisjax.sampler.sampling import key_data
 
 # the fp32 agreement's batch (an fp32 engine and trainer: twice the weights' bytes): prompts, n, new tokens
@@ -124,19 +123,13 @@ def measure_batch(ctx: dict, prompts: int, n: int, deadline: float) -> tuple[dic
     first_s, times, note, dec = _timed(lambda: dec_fn(params, pre, sample_rows), deadline)
     decode = _figures(first_s, times, note, rows * new)
     step_s = decode["median_s"] / new
-    c = ctx["counts"]
-    need = decode_bytes_per_step(
-        shared_params=c["shared"],
-        expert_params=c["experts"],
-        num_experts=c["num_experts"],
-        top_k=c["top_k"],
-        rows=rows,
-        kv_bytes=kv_cache_bytes(model, rows, p + new),
-    )
+    need = costs.step_of(model, ctx["counts"], rows, p + new)  # bf16 weights
     decode.update(step_s=step_s, bytes_per_step=need)
     if "hbm_bytes_per_s" in ctx["bandwidth"]:
         decode["roofline_step_s"] = need["bytes"] / ctx["bandwidth"]["hbm_bytes_per_s"]
-        decode["roofline_fraction"] = roofline_fraction(need["bytes"], step_s, ctx["bandwidth"]["hbm_bytes_per_s"])
+        decode["roofline_fraction"] = costs.roofline_fraction(
+            need["bytes"], step_s, ctx["bandwidth"]["hbm_bytes_per_s"]
+        )
     else:
         decode.update(
             roofline_step_s=None, roofline_fraction=None, roofline_omitted=ctx["bandwidth"]["roofline_omitted"]
@@ -247,7 +240,7 @@ def _build(size: str) -> dict:
         graphdef_bf16=graphdef_bf16,
         graphdef_fp32=graphdef_fp32,
         abstract=abstract_model,
-        counts=param_counts(abstract_model),
+        counts=costs.param_counts(abstract_model),
         device_kind=kind,
         peak=mfu.peak(kind, "bf16"),
         bandwidth=_bandwidth(kind),

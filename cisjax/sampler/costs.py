@@ -40,6 +40,20 @@ def decode_bytes_per_step(
     return dict(experts_touched=touched, param_bytes=weights, kv_bytes=kv_bytes, bytes=weights + kv_bytes)
 
 
+def step_of(model, counts: dict, rows: int, slots: int, param_bytes: int = 2) -> dict:
+    """decode_bytes_per_step of `model` (its param_counts `counts`): `rows` rows over `slots` cache slots, the weights
+    at `param_bytes` each."""
+    return decode_bytes_per_step(
+        shared_params=counts["shared"],
+        expert_params=counts["experts"],
+        num_experts=counts["num_experts"],
+        top_k=counts["top_k"],
+        rows=rows,
+        kv_bytes=kv_cache_bytes(model, rows, slots),
+        param_bytes=param_bytes,
+    )
+
+
 def roofline_fraction(bytes_per_step: float, step_s: float, bandwidth: float) -> float:
     """The memory-bound roofline's time of a step (its bytes at the HBM bandwidth) over the measured step."""
     return bytes_per_step / bandwidth / step_s

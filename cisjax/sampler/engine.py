@@ -107,9 +107,10 @@ class Engine:
                 "not positive"
             )
         self.decode_steps = decode_steps
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.device_kind = device.device_kind
         if width_step is None:
-            platform = mesh.devices.flat[0].platform if mesh is not None else jax.devices()[0].platform
-            width_step = CPU_WIDTH_STEP if platform == "cpu" else 0
+            width_step = CPU_WIDTH_STEP if device.platform == "cpu" else 0
         self.width_step = math.lcm(width_step, self.batch_multiple) if width_step else 0
         self.max_rows, self.min_rows = self._width(max_rows), self._width(min_rows)
         self._programs: dict[tuple, object] = {}
@@ -124,8 +125,6 @@ class Engine:
         largest = max(jax.tree.leaves(params), key=lambda a: a.size)  # an expert stack: the weights' dtype
         self._param_bytes = jnp.dtype(largest.dtype).itemsize
         self._step_bytes: dict[tuple[int, int], float] = {}
-        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-        self.device_kind = device.device_kind
 
     @property
     def compiled(self) -> int:
@@ -143,16 +142,8 @@ class Engine:
         """The bytes one decode step of `rows` rows over `slots` cache slots must read (costs.decode_bytes_per_step:
         the weights they touch, at the params' dtype, and their KV cache)."""
         if (rows, slots) not in self._step_bytes:
-            c = self._counts
-            self._step_bytes[rows, slots] = costs.decode_bytes_per_step(
-                shared_params=c["shared"],
-                expert_params=c["experts"],
-                num_experts=c["num_experts"],
-                top_k=c["top_k"],
-                rows=rows,
-                kv_bytes=costs.kv_cache_bytes(self._abstract, rows, slots),
-                param_bytes=self._param_bytes,
-            )["bytes"]
+            step = costs.step_of(self._abstract, self._counts, rows, slots, self._param_bytes)
+            self._step_bytes[rows, slots] = step["bytes"]
         return self._step_bytes[rows, slots]
 
     def _width(self, rows: int) -> int:
