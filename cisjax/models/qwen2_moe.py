@@ -8,8 +8,8 @@ import flax.nnx as nnx
 import jax
 
 from cisjax import sharding
-from cisjax.models import hf_config
-from cisjax.models.attention import Segments, attention, cache_attention
+from cisjax.models import decode_attention, hf_config
+from cisjax.models.attention import Segments, attention
 from cisjax.models.layers import MLP, RMSNorm, apply_rope, dense, param, rope_cos_sin, rope_frequencies
 from cisjax.models.moe import MoE
 from cisjax.models.transformer import CausalLM, decoder_layers
@@ -81,6 +81,11 @@ class Attention(nnx.Module):
         each (heads-major: a decode step's batched matmuls over (row, head) read them in place)."""
         return ((self.cfg.num_key_value_heads, None, self.cfg.head_dim),) * 2
 
+    def decode_reads_written_only(self) -> bool:
+        """Whether a decode step's attention reads each row's written slots only (decode_attention's kernel: a GPU in
+        bf16, or attention_impl triton), not every slot of the cache."""
+        return decode_attention.impl_reads_written_only(self.cfg.attention_impl, self.cfg.dtype)
+
     def _rope(self, positions_BxL):
         h = self.cfg.head_dim
         inv_freq, rope_scale = rope_frequencies(dict(self.cfg.rope), h, self.cfg.max_position_embeddings)
@@ -116,7 +121,7 @@ class Attention(nnx.Module):
         if isinstance(mask, Segments):
             o_BxLxNxH = attention(q_BxLxNxH, *kv, mask, cfg.head_dim**-0.5, cfg.attention_impl)
         else:
-            o_BxLxNxH = cache_attention(q_BxLxNxH, *kv, mask, cfg.head_dim**-0.5)
+            o_BxLxNxH = decode_attention.attend(q_BxLxNxH, *kv, mask, cfg.head_dim**-0.5, cfg.attention_impl)
         return dense(o_BxLxNxH.reshape(b, l, -1), self.wo_QxD, dt)
 
     def __call__(self, x_BxLxD, positions_BxL, mask):

@@ -386,6 +386,11 @@ class CausalLM(nnx.Module):
         """Per stack, per cache array [n, B, ...] (init_cache's), the axis of its slots."""
         return [tuple(2 + slot_axis(shape) for shape in stack.attn.cache_shapes()) for stack in self.stacks]
 
+    def decode_reads_written_only(self) -> bool:
+        """Whether a decode step's attention reads only each row's written slots (a kernel that stops at a row's last
+        one) in every layer: then bounding the slots it attends over (the sampler's decode phases) saves nothing."""
+        return all(stack.attn.decode_reads_written_only() for stack in self.stacks)
+
     def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS):
         """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for
         all rows: left-pad the prompts; or, for L = 1, a [B] array: each row's own slot), attending to the slots

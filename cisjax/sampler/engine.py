@@ -5,6 +5,7 @@ them."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -125,6 +126,10 @@ class Engine:
         largest = max(jax.tree.leaves(params), key=lambda a: a.size)  # an expert stack: the weights' dtype
         self._param_bytes = jnp.dtype(largest.dtype).itemsize
         self._step_bytes: dict[tuple[int, int], float] = {}
+        with sharding.use_mesh(mesh, self.rules) if mesh is not None else contextlib.nullcontext():
+            # a decode attention that reads each row's written slots only: the calls attend over every slot (one
+            # program per width); else each call over the slots its rows can reach (_seen)
+            self._written_only = self._abstract.decode_reads_written_only()
 
     @property
     def compiled(self) -> int:
@@ -193,12 +198,20 @@ class Engine:
         make = lambda: jax.jit(programs.traced(self.graphdef, programs.enter, *self._on), donate_argnums=1)  # noqa: E731
         return self._jit(("enter", r, q, b, p, new), make)
 
-    def _decode(self, r: int, q: int, p: int, new: int, top_n: int, mask_n: int):
+    def _decode(self, r: int, q: int, p: int, new: int, top_n: int, mask_n: int, seen: int):
         def make():
-            fn = functools.partial(programs.decode, steps=min(self.decode_steps, new))
+            fn = functools.partial(programs.decode, steps=min(self.decode_steps, new), seen=seen)
             return jax.jit(programs.traced(self.graphdef, fn, *self._on), donate_argnums=(1, 2))
 
-        return self._jit(("decode", r, q, p, new, top_n, mask_n), make)
+        return self._jit(("decode", r, q, p, new, top_n, mask_n, seen), make)
+
+    def _seen(self, p: int, new: int, reach: int) -> int:
+        """The slots a decode call attends over when its rows may reach step `reach` (exclusive): P and the first
+        of programs.phase_ends(new) at or past it (a handful of decode programs per width); all P + new where the
+        model's decode attention reads each row's written slots only."""
+        if self._written_only:
+            return p + new
+        return p + next(e for e in programs.phase_ends(new) if e >= min(reach, new))
 
     def _keep(self, r: int, to: int, p: int, new: int):
         return self._jit(("narrow", r, to, p, new), lambda: jax.jit(programs.keep))
@@ -220,6 +233,7 @@ class Engine:
         slots, out = self._empty(r, q, b, p, new, top_n, mask_n)(params, prompts)
         waiting = collections.deque(samples)
         active_R = np.zeros(r, bool)
+        t_R = np.zeros(r, np.int64)  # an active row's step (each active row has been since it entered)
         steps = row_steps = 0
         read = 0.0  # bytes the decode steps must read
         t2 = time.perf_counter()
@@ -233,6 +247,7 @@ class Engine:
                 enter = self._enter(r, q, b, p, new)
                 slots = enter(params, slots, prompts, rows, jnp.asarray(prompt_R), jnp.asarray(sample_R))
                 active_R[free_R] = True
+                t_R[free_R] = 0
             if not active_R.any():
                 break
             to = r if waiting else self._narrowed(r, int(active_R.sum()))
@@ -240,13 +255,15 @@ class Engine:
                 kept = np.concatenate([np.flatnonzero(active_R), np.flatnonzero(~active_R)])[:to]
                 used.append(("narrow", r, to, p, new))
                 slots = self._keep(r, to, p, new)(slots, jnp.asarray(kept.astype(np.int32)))
-                r, active_R = to, active_R[kept]
-            used.append(("decode", r, q, p, new, top_n, mask_n))
-            slots, out, ran = self._decode(r, q, p, new, top_n, mask_n)(params, slots, out, rows)
+                r, active_R, t_R = to, active_R[kept], t_R[kept]
+            seen = self._seen(p, new, int(t_R[active_R].max()) + min(self.decode_steps, new))
+            used.append(("decode", r, q, p, new, top_n, mask_n, seen))
+            slots, out, ran = self._decode(r, q, p, new, top_n, mask_n, seen)(params, slots, out, rows)
+            t_R[active_R] += int(ran)
             active_R = np.array(slots.active_R)  # synchronises (a copy: written here)
             steps += int(ran)
             row_steps += r * int(ran)
-            read += int(ran) * self.step_bytes(r, p + new)
+            read += int(ran) * self.step_bytes(r, seen)
         out = jax.tree.map(np.asarray, out)
         t3 = time.perf_counter()
         with self._lock:

@@ -18,6 +18,10 @@ STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
 # decode steps between two checks of the loop's end (whether any row is active): on a GPU each check of a while loop's
 # condition is a device-to-host copy, so it is not paid at every token; a row that ends between checks writes nothing
 STOP_EVERY = 4
+# `whole` decodes in this many phases, each attending over the slots its steps can have written (the prompt's P and
+# the phase's last step's): P + 5N/8 slots per step on average instead of P + N (each phase a loop of its own in the
+# program)
+PHASES = 4
 
 
 class Prompts(NamedTuple):
@@ -183,9 +187,13 @@ def keep(slots: Slots, rows_R) -> Slots:
     )
 
 
-def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tuple[Slots, Decoded, jax.Array]:
+def decode(
+    model, slots: Slots, out: Decoded, rows: Rows, *, steps: int, seen: int | None = None
+) -> tuple[Slots, Decoded, jax.Array]:
     """Up to `steps` decode steps of every row (the loop ends early once no row is active, checked every STOP_EVERY
-    steps) -> (Slots, Decoded, the steps run). A step draws each active row's token from its sample's sampling
+    steps) -> (Slots, Decoded, the steps run). The attention reads the first `seen` slots of the cache only (P <
+    seen <= P + N; default all): every active row must stay below it, its step t < seen - P, for all `steps` (a
+    free row's results are not read). A step draws each active row's token from its sample's sampling
     distribution (its key folded with the sample's own step: the draw does not depend on the row or on the other
     rows), records it in its sample's outputs at that step (with its logprob, and, as `out` has buffers for them, the
     distribution's best ids, the support, the routing), and feeds it back through the cache at the row's next slot.
@@ -193,6 +201,9 @@ def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tupl
     computations until a sample enters it are not read)."""
     q, n = out.tokens_BxN.shape
     r, p = slots.valid_RxP.shape
+    seen = p + n if seen is None else seen
+    if not p < seen <= p + n:
+        raise ValueError(f"seen={seen} slots: not in ({p}, {p + n}]")
     top_n = 0 if out.top_ids_BxTxN is None else out.top_ids_BxTxN.shape[1]
     mask_n = 0 if out.support_ids_BxSxN is None else out.support_ids_BxSxN.shape[1]
     routed = slots.ids_XxRxK is not None
@@ -234,7 +245,7 @@ def decode(model, slots: Slots, out: Decoded, rows: Rows, *, steps: int) -> tupl
             *support,
         )
         # the tokens back through the model at each row's slot p + t (a free row's too: its results are not read)
-        valid_RxS = jnp.concatenate([s.valid_RxP, jnp.arange(n)[None] <= t_R[:, None]], axis=1)
+        valid_RxS = jnp.concatenate([s.valid_RxP, jnp.arange(seen - p)[None] <= t_R[:, None]], axis=1)
         positions_Rx1 = (row.prompt_len_B + t_R)[:, None]
         fwd, cache = model.cached(tok_R[:, None], positions_Rx1, s.cache, p + t_R, valid_RxS)
         ids = fwd.expert_ids_XxBxLxK
@@ -286,10 +297,21 @@ def _rows_of(prompt_nxBx, axis: int, *, n: int, max_new: int) -> jax.Array:
     return jnp.repeat(jnp.pad(prompt_nxBx, widths), n, axis=1)
 
 
-def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0) -> Decoded:
-    """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end. The
-    rows are made as `enter` would fill them, but in one piece (_rows_of; entering rows into empty ones would hold a
-    gathered copy of their prompt slots beside the cache)."""
+def phase_ends(max_new: int, phases: int = PHASES) -> list[int]:
+    """The steps at which `whole`'s decode phases end: max_new split in `phases` parts, each a multiple of STOP_EVERY
+    (fewer phases where the parts would repeat)."""
+    every = math.gcd(STOP_EVERY, max_new)
+    ends = {min(max_new, -(-max_new * k // (phases * every)) * every) for k in range(1, phases + 1)}
+    return sorted(e for e in ends if e > 0)
+
+
+def whole(
+    model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0, phases: int = PHASES
+) -> Decoded:
+    """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end in
+    `phases` phases (phase_ends): every row starts at step 0, so a phase ending at step e attends over the P + e
+    slots its steps can have written (one phase where the model's decode attention reads only those already). The rows are made as `enter` would fill them, but in one piece (_rows_of;
+    entering rows into empty ones would hold a gathered copy of their prompt slots beside the cache)."""
     q = prompts.valid_BxP.shape[0] * n
     out = outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
@@ -305,7 +327,13 @@ def whole(model, prompts: Prompts, rows: Rows, *, n: int, max_new: int, top_n: i
         rep(prompts.logits_BxV, 0),
         rep(prompts.ids_XxBxK, 1),
     )
-    return decode(model, slots, out, rows, steps=max_new)[1]
+    p, start = prompts.valid_BxP.shape[1], 0
+    if model.decode_reads_written_only():  # a kernel that stops at each row's last slot: phases would only compile
+        phases = 1
+    for end in phase_ends(max_new, phases):
+        slots, out, _ = decode(model, slots, out, rows, steps=end - start, seen=p + end)
+        start = end
+    return out
 
 
 def split_fns(graphdef, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0, mesh=None, rules=None):

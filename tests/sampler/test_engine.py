@@ -180,6 +180,23 @@ def test_the_decode_narrows_to_its_active_rows(loaded):
     assert ran["decode_tokens"] == 2 * sum(lengths)
 
 
+def test_each_decode_call_attends_over_the_slots_its_rows_can_reach(loaded):
+    """Calls of 4 steps over a 16-token bucket: the k-th call attends over P + 4k slots (its rows' reach, the
+    programs keyed by it), and the greedy tokens and logprobs are the transformers reference's (a bound below a
+    row's own slots would hide its latest tokens from it)."""
+    model_dir, model, _ = loaded("qwen2")
+    engine = Engine(*nnx.split(model), max_len=64, decode_steps=4)
+    ref = transformers_backend.Backend(model_dir, dtype="float32")
+    params = dataclasses.replace(GREEDY, max_new_tokens=14, return_routing=False)
+    got = engine.generate(PROMPTS, [0, 1], params)
+    for r, prompt in enumerate(PROMPTS):
+        (want,) = ref.generate(prompt, r, params)
+        assert got[r][0].token_ids == want.token_ids
+        np.testing.assert_allclose(got[r][0].logprobs, want.logprobs, atol=1e-4, rtol=0)
+    p = bucket(max(map(len, PROMPTS)), engine.prompt_bucket)
+    assert sorted(key[-1] for key in engine._programs if key[0] == "decode") == [p + 4, p + 8, p + 12, p + 16]
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.6])
 def test_sampling_mask_is_the_support_sampled_from(loaded, top_p):
     """return_sampling_mask: each token's support is what top-k 5 (then top-p on the renormalised five) kept of the

@@ -4,6 +4,7 @@ dominates)."""
 
 import flax.nnx as nnx
 import jax
+import numpy as np
 import pytest
 
 from cisjax import sharding
@@ -73,3 +74,51 @@ def test_per_step_outputs_hold_the_steps_minor_and_split_over_the_batch_shards()
         assert shard[batch_axis] == q // 8 and shard[:batch_axis] + shard[batch_axis + 1 :] == (
             buf.shape[:batch_axis] + buf.shape[batch_axis + 1 :]
         ), (name, shard)
+
+
+def test_phase_ends_split_the_steps_in_multiples_of_the_stop_check():
+    assert programs.phase_ends(64) == [16, 32, 48, 64]
+    assert programs.phase_ends(10) == [4, 6, 8, 10]  # STOP_EVERY = 4 does not divide 10: groups of 2
+    assert programs.phase_ends(6, phases=4) == [2, 4, 6]  # a repeated end once
+    assert programs.phase_ends(1) == [1]
+
+
+def test_each_decode_phase_attends_over_the_slots_its_steps_can_have_written(tiny_hf_dir):
+    """`whole` in four phases: the attention's scores span P + 4, P + 8, P + 12, P + 16 slots (one phase, or a phase
+    reading every slot, would show P + 16 alone), and the samples are those of a one-phase decode."""
+    model = hf_io.load(tiny_hf_dir("qwen2"), dtype="float32", param_dtype="float32")[0]
+    graphdef, params = nnx.split(model)
+    b, p, n, new = 2, 8, 2, 16
+    tokens_BxP = jax.random.randint(jax.random.key(0), (b, p), 1, 50)
+    valid_BxP = jax.numpy.arange(p)[None] >= jax.numpy.array([[2], [0]])  # left padding of two in the first
+    rows = programs.Rows(
+        prompt_len_B=jax.numpy.array([6, 6, 8, 8]),
+        temperature_B=jax.numpy.ones(4),
+        top_k_B=jax.numpy.zeros(4, int),
+        top_p_B=jax.numpy.ones(4),
+        greedy_B=jax.numpy.zeros(4, bool),
+        key_data_Bx2=jax.random.key_data(jax.random.split(jax.random.key(1), 4)),
+        max_new_B=jax.numpy.array([16, 16, 11, 3]),
+        stop_ids_BxT=jax.numpy.full((4, programs.STOP_SLOTS), -1),
+    )
+
+    def run(phases):
+        def fn(model, tokens_BxP, valid_BxP, rows):
+            prompts = programs.prefill(model, tokens_BxP, valid_BxP)
+            return programs.whole(model, prompts, rows, n=n, max_new=new, phases=phases)
+
+        return programs.traced(graphdef, fn), (params, tokens_BxP, valid_BxP, rows)
+
+    fn, args = run(4)
+    widths = {
+        eqn.invars[1].aval.shape[-2]  # the keys' slots: "blkgh,bksh->bkgls"'s second operand [B, K, S, H]
+        for eqn, _ in jaxpr_dots(jax.make_jaxpr(fn)(*args).jaxpr)
+        # a decode step's scores [B, K, G, 1, S] of queries [B, 1, K, G, H] and keys [B, K, S, H]
+        if eqn.outvars[0].aval.ndim == 5 and eqn.outvars[0].aval.shape[3] == 1 and eqn.invars[1].aval.ndim == 4
+    }
+    assert widths == {p + 4, p + 8, p + 12, p + 16}, widths
+    four = jax.jit(fn)(*args)
+    one = jax.jit(run(1)[0])(*args)
+    np.testing.assert_array_equal(four.tokens_BxN, one.tokens_BxN)
+    np.testing.assert_array_equal(four.lengths_B, [16, 16, 11, 3])
+    np.testing.assert_allclose(four.logprobs_BxN, one.logprobs_BxN, atol=1e-6, rtol=0)

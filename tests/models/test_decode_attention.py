@@ -1,0 +1,159 @@
+"""cisjax.models.decode_attention: JAX's Pallas Triton decode kernel (in Pallas's interpreter on the CPU) against the
+einsum over the cache, reading each row's written slots only, under a mesh, and in the JAX sampler's decode."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cisjax import sharding
+from cisjax.models import decode_attention, hf_io
+from cisjax.models.attention import cache_attention
+from cisjax.sampler.engine import Engine
+from tests.helpers import engine_params
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _inputs(b, n, kv, h, s, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, 1, n, h)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(b, kv, s, h)), dtype) for _ in range(2))
+    return q, k, v
+
+
+def _mask(start, end, s):
+    start, end = np.asarray(start)[:, None], np.asarray(end)[:, None]
+    return jnp.asarray((np.arange(s)[None] >= start) & (np.arange(s)[None] < end))[:, None]
+
+
+def test_split_of_by_hand():
+    assert decode_attention.split_of(96) == 16  # 96 = 3 x 32: parts of 16 (96 / 16 = 6 slots aimed at: 16 at least)
+    assert decode_attention.split_of(4096) == 256  # 16 parts
+    assert decode_attention.split_of(1088) == 64  # 64 + 1,024: 17 parts of the largest power of two dividing it
+    assert decode_attention.split_of(48) == 16
+    assert decode_attention.split_of(20) is None  # no power of two of 16 or more divides it: the einsum
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-6), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("n, kv", [(4, 2), (2, 2)])
+def test_kernel_equals_the_einsum(dtype, atol, n, kv):
+    """Rows whose intervals start at 0, mid-part and at a part's edge, end at the last slot, inside a part and one
+    slot after their start."""
+    b, h, s = 4, 16, 96
+    q, k, v = _inputs(b, n, kv, h, s, dtype)
+    start, end = [0, 10, 32, 50], [96, 40, 33, 51]
+    mask = _mask(start, end, s)
+    got = decode_attention.attend(q, k, v, mask, 0.25, "triton")
+    want = cache_attention(*(a.astype(jnp.float32) for a in (q, k, v)), mask, 0.25)
+    assert got.dtype == dtype and got.shape == (b, 1, n, h)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0)
+
+
+def test_parts_past_a_rows_last_slot_are_never_read():
+    """NaN in every part past each row's interval: the kernel's output is that of clean inputs (the einsum reads
+    every slot: NaN). Row 0 ends in its second part of 16, row 1 in its first."""
+    q, k, v = _inputs(2, 4, 2, 16, 96)
+    mask = _mask([3, 0], [20, 9], 96)
+    dirty_k, dirty_v = k.at[0, :, 32:].set(jnp.nan).at[1, :, 16:].set(jnp.nan), v.at[:, :, 32:].set(jnp.nan)
+    dirty_v = dirty_v.at[1, :, 16:].set(jnp.nan)
+    got = decode_attention.attend(q, dirty_k, dirty_v, mask, 0.25, "triton")
+    np.testing.assert_allclose(got, cache_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=0)
+    assert np.isnan(np.asarray(cache_attention(q, dirty_k, dirty_v, mask, 0.25))).all()
+
+
+def test_where_the_kernel_applies():
+    q, k, v = _inputs(2, 4, 2, 16, 96, jnp.bfloat16)
+    assert decode_attention.kernel_fits(q, k, v, "triton")
+    assert not decode_attention.kernel_fits(q, k, v, "auto")  # on the CPU: the einsum
+    assert not decode_attention.kernel_fits(q, k, v, "splash")
+    assert not decode_attention.kernel_fits(jnp.concatenate([q, q], 1), k, v, "triton")  # a prefill's L queries
+    assert not decode_attention.kernel_fits(q, k[:, :, :20], v[:, :, :20], "triton")  # 20 slots
+    assert not decode_attention.kernel_fits(q[..., :12], k[..., :12], v[..., :12], "triton")  # width 12
+    assert not decode_attention.kernel_fits(q, k, v[..., :8], "triton")  # values narrower than the queries
+
+
+def test_gpu_in_bf16_takes_the_kernel_and_fp32_the_einsum(monkeypatch):
+    """ "auto" on a GPU: the kernel in bf16; in fp32 the einsum (Triton's dots multiply fp32 in TF32)."""
+    monkeypatch.setattr(sharding, "current_platform", lambda: "gpu")
+    q, k, v = _inputs(2, 4, 2, 16, 96, jnp.bfloat16)
+    assert decode_attention.kernel_fits(q, k, v, "auto")
+    assert not decode_attention.kernel_fits(*(a.astype(jnp.float32) for a in (q, k, v)), "auto")
+
+
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 4, "tensor": 2}, {"fsdp": 8}])
+def test_under_a_mesh_each_device_takes_its_rows_and_heads(mesh_shape):
+    q, k, v = _inputs(8, 4, 2, 16, 64)
+    mask = _mask(np.arange(8) * 3, 64 - np.arange(8) * 5, 64)
+    mesh = sharding.make_mesh(mesh_shape)
+
+    def run(q, k, v, mask):
+        with sharding.use_mesh(mesh):
+            return decode_attention.attend(q, k, v, mask, 0.25, "triton")
+
+    got = jax.jit(run)(q, k, v, mask)
+    np.testing.assert_allclose(got, cache_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=0)
+
+
+def test_the_sampler_decodes_through_the_kernel_as_through_the_einsum(tiny_hf_dir):
+    """The JAX sampler's decode on a model whose attention_impl is triton (the kernel in every layer's decode step)
+    gives the einsum model's greedy tokens and logprobs (fp32), left-padded prompts of different lengths, in calls of
+    4 steps."""
+    model_dir = tiny_hf_dir("qwen2_moe")
+    params = dataclasses.replace(engine_params(seed=0, greedy=True), max_new_tokens=12)
+    prompts = [[5, 17, 3, 88, 41, 2, 9], [60, 7, 33]]
+    got, seen = {}, {}
+    for impl in ("einsum", "triton"):
+        model = hf_io.load(model_dir, attention_impl=impl)[0]
+        engine = Engine(*nnx.split(model), max_len=64, decode_steps=4)
+        got[impl] = engine.generate(prompts, [0, 1], params)
+        seen[impl] = sorted(key[-1] for key in engine._programs if key[0] == "decode")
+    # 16 prompt slots and 16 new ones (a bucket of 16): the einsum's calls attend over the slots their rows can reach, the kernel's over
+    # all (it stops at each row's last written slot itself: one decode program)
+    assert seen == {"einsum": [20, 24, 28], "triton": [32]}  # 12 tokens: three calls
+    for a, b in zip(got["triton"], got["einsum"]):
+        assert a[0].token_ids == b[0].token_ids
+        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_kernel_compiles_for_an_h100_without_one():
+    """A CPU host compiling for a deviceless H100 (cisjax plan's targets, XLA's CUDA plugin; a fresh process: the
+    plugin): "auto" in bf16 picks the kernel, and a decode step's attention over Qwen1.5-MoE's heads (16 of 128,
+    as many kv heads) and 1,088 slots compiles to one Triton call."""
+    script = textwrap.dedent(
+        """
+        import json
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from cisjax import sharding
+        from cisjax.models import decode_attention
+        from cisjax.plan import hardware
+
+        mesh = sharding.make_mesh({"fsdp": 1}, hardware.target("h100x1").devices())
+        spec = NamedSharding(mesh, P())
+        b, n, kv, h, s = 8, 16, 16, 128, 1088
+        shapes = [((b, 1, n, h), jnp.bfloat16), ((b, kv, s, h), jnp.bfloat16), ((b, kv, s, h), jnp.bfloat16),
+                  ((b, 1, s), jnp.bool_)]
+        args = [jax.ShapeDtypeStruct(shape, dt, sharding=spec) for shape, dt in shapes]
+
+        def run(q, k, v, mask):
+            with sharding.use_mesh(mesh):
+                return decode_attention.attend(q, k, v, mask, h**-0.5)
+
+        text = jax.jit(run).lower(*args).compile().as_text()
+        print(json.dumps({"triton_calls": text.count("__gpu$xla.gpu.triton")}))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"triton_calls": 1}
