@@ -68,22 +68,31 @@ class DecoderLayer(nnx.Module):
         y_BxLxD, ids = self.mlp_block(x_BxLxD, replay_BxLxK)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids
 
-    def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=None):
+    def cached(self, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=None, repeat: int = 1):
         """The layer on L new tokens whose attention entries are written into `cache` at slots index..index+L-1,
         their queries attending over the first S' slots under mask_BxLxS' (attention.cache_mask; S' <= S) ->
         (x_BxLxD, expert ids or None, the updated cache). `cache`: this layer's arrays [B, S, ...]; or, with
-        `layer`, its stack's [n, B, S, ...], of which this is layer `layer` (only the new entries are written)."""
+        `layer`, its stack's [n, B, S, ...], of which this is layer `layer` (only the new entries are written).
+        `repeat`: the cache holds that many rows per row of x (row b's entries go into rows b r .. b r + r - 1; a
+        prefill at index 0 only, whose tokens attend over their own entries)."""
         h_BxLxD = self.attn_norm(x_BxLxD)
         q = self.attn.query(h_BxLxD)
         new = self.attn.kv(h_BxLxD, positions_BxL)
         seen = mask_BxLxS.shape[-1]
         axes = [1 + slot_axis(shape) for shape in self.attn.cache_shapes()]  # of a layer's arrays [B, ...]
-        cache = tuple(_write(c, n, index, a, layer) for c, n, a in zip(cache, new, axes))
-        if layer is not None:
-            cache_j = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in cache)
-        mine = tuple(
-            jax.lax.slice_in_dim(c, 0, seen, axis=a) for c, a in zip(cache if layer is None else cache_j, axes)
-        )
+        rows = new if repeat == 1 else tuple(jnp.repeat(n, repeat, axis=0) for n in new)
+        cache = tuple(_write(c, n, index, a, layer) for c, n, a in zip(cache, rows, axes))
+        if isinstance(index, int) and index == 0 and seen == x_BxLxD.shape[1]:
+            # the new tokens see only one another: their own entries, as the cache holds them, not read back from it
+            mine = tuple(jnp.moveaxis(n.astype(c.dtype), 1, a) for c, n, a in zip(cache, new, axes))
+        else:
+            if repeat != 1:
+                raise ValueError(f"repeat={repeat}: a prefill at slot 0 only")
+            if layer is not None:
+                cache_j = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in cache)
+            mine = tuple(
+                jax.lax.slice_in_dim(c, 0, seen, axis=a) for c, a in zip(cache if layer is None else cache_j, axes)
+            )
         x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
@@ -247,9 +256,12 @@ def run_stack(
     return (x_BxLxD, ids) if grad_acc is None else (x_BxLxD, ids, grad_acc)
 
 
-def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, *, carried=None):
-    """x through every layer of a stack, each writing its new entries into `cache` (arrays [n, B, S, ...]) and
-    reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the updated cache). Scanned as run_stack.
+def run_stack_cached(
+    stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, mask_BxLxS, *, carried=None, repeat: int = 1
+):
+    """x through every layer of a stack, each writing its new entries into `cache` (arrays [n, B, S, ...]; B x
+    `repeat` rows: DecoderLayer.cached) and reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the
+    updated cache). Scanned as run_stack.
 
     Two forms of the same computation, by platform (`carried` forces one): the layers' slices as the scan's inputs and
     the updated slices stacked as its outputs, which a rolled scan (TPU, GPU) keeps in place; or (CPU, where the scan
@@ -263,7 +275,7 @@ def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, 
         def body(x_BxLxD, xs):
             state_j, cache_j = xs
             layer = nnx.merge(graphdef, state_j)
-            x_BxLxD, ids, cache_j = layer.cached(x_BxLxD, positions_BxL, cache_j, index, mask_BxLxS)
+            x_BxLxD, ids, cache_j = layer.cached(x_BxLxD, positions_BxL, cache_j, index, mask_BxLxS, repeat=repeat)
             return x_BxLxD, (ids, cache_j)
 
         x_BxLxD, (ids, cache) = jax.lax.scan(body, x_BxLxD, (state, cache), unroll=unrolled)
@@ -273,7 +285,7 @@ def run_stack_cached(stack: DecoderLayer, x_BxLxD, positions_BxL, cache, index, 
         x_BxLxD, cache = carry
         state_j, j = xs
         layer = nnx.merge(graphdef, state_j)
-        x_BxLxD, ids, cache = layer.cached(x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=j)
+        x_BxLxD, ids, cache = layer.cached(x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=j, repeat=repeat)
         return (x_BxLxD, cache), ids
 
     n = jax.tree.leaves(cache)[0].shape[0]
@@ -391,12 +403,13 @@ class CausalLM(nnx.Module):
         one) in every layer: then bounding the slots it attends over (the sampler's decode phases) saves nothing."""
         return all(stack.attn.decode_reads_written_only() for stack in self.stacks)
 
-    def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS):
+    def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS, repeat: int = 1):
         """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for
         all rows: left-pad the prompts; or, for L = 1, a [B] array: each row's own slot), attending to the slots
         valid_BxS marks (written and not padding; it must already mark the new tokens') -> (ModelOutput, the updated
         cache). Prefill: L = the padded prompt length at index 0; decode: L = 1 at the next slot. The same layers,
-        weights and routers as __call__."""
+        weights and routers as __call__. `repeat`: a prefill into a cache of that many rows per row of tokens (each
+        row's entries written into its `repeat` rows: the samples of a prompt)."""
         b, l = tokens_BxL.shape
         # a static index (the prefill's): attend over the slots up to the last new token only, not the whole cache
         seen = index + l if isinstance(index, int) else valid_BxS.shape[1]
@@ -405,7 +418,9 @@ class CausalLM(nnx.Module):
         x_BxLxD = sharding.constrain(x_BxLxD, ("batch", "length", "act_embed"))
         routing, out = [], []
         for stack, entries in zip(self.stacks, cache):
-            x_BxLxD, ids, entries = run_stack_cached(stack, x_BxLxD, positions_BxL, entries, index, mask_BxLxS)
+            x_BxLxD, ids, entries = run_stack_cached(
+                stack, x_BxLxD, positions_BxL, entries, index, mask_BxLxS, repeat=repeat
+            )
             out.append(entries)
             if ids is not None:
                 routing.append(ids)

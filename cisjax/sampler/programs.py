@@ -27,7 +27,9 @@ PHASES = 4
 class Prompts(NamedTuple):
     """Prefilled prompts: what a decode slot takes from its sample's prompt when the sample enters it."""
 
-    cache: list  # CausalLM.init_cache layout: per stack, arrays [layers, B, ...] of the prompts' P slots
+    # CausalLM.init_cache layout: per stack, arrays [layers, B, ...] of the prompts' P slots (or, prefill's n and
+    # max_new, [layers, B n, ...] of P + max_new slots: the decode rows')
+    cache: list
     valid_BxP: jax.Array  # the slots that are not padding
     logits_BxV: jax.Array  # fp32, after each prompt's last token: its samples' first distribution
     ids_XxBxK: jax.Array | None  # the routers' expert ids at the last prompt position (the first token's routing)
@@ -84,12 +86,15 @@ def _last_logits(model, hidden_BxD) -> jax.Array:
     return jnp.einsum("bd,dv->bv", hidden_BxD.astype(model.cfg.dtype), w_DxV, preferred_element_type=jnp.float32)
 
 
-def prefill(model, tokens_BxP, valid_BxP) -> Prompts:
+def prefill(model, tokens_BxP, valid_BxP, *, n: int = 1, max_new: int = 0) -> Prompts:
     """Left-padded prompts (one write index for all rows; positions from the pad mask) into a cache of their P slots;
-    only the last position's logits are computed."""
+    only the last position's logits are computed. With `n` and `max_new`: into the cache of their samples' decode
+    rows instead (`whole`'s: n rows per prompt, sample i * n + j prompt i's j-th, of P + max_new slots), each
+    layer's entries written into the rows as it computes them (no cache of the prompts beside the rows')."""
     positions_BxP = jnp.maximum(jnp.cumsum(valid_BxP.astype(jnp.int32), axis=1) - 1, 0)
     b, p = tokens_BxP.shape
-    out, cache = model.cached(tokens_BxP, positions_BxP, model.init_cache(b, p), 0, valid_BxP)
+    empty = model.init_cache(b * n, p + max_new)
+    out, cache = model.cached(tokens_BxP, positions_BxP, empty, 0, valid_BxP, repeat=n)
     ids = out.expert_ids_XxBxLxK
     return Prompts(
         cache,
@@ -297,6 +302,21 @@ def _rows_of(prompt_nxBx, axis: int, *, n: int, max_new: int) -> jax.Array:
     return jnp.repeat(jnp.pad(prompt_nxBx, widths), n, axis=1)
 
 
+def prefill_into_rows(model) -> bool:
+    """Whether `split_fns` prefills a step's prompts straight into their samples' rows (prefill's n and max_new),
+    rather than into the prompts' cache that `whole` then copies into the rows (_rows_of). The copy holds a quarter
+    of the rows' cache (at n = 4 samples and N = 2P new tokens) beside it; the straight prefill holds the whole
+    rows' cache beside the prefill's activations. Compiled for v5p-16 (docs/results.md), the copy weighed more where
+    a token's cache entries outweigh its hidden state (Qwen1.5-MoE: 4,096 values per layer against 2,048, 56.7 ->
+    49.3 GiB per chip), the activations where they are lighter (Qwen3-30B-A3B: 1,024, 42.9 -> 45.4 GiB;
+    DeepSeek-V2-Lite's latent and rotary key: 576, 20.0 -> 21.5 GiB): straight where they outweigh it."""
+    values = max(
+        sum(math.prod(d for d in shape if d is not None) for shape in stack.attn.cache_shapes())
+        for stack in model.stacks
+    )
+    return values >= model.cfg.hidden_size
+
+
 def phase_ends(max_new: int, phases: int = PHASES) -> list[int]:
     """The steps at which `whole`'s decode phases end: max_new split in `phases` parts, each a multiple of STOP_EVERY
     (fewer phases where the parts would repeat)."""
@@ -310,13 +330,21 @@ def whole(
 ) -> Decoded:
     """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end in
     `phases` phases (phase_ends): every row starts at step 0, so a phase ending at step e attends over the P + e
-    slots its steps can have written (one phase where the model's decode attention reads only those already). The rows are made as `enter` would fill them, but in one piece (_rows_of;
-    entering rows into empty ones would hold a gathered copy of their prompt slots beside the cache)."""
-    q = prompts.valid_BxP.shape[0] * n
+    slots its steps can have written (one phase where the model's decode attention reads only those already).
+    `prompts`: prefill's, into the rows (its n and max_new: the rows as `enter` would fill them) or into the prompts'
+    cache (then copied into the rows in one piece, _rows_of: entering rows into empty ones would hold a gathered
+    copy of their prompt slots beside the cache)."""
+    b = prompts.valid_BxP.shape[0]
+    q = b * n
+    cache_rows = jax.tree.leaves(prompts.cache)[0].shape[1]
+    if cache_rows not in (b, q):
+        raise ValueError(f"a cache of {cache_rows} rows for {b} prompts of {n} samples")
     out = outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
     slots = Slots(
-        [
+        prompts.cache
+        if cache_rows == q
+        else [
             tuple(_rows_of(a, ax, n=n, max_new=max_new) for a, ax in zip(cs, axes))
             for cs, axes in zip(prompts.cache, model.cache_slot_axes())
         ],
@@ -337,13 +365,19 @@ def whole(
 
 
 def split_fns(graphdef, *, n: int, max_new: int, top_n: int = 0, mask_n: int = 0, mesh=None, rules=None):
-    """One batch's two programs, to jit: `(params, tokens_BxP, valid_BxP) -> Prompts` (the prefill) and `(params,
-    Prompts, Rows) -> Decoded` (`whole`: every sample in a row of its own, to the end). Apart, each is timed alone."""
+    """One batch's two programs, to jit: `(params, tokens_BxP, valid_BxP) -> Prompts` (the prefill: into the rows
+    where prefill_into_rows) and `(params, Prompts, Rows) -> Decoded` (`whole`: every sample in a row of its own, to
+    the end). Apart, each is timed alone."""
 
     def dec(model, prompts: Prompts, rows: Rows):
         return whole(model, prompts, rows, n=n, max_new=max_new, top_n=top_n, mask_n=mask_n)
 
-    return traced(graphdef, prefill, mesh, rules), traced(graphdef, dec, mesh, rules)
+    def pre(model, tokens_BxP, valid_BxP):
+        if prefill_into_rows(model):
+            return prefill(model, tokens_BxP, valid_BxP, n=n, max_new=max_new)
+        return prefill(model, tokens_BxP, valid_BxP)
+
+    return traced(graphdef, pre, mesh, rules), traced(graphdef, dec, mesh, rules)
 
 
 def sample_fn(graphdef, *, n: int, max_new: int, top_n: int, mask_n: int = 0, mesh=None, rules=None):

@@ -10,7 +10,7 @@ import pytest
 from cisjax import sharding
 from cisjax.models import hf_io
 from cisjax.sampler import programs
-from tests.helpers import jaxpr_dots
+from tests.helpers import jaxpr_dots, tiny_hf_config
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "deepseek_v2"])  # K and V; MLA's latent, rotary key
@@ -104,7 +104,7 @@ def test_each_decode_phase_attends_over_the_slots_its_steps_can_have_written(tin
 
     def run(phases):
         def fn(model, tokens_BxP, valid_BxP, rows):
-            prompts = programs.prefill(model, tokens_BxP, valid_BxP)
+            prompts = programs.prefill(model, tokens_BxP, valid_BxP, n=n, max_new=new)
             return programs.whole(model, prompts, rows, n=n, max_new=new, phases=phases)
 
         return programs.traced(graphdef, fn), (params, tokens_BxP, valid_BxP, rows)
@@ -122,3 +122,56 @@ def test_each_decode_phase_attends_over_the_slots_its_steps_can_have_written(tin
     np.testing.assert_array_equal(four.tokens_BxN, one.tokens_BxN)
     np.testing.assert_array_equal(four.lengths_B, [16, 16, 11, 3])
     np.testing.assert_allclose(four.logprobs_BxN, one.logprobs_BxN, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "deepseek_v2"])
+def test_a_prefill_straight_into_the_rows_gives_the_copied_rows_samples(tiny_hf_dir, family):
+    """prefill(n, max_new) (each layer's prompt entries written into its n sample rows as computed) then `whole`
+    gives the samples of the prompts' cache copied into the rows (_rows_of): tokens, lengths, logprobs."""
+    model = hf_io.load(tiny_hf_dir(family), dtype="float32", param_dtype="float32")[0]
+    graphdef, params = nnx.split(model)
+    b, p, n, new = 2, 8, 3, 8
+    tokens_BxP = jax.random.randint(jax.random.key(0), (b, p), 1, 50)
+    valid_BxP = jax.numpy.arange(p)[None] >= jax.numpy.array([[3], [0]])
+    rows = programs.Rows(
+        prompt_len_B=jax.numpy.repeat(jax.numpy.array([5, 8]), n),
+        temperature_B=jax.numpy.ones(b * n),
+        top_k_B=jax.numpy.zeros(b * n, int),
+        top_p_B=jax.numpy.ones(b * n),
+        greedy_B=jax.numpy.zeros(b * n, bool),
+        key_data_Bx2=jax.random.key_data(jax.random.split(jax.random.key(1), b * n)),
+        max_new_B=jax.numpy.full(b * n, new),
+        stop_ids_BxT=jax.numpy.full((b * n, programs.STOP_SLOTS), -1),
+    )
+
+    def run(straight):
+        def fn(model, tokens_BxP, valid_BxP, rows):
+            extra = dict(n=n, max_new=new) if straight else {}
+            prompts = programs.prefill(model, tokens_BxP, valid_BxP, **extra)
+            assert jax.tree.leaves(prompts.cache)[0].shape[1] == (b * n if straight else b)
+            return programs.whole(model, prompts, rows, n=n, max_new=new)
+
+        return jax.jit(programs.traced(graphdef, fn))(params, tokens_BxP, valid_BxP, rows)
+
+    straight, copied = run(True), run(False)
+    np.testing.assert_array_equal(straight.tokens_BxN, copied.tokens_BxN)
+    np.testing.assert_array_equal(straight.lengths_B, [new] * (b * n))
+    np.testing.assert_allclose(straight.logprobs_BxN, copied.logprobs_BxN, atol=1e-6, rtol=0)
+    assert len({tuple(t) for t in np.asarray(straight.tokens_BxN).tolist()}) > 2  # samples that differ
+
+
+@pytest.mark.parametrize(
+    "family, overrides, straight",
+    [
+        ("qwen2_moe", {}, True),  # keys and values: 2 kv heads x 8 x 2 = 32 values per token and layer, hidden 32
+        ("qwen2_moe", dict(num_key_value_heads=1), False),  # 16 against 32
+        ("deepseek_v2", {}, False),  # the latent 16 and the rotary key 8 against 48
+    ],
+)
+def test_the_straight_prefill_where_a_tokens_cache_outweighs_its_hidden_state(family, overrides, straight):
+    hf = tiny_hf_config(family, **overrides)
+    cfg = hf_io.model_config(hf)
+    model = nnx.eval_shape(lambda: hf_io.family_module(hf).build(cfg, nnx.Rngs(0)))
+    per_token = sum(np.prod([d for d in s if d is not None]) for s in model.stacks[0].attn.cache_shapes())
+    assert (per_token >= cfg.hidden_size) == straight, per_token
+    assert programs.prefill_into_rows(model) == straight
