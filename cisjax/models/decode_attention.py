@@ -1,5 +1,5 @@
 """Attention of a KV cache's new queries: one decode query per row over its written slots only (JAX's Pallas Triton
-decode kernel on a GPU), else the einsum over every slot (attention.cache_attention)."""
+decode kernel on a GPU, a Pallas Mosaic kernel on a TPU), else the einsum over every slot (attention.cache_attention)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from cisjax import sharding
@@ -19,6 +21,11 @@ from cisjax.models.attention import cache_attention, check_impl, default_impl
 MIN_SPLIT = 16
 DECODE_BLOCK = 128
 SPLITS = 16
+# The TPU kernel (_tpu_kernel): one program per (row, kv head, block of TPU_BLOCK slots at most); a block past a
+# row's last written slot (or before its first) maps to the row's last (first) one, which the pipeline does not fetch
+# again, and computes nothing. Its query heads pad to TPU_GROUP rows (a TPU tile's sublanes).
+TPU_BLOCK = 512
+TPU_GROUP = 8
 
 
 def split_of(slots: int) -> int | None:
@@ -31,21 +38,42 @@ def split_of(slots: int) -> int | None:
     return min(largest, aim)
 
 
-def impl_reads_written_only(impl: str, dtype) -> bool:
-    """Whether `impl` runs the decode kernel on the current platform in `dtype`: "triton", or "auto" on a GPU in bf16
-    (in fp32 the einsum: Triton's dots multiply fp32 in TF32). The shapes must fit it as well (kernel_fits)."""
+def kernel_of(impl: str, dtype) -> str | None:
+    """The decode kernel `impl` runs on the current platform in `dtype`: "triton" (asked, or "auto" on a GPU in bf16;
+    in fp32 the einsum: Triton's dots multiply fp32 in TF32), "tpu" ("splash" asked), else None (the einsum). "auto"
+    on a TPU is the einsum: compiled for v5p-16 (docs/results.md), the TPU kernel's operands (each layer's keys and
+    values, sliced out of the stacked cache for the custom call) held 2.4 GiB more per chip for Qwen1.5-MoE's sampler
+    and 12.2 GiB more for Qwen3-30B-A3B's than the einsum over the decode phases. The shapes must fit the kernel as
+    well (kernel_fits)."""
     if check_impl(impl) == "auto":
         impl = default_impl(sharding.current_platform(), dtype)
-    return impl == "triton"
+        return "triton" if impl == "triton" else None
+    return {"triton": "triton", "splash": "tpu"}.get(impl)
+
+
+def impl_reads_written_only(impl: str, dtype) -> bool:
+    """Whether `impl` runs a decode kernel (kernel_of) on the current platform in `dtype`."""
+    return kernel_of(impl, dtype) is not None
+
+
+def tpu_block(slots: int) -> int | None:
+    """The TPU kernel's block of slots: the largest power of two up to TPU_BLOCK dividing `slots`, at least 16 (a
+    bf16 tile's rows); None where there is none (the einsum)."""
+    block = min(slots & -slots, TPU_BLOCK)
+    return block if block >= 16 else None
 
 
 def kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl: str) -> bool:
-    """Whether the decode kernel takes these: one query per row, the GPU's kernel ("triton": asked, or "auto" on a GPU
-    in bf16), a head width of a power of two that the values share, slots split_of divides."""
-    l, h = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3]
-    if l != 1 or v_BxKxSxV.shape[-1] != h or h & (h - 1) or split_of(k_BxKxSxH.shape[2]) is None:
+    """Whether a decode kernel takes these: one query per row, a kernel for the platform (kernel_of), values as wide
+    as the queries, and (Triton) a head width of a power of two and slots split_of divides, or (TPU) slots tpu_block
+    divides."""
+    l, h, s = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3], k_BxKxSxH.shape[2]
+    kernel = kernel_of(impl, q_BxLxNxH.dtype)
+    if l != 1 or v_BxKxSxV.shape[-1] != h or kernel is None:
         return False
-    return impl_reads_written_only(impl, q_BxLxNxH.dtype)
+    if kernel == "triton":
+        return not h & (h - 1) and split_of(s) is not None
+    return tpu_block(s) is not None
 
 
 def interval(mask_BxLxS: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -63,8 +91,11 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale: float, impl: str 
     if not kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl):
         return cache_attention(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale)
     start_B, end_B = interval(mask_BxLxS)
-    interpret = sharding.current_platform() not in sharding.GPU_PLATFORMS
-    kernel = functools.partial(_kernel, scale=scale, interpret=interpret)
+    if kernel_of(impl, q_BxLxNxH.dtype) == "triton":
+        interpret = sharding.current_platform() not in sharding.GPU_PLATFORMS
+        kernel = functools.partial(_kernel, scale=scale, interpret=interpret)
+    else:
+        kernel = functools.partial(_tpu_kernel, scale=scale, interpret=sharding.current_platform() != "tpu")
     ctx = sharding.active()
     if ctx is not None:  # GSPMD does not partition a Pallas kernel: each device its rows (and heads, where they split)
         mesh, rules = ctx
@@ -113,3 +144,82 @@ def _kernel(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B, *, scale: float, in
     q_BxKxGxH = q_BxLxNxH.reshape(b, kv, n // kv, h)
     o_BxKxGxH = jax.vmap(per_head)(q_BxKxGxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B)
     return o_BxKxGxH.reshape(b, 1, n, h)
+
+
+def _tpu_kernel(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B, *, scale: float, interpret: bool):
+    """Decode attention on a TPU: per (row, kv head), its query heads (padded to TPU_GROUP) over the cache's [S, H]
+    blocks from the row's first valid slot's block to its last's, an online softmax in fp32 (scores, max, sum and
+    output), the probabilities in the values' dtype for their matmul (as cache_attention). The rows' intervals are
+    scalar-prefetched: the blocks' index maps clamp to them, so the pipeline fetches no block outside a row's."""
+    b, _, n, h = q_BxLxNxH.shape
+    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    g = n // kv
+    gp = -(-g // TPU_GROUP) * TPU_GROUP
+    block = tpu_block(s)
+    q_BxKxGxH = q_BxLxNxH.reshape(b, kv, g, h)
+    q_BxKxGxH = jnp.pad(q_BxKxGxH, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+
+    def kv_block(r, k, j, start_ref, end_ref):  # the block j of row r, clamped into the row's blocks
+        first, last = start_ref[r] // block, (end_ref[r] - 1) // block
+        return r, k, jnp.minimum(jnp.maximum(j, first), last), 0
+
+    def body(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        r, j = pl.program_id(0), pl.program_id(2)
+        lo, hi = start_ref[r], end_ref[r]
+
+        @pl.when(j == 0)
+        def _():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        @pl.when((j >= lo // block) & (j <= (hi - 1) // block))
+        def _():
+            q_GxH = q_ref[...].astype(jnp.float32)
+            k_TxH = k_ref[...].astype(jnp.float32)
+            s_GxT = jax.lax.dot_general(
+                q_GxH, k_TxH, (((1,), (1,)), ((), ())), precision="highest", preferred_element_type=jnp.float32
+            )
+            slot_GxT = j * block + jax.lax.broadcasted_iota(jnp.int32, s_GxT.shape, 1)
+            s_GxT = jnp.where((slot_GxT >= lo) & (slot_GxT < hi), s_GxT * scale, jnp.finfo(jnp.float32).min)
+            m_prev = m_ref[...][:, :1]
+            m_next = jnp.maximum(m_prev, jnp.max(s_GxT, axis=1, keepdims=True))
+            p_GxT = jnp.exp(s_GxT - m_next)
+            alpha = jnp.exp(m_prev - m_next)
+            l_ref[...] = jnp.broadcast_to(
+                alpha * l_ref[...][:, :1] + jnp.sum(p_GxT, axis=1, keepdims=True), l_ref.shape
+            )
+            m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+            p_GxT = p_GxT.astype(v_ref.dtype).astype(jnp.float32)  # rounded as cache_attention's probabilities
+            pv_GxH = jax.lax.dot_general(
+                p_GxT,
+                v_ref[...].astype(jnp.float32),
+                (((1,), (0,)), ((), ())),
+                precision="highest",
+                preferred_element_type=jnp.float32,
+            )
+            acc_ref[...] = alpha * acc_ref[...] + pv_GxH
+
+        @pl.when(j == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = acc_ref[...] / l_ref[...][:, :1]
+
+    o_BxKxGxH = pl.pallas_call(
+        body,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, kv, s // block),
+            in_specs=[
+                pl.BlockSpec((None, None, gp, h), lambda r, k, j, *_: (r, k, 0, 0)),
+                pl.BlockSpec((None, None, block, h), kv_block),
+                pl.BlockSpec((None, None, block, h), kv_block),
+            ],
+            out_specs=pl.BlockSpec((None, None, gp, h), lambda r, k, j, *_: (r, k, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((gp, 128), jnp.float32)] * 2 + [pltpu.VMEM((gp, h), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct((b, kv, gp, h), jnp.float32),
+        interpret=interpret,
+        name="cisjax_decode_attention",
+    )(start_B, end_B, q_BxKxGxH, k_BxKxSxH, v_BxKxSxV)
+    return o_BxKxGxH[:, :, :g].reshape(b, 1, n, h)

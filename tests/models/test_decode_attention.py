@@ -1,6 +1,6 @@
-"""cisjax.models.decode_attention: JAX's Pallas Triton decode kernel (in Pallas's interpreter on the CPU) against the
-einsum over the cache, reading each row's written slots only, under a mesh, compiled for an H100 (the JAX sampler
-through it: tests/sampler/test_engine.py)."""
+"""cisjax.models.decode_attention: JAX's Pallas Triton decode kernel and cisjax's TPU one (in Pallas's interpreters
+on the CPU) against the einsum over the cache, reading each row's written slots only, under a mesh, compiled for an
+H100 (for a v5p: tests/plan/test_hardware.py; the JAX sampler through them: tests/sampler/test_engine.py)."""
 
 import json
 import os
@@ -19,6 +19,7 @@ from cisjax.models import decode_attention
 from cisjax.models.attention import cache_attention
 
 ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ["triton", "splash"]  # the impls that ask for each kernel: the GPU's, the TPU's
 
 
 def _inputs(b, n, kv, h, s, dtype=jnp.float32, seed=0):
@@ -41,61 +42,68 @@ def test_split_of_by_hand():
     assert decode_attention.split_of(20) is None  # no power of two of 16 or more divides it: the einsum
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-6), (jnp.bfloat16, 3e-2)])
 @pytest.mark.parametrize("n, kv", [(4, 2), (2, 2)])
-def test_kernel_equals_the_einsum(dtype, atol, n, kv):
+def test_kernel_equals_the_einsum(impl, dtype, atol, n, kv):
     """Rows whose intervals start at 0, mid-part and at a part's edge, end at the last slot, inside a part and one
     slot after their start."""
     b, h, s = 4, 16, 96
     q, k, v = _inputs(b, n, kv, h, s, dtype)
     start, end = [0, 10, 32, 50], [96, 40, 33, 51]
     mask = _mask(start, end, s)
-    got = decode_attention.attend(q, k, v, mask, 0.25, "triton")
+    got = decode_attention.attend(q, k, v, mask, 0.25, impl)
     want = cache_attention(*(a.astype(jnp.float32) for a in (q, k, v)), mask, 0.25)
     assert got.dtype == dtype and got.shape == (b, 1, n, h)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0)
 
 
-def test_parts_past_a_rows_last_slot_are_never_read():
-    """NaN in every part past each row's interval: the kernel's output is that of clean inputs (the einsum reads
-    every slot: NaN). Row 0 ends in its second part of 16, row 1 in its first."""
+@pytest.mark.parametrize("impl, part", [("triton", 16), ("splash", 32)])
+def test_parts_past_a_rows_last_slot_are_never_read(impl, part):
+    """NaN in every part (Triton's parts of 16, the TPU kernel's blocks of 32 at 96 slots) past each row's interval:
+    the kernel's output is that of clean inputs (the einsum reads every slot: NaN). Row 0 ends in its second part,
+    row 1 in its first."""
     q, k, v = _inputs(2, 4, 2, 16, 96)
-    mask = _mask([3, 0], [20, 9], 96)
-    dirty_k, dirty_v = k.at[0, :, 32:].set(jnp.nan).at[1, :, 16:].set(jnp.nan), v.at[:, :, 32:].set(jnp.nan)
-    dirty_v = dirty_v.at[1, :, 16:].set(jnp.nan)
-    got = decode_attention.attend(q, dirty_k, dirty_v, mask, 0.25, "triton")
+    mask = _mask([3, 0], [2 * part - 12, 9], 96)
+    dirty_k = k.at[0, :, 2 * part :].set(jnp.nan).at[1, :, part:].set(jnp.nan)
+    dirty_v = v.at[0, :, 2 * part :].set(jnp.nan).at[1, :, part:].set(jnp.nan)
+    got = decode_attention.attend(q, dirty_k, dirty_v, mask, 0.25, impl)
     np.testing.assert_allclose(got, cache_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=0)
     assert np.isnan(np.asarray(cache_attention(q, dirty_k, dirty_v, mask, 0.25))).all()
 
 
-def test_where_the_kernel_applies():
+def test_where_the_kernels_apply(monkeypatch):
     q, k, v = _inputs(2, 4, 2, 16, 96, jnp.bfloat16)
-    assert decode_attention.kernel_fits(q, k, v, "triton")
+    assert decode_attention.kernel_fits(q, k, v, "triton") and decode_attention.kernel_fits(q, k, v, "splash")
     assert not decode_attention.kernel_fits(q, k, v, "auto")  # on the CPU: the einsum
-    assert not decode_attention.kernel_fits(q, k, v, "splash")
-    assert not decode_attention.kernel_fits(jnp.concatenate([q, q], 1), k, v, "triton")  # a prefill's L queries
-    assert not decode_attention.kernel_fits(q, k[:, :, :20], v[:, :, :20], "triton")  # 20 slots
+    assert not decode_attention.kernel_fits(q, k, v, "einsum")
+    for impl in KERNELS:
+        assert not decode_attention.kernel_fits(jnp.concatenate([q, q], 1), k, v, impl)  # a prefill's L queries
+        assert not decode_attention.kernel_fits(q, k, v[..., :8], impl)  # values narrower than the queries
+        assert not decode_attention.kernel_fits(q, k[:, :, :20], v[:, :, :20], impl)  # 20 slots: blocks of 4
+    assert decode_attention.tpu_block(96) == 32 and decode_attention.tpu_block(1536) == 512
     assert not decode_attention.kernel_fits(q[..., :12], k[..., :12], v[..., :12], "triton")  # width 12
-    assert not decode_attention.kernel_fits(q, k, v[..., :8], "triton")  # values narrower than the queries
-
-
-def test_gpu_in_bf16_takes_the_kernel_and_fp32_the_einsum(monkeypatch):
-    """ "auto" on a GPU: the kernel in bf16; in fp32 the einsum (Triton's dots multiply fp32 in TF32)."""
+    assert decode_attention.kernel_fits(q[..., :12], k[..., :12], v[..., :12], "splash")  # a block's whole width
+    # "auto" on a GPU: the kernel in bf16, the einsum in fp32 (Triton's dots multiply fp32 in TF32); on a TPU the
+    # einsum (the kernel's operands cost memory there: decode_attention.kernel_of)
     monkeypatch.setattr(sharding, "current_platform", lambda: "gpu")
-    q, k, v = _inputs(2, 4, 2, 16, 96, jnp.bfloat16)
     assert decode_attention.kernel_fits(q, k, v, "auto")
     assert not decode_attention.kernel_fits(*(a.astype(jnp.float32) for a in (q, k, v)), "auto")
+    monkeypatch.setattr(sharding, "current_platform", lambda: "tpu")
+    assert decode_attention.kernel_of("auto", jnp.bfloat16) is None
+    assert decode_attention.kernel_of("splash", jnp.bfloat16) == "tpu"
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("mesh_shape", [{"fsdp": 4, "tensor": 2}, {"fsdp": 8}])
-def test_under_a_mesh_each_device_takes_its_rows_and_heads(mesh_shape):
+def test_under_a_mesh_each_device_takes_its_rows_and_heads(mesh_shape, impl):
     q, k, v = _inputs(8, 4, 2, 16, 64)
     mask = _mask(np.arange(8) * 3, 64 - np.arange(8) * 5, 64)
     mesh = sharding.make_mesh(mesh_shape)
 
     def run(q, k, v, mask):
         with sharding.use_mesh(mesh):
-            return decode_attention.attend(q, k, v, mask, 0.25, "triton")
+            return decode_attention.attend(q, k, v, mask, 0.25, impl)
 
     got = jax.jit(run)(q, k, v, mask)
     np.testing.assert_allclose(got, cache_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=0)

@@ -1,9 +1,12 @@
 """Compile targets: names as users type them, the deviceless devices, and the usable HBM against the TPU compiler."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cisjax.plan import hardware
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -129,3 +134,37 @@ def test_enable_libtpu_adds_its_folder_or_names_the_install(tmp_path, monkeypatc
     hardware.enable_libtpu()
     hardware.enable_libtpu()  # once on the path
     assert sys.path.count(str(tmp_path)) == 1
+
+
+def test_the_decode_attention_kernel_compiles_for_a_v5p():
+    """cisjax.models.decode_attention's TPU kernel, libtpu compiling for a deviceless v5p (cisjax plan's targets; a fresh process: libtpu): "splash" runs the TPU
+    kernel, and a decode step's attention over Qwen3-30B-A3B's heads (32 query, 4 kv, of 128) and 1,536 slots
+    compiles through Mosaic to one custom call."""
+    script = textwrap.dedent(
+        """
+        import json
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from cisjax import sharding
+        from cisjax.models import decode_attention
+        from cisjax.plan import hardware
+
+        mesh = sharding.make_mesh({"fsdp": 4}, hardware.target("v5p-8").devices())
+        spec = NamedSharding(mesh, P("fsdp"))
+        b, n, kv, h, s = 16, 32, 4, 128, 1536
+        shapes = [((b, 1, n, h), jnp.bfloat16), ((b, kv, s, h), jnp.bfloat16), ((b, kv, s, h), jnp.bfloat16),
+                  ((b, 1, s), jnp.bool_)]
+        args = [jax.ShapeDtypeStruct(shape, dt, sharding=spec) for shape, dt in shapes]
+
+        def run(q, k, v, mask):
+            with sharding.use_mesh(mesh):
+                return decode_attention.attend(q, k, v, mask, h**-0.5, "splash")
+
+        text = jax.jit(run).lower(*args).compile().as_text()
+        print(json.dumps({"mosaic_calls": text.count('custom_call_target="tpu_custom_call"')}))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"mosaic_calls": 1}

@@ -197,25 +197,26 @@ def test_each_decode_call_attends_over_the_slots_its_rows_can_reach(loaded):
     assert sorted(key[-1] for key in engine._programs if key[0] == "decode") == [p + 4, p + 8, p + 12, p + 16]
 
 
-def test_the_sampler_decodes_through_the_kernel_as_through_the_einsum(tiny_hf_dir):
-    """The JAX sampler's decode on a model whose attention_impl is triton (the kernel in every layer's decode step)
-    gives the einsum model's greedy tokens and logprobs (fp32), left-padded prompts of different lengths, in calls of
-    4 steps."""
+def test_the_sampler_decodes_through_the_kernels_as_through_the_einsum(tiny_hf_dir):
+    """The JAX sampler's decode on a model whose attention_impl asks for a decode kernel (triton: the GPU's, splash:
+    the TPU's; in every layer's decode step, in Pallas's interpreters here) gives the einsum model's greedy tokens and
+    logprobs (fp32), left-padded prompts of different lengths, in calls of 4 steps."""
     model_dir = tiny_hf_dir("qwen2_moe")
     params = dataclasses.replace(engine_params(seed=0, greedy=True), max_new_tokens=12)
     prompts = [[5, 17, 3, 88, 41, 2, 9], [60, 7, 33]]
     got, seen = {}, {}
-    for impl in ("einsum", "triton"):
+    for impl in ("einsum", "triton", "splash"):
         model = hf_io.load(model_dir, attention_impl=impl)[0]
         engine = Engine(*nnx.split(model), max_len=64, decode_steps=4)
         got[impl] = engine.generate(prompts, [0, 1], params)
         seen[impl] = sorted(key[-1] for key in engine._programs if key[0] == "decode")
-    # 16 prompt slots and 16 new ones (a bucket of 16): the einsum's calls attend over the slots their rows can reach, the kernel's over
-    # all (it stops at each row's last written slot itself: one decode program)
-    assert seen == {"einsum": [20, 24, 28], "triton": [32]}  # 12 tokens: three calls
-    for a, b in zip(got["triton"], got["einsum"]):
-        assert a[0].token_ids == b[0].token_ids
-        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5, rtol=0)
+    # 16 prompt slots and 16 new ones (a bucket of 16), 12 tokens in three calls: the einsum's calls attend over the
+    # slots their rows can reach, the kernels' over all (they stop at each row's last written slot: one program)
+    assert seen == {"einsum": [20, 24, 28], "triton": [32], "splash": [32]}
+    for impl in ("triton", "splash"):
+        for a, b in zip(got[impl], got["einsum"]):
+            assert a[0].token_ids == b[0].token_ids
+            np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.6])
