@@ -42,18 +42,20 @@ def kernel_of(impl: str, dtype) -> str | None:
     """The decode kernel `impl` runs on the current platform in `dtype`: "triton" (asked, or "auto" on a GPU in bf16;
     in fp32 the einsum: Triton's dots multiply fp32 in TF32), "tpu" ("splash" asked), else None (the einsum). "auto"
     on a TPU is the einsum: compiled for v5p-16 (docs/results.md), the TPU kernel's operands (each layer's keys and
-    values, sliced out of the stacked cache for the custom call) held 2.4 GiB more per chip for Qwen1.5-MoE's sampler
-    and 12.2 GiB more for Qwen3-30B-A3B's than the einsum over the decode phases. The shapes must fit the kernel as
-    well (kernel_fits)."""
+    values, sliced out of the stacked cache for the custom call) held 3.1 GiB more per chip for Qwen1.5-MoE's sampler
+    than the einsum (Qwen3-30B-A3B's: the same). The shapes must fit the kernel as well (kernel_fits)."""
     if check_impl(impl) == "auto":
         impl = default_impl(sharding.current_platform(), dtype)
         return "triton" if impl == "triton" else None
     return {"triton": "triton", "splash": "tpu"}.get(impl)
 
 
-def impl_reads_written_only(impl: str, dtype) -> bool:
-    """Whether `impl` runs a decode kernel (kernel_of) on the current platform in `dtype`."""
-    return kernel_of(impl, dtype) is not None
+def skips_phases(impl: str, dtype) -> bool:
+    """Whether the sampler's decode phases (bounds on the slots a decode step attends over) would only add compiles
+    under `impl` on the current platform in `dtype`: the GPU's kernel, which stops at each row's last slot. The TPU
+    kernel keeps them: on a TPU the phases also hold the decode's temporaries lower (Qwen3-30B-A3B's 16-layer cut on
+    v5p-16: 12.8 GiB per chip in one phase, 11.2 in four, the einsum 10.5: docs/results.md)."""
+    return kernel_of(impl, dtype) == "triton"
 
 
 def tpu_block(slots: int) -> int | None:

@@ -180,9 +180,9 @@ class MLAttention(nnx.Module):
         in training, or the queries absorbed into the latent space)."""
         return ((None, self.cfg.kv_lora_rank), (None, 1, self.cfg.qk_rope_head_dim))
 
-    def decode_reads_written_only(self) -> bool:
-        """A decode step's absorbed attention reads every slot of the cache (masked)."""
-        return False
+    def decode_needs_phases(self) -> bool:
+        """A decode step's absorbed attention reads every slot it is given (masked): the sampler bounds them."""
+        return True
 
     def _rope(self, positions_BxL):
         p = self.cfg.qk_rope_head_dim

@@ -81,10 +81,10 @@ class Attention(nnx.Module):
         each (heads-major: a decode step's batched matmuls over (row, head) read them in place)."""
         return ((self.cfg.num_key_value_heads, None, self.cfg.head_dim),) * 2
 
-    def decode_reads_written_only(self) -> bool:
-        """Whether a decode step's attention reads each row's written slots only (decode_attention's kernel: a GPU in
-        bf16, or attention_impl triton), not every slot of the cache."""
-        return decode_attention.impl_reads_written_only(self.cfg.attention_impl, self.cfg.dtype)
+    def decode_needs_phases(self) -> bool:
+        """Whether the sampler's decode should bound the slots a step attends over (decode_attention.skips_phases:
+        not with the GPU's kernel, which stops at each row's last written slot itself)."""
+        return not decode_attention.skips_phases(self.cfg.attention_impl, self.cfg.dtype)
 
     def _rope(self, positions_BxL):
         h = self.cfg.head_dim

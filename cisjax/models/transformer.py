@@ -398,10 +398,10 @@ class CausalLM(nnx.Module):
         """Per stack, per cache array [n, B, ...] (init_cache's), the axis of its slots."""
         return [tuple(2 + slot_axis(shape) for shape in stack.attn.cache_shapes()) for stack in self.stacks]
 
-    def decode_reads_written_only(self) -> bool:
-        """Whether a decode step's attention reads only each row's written slots (a kernel that stops at a row's last
-        one) in every layer: then bounding the slots it attends over (the sampler's decode phases) saves nothing."""
-        return all(stack.attn.decode_reads_written_only() for stack in self.stacks)
+    def decode_needs_phases(self) -> bool:
+        """Whether the sampler's decode should bound the slots a step attends over (its phases): unless every
+        layer's decode attention stops at each row's last written slot itself (attn.decode_needs_phases)."""
+        return any(stack.attn.decode_needs_phases() for stack in self.stacks)
 
     def cached(self, tokens_BxL, positions_BxL, cache: Cache, index, valid_BxS, repeat: int = 1):
         """The forward of L new tokens per row written into `cache` at slots index..index+L-1 (one write index for

@@ -127,9 +127,9 @@ class Engine:
         self._param_bytes = jnp.dtype(largest.dtype).itemsize
         self._step_bytes: dict[tuple[int, int], float] = {}
         with sharding.use_mesh(mesh, self.rules) if mesh is not None else contextlib.nullcontext():
-            # a decode attention that reads each row's written slots only: the calls attend over every slot (one
-            # program per width); else each call over the slots its rows can reach (_seen)
-            self._written_only = self._abstract.decode_reads_written_only()
+            # each call attends over the slots its rows can reach (_seen), unless the model's decode attention stops
+            # at each row's last written slot itself (the GPU's kernel: every slot, one program per width)
+            self._phased = self._abstract.decode_needs_phases()
 
     @property
     def compiled(self) -> int:
@@ -208,8 +208,8 @@ class Engine:
     def _seen(self, p: int, new: int, reach: int) -> int:
         """The slots a decode call attends over when its rows may reach step `reach` (exclusive): P and the first
         of programs.phase_ends(new) at or past it (a handful of decode programs per width); all P + new where the
-        model's decode attention reads each row's written slots only."""
-        if self._written_only:
+        model's decode attention needs no bound (CausalLM.decode_needs_phases)."""
+        if not self._phased:
             return p + new
         return p + next(e for e in programs.phase_ends(new) if e >= min(reach, new))
 
