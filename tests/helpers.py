@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny Qwen2-MoE whose dims the sharding table can split on 8 devices (8 heads x 8, 4 kv heads x 8,
 # 8 experts): shared by the sharding, train-step and checkpoint tests.
@@ -249,3 +258,13 @@ def jaxpr_dots(jaxpr, inside: bool = False):
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
                 if hasattr(sub, "eqns"):
                     yield from jaxpr_dots(sub, inside or eqn.primitive.name == "pallas_call")
+
+
+def fresh_process_json(script: str, timeout: int = 600) -> dict:
+    """`script` (dedented) in a fresh Python process on the CPU platform, the repository importable -> the JSON its
+    last line prints. For deviceless compiles: the CUDA plugin and libtpu load in a process of their own."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", textwrap.dedent(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

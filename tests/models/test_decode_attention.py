@@ -2,13 +2,6 @@
 on the CPU) against the einsum over the cache, reading each row's written slots only, under a mesh, compiled for an
 H100 (for a v5p: tests/plan/test_hardware.py; the JAX sampler through them: tests/sampler/test_engine.py)."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +10,8 @@ import pytest
 from cisjax import sharding
 from cisjax.models import decode_attention
 from cisjax.models.attention import cache_attention
+from tests.helpers import fresh_process_json
 
-ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["triton", "splash"]  # the impls that ask for each kernel: the GPU's, the TPU's
 
 
@@ -113,7 +106,7 @@ def test_the_kernel_compiles_for_an_h100_without_one():
     """A CPU host compiling for a deviceless H100 (cisjax plan's targets, XLA's CUDA plugin; a fresh process: the
     plugin): "auto" in bf16 picks the kernel, and a decode step's attention over Qwen1.5-MoE's heads (16 of 128,
     as many kv heads) and 1,088 slots compiles to one Triton call."""
-    script = textwrap.dedent(
+    out = fresh_process_json(
         """
         import json
         import jax, jax.numpy as jnp
@@ -137,7 +130,4 @@ def test_the_kernel_compiles_for_an_h100_without_one():
         print(json.dumps({"triton_calls": text.count("__gpu$xla.gpu.triton")}))
         """
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"triton_calls": 1}
+    assert out == {"triton_calls": 1}

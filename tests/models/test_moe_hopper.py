@@ -3,12 +3,6 @@ float64 reference, ragged and empty groups, padded shapes), the block table, the
 
 import functools
 import inspect
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +12,10 @@ from jax.extend import core as jex_core
 
 from cisjax import errors, sharding
 from cisjax.models import moe, moe_hopper
+from tests.helpers import fresh_process_json
 from tests.models import mgpu_interpret
 from tests.models.test_moe import _ids_cycle, _problem, _run, ref_moe
 
-ROOT = Path(__file__).resolve().parents[2]
 BF16_U = 2.0**-8  # bf16's unit roundoff: the kernels accumulate in fp32 and round each output once
 
 
@@ -261,7 +255,7 @@ def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
     """A CPU host compiling for deviceless H100s (cisjax plan's targets, XLA's CUDA plugin): auto picks "mgpu" on
     compute capability 9.0 and "triton" on an A100's 8.0, and the MoE's forward and backward compile for sm_90a (the
     weight-gradient kernel sized by the target's SM count, not the host's devices). In a fresh process: the plugin."""
-    script = textwrap.dedent(
+    out = fresh_process_json(
         """
         import json, sys
         import jax, jax.numpy as jnp
@@ -290,10 +284,6 @@ def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
         print(json.dumps(out))
         """
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["a100x1"] == "triton" and out["h100x1"] == "mgpu"
     assert out["hlo_mosaic_calls"] == 9  # 3 grouped matmuls: forward, input gradient, weight gradient
 

@@ -1,12 +1,9 @@
 """Compile targets: names as users type them, the deviceless devices, and the usable HBM against the TPU compiler."""
 
-import json
 import os
 import re
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cisjax.plan import hardware
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import fresh_process_json
 
 
 @pytest.mark.parametrize(
@@ -140,7 +136,7 @@ def test_the_decode_attention_kernel_compiles_for_a_v5p():
     """cisjax.models.decode_attention's TPU kernel, libtpu compiling for a deviceless v5p (cisjax plan's targets; a fresh process: libtpu): "splash" runs the TPU
     kernel, and a decode step's attention over Qwen3-30B-A3B's heads (32 query, 4 kv, of 128) and 1,536 slots
     compiles through Mosaic to one custom call."""
-    script = textwrap.dedent(
+    out = fresh_process_json(
         """
         import json
         import jax, jax.numpy as jnp
@@ -164,7 +160,4 @@ def test_the_decode_attention_kernel_compiles_for_a_v5p():
         print(json.dumps({"mosaic_calls": text.count('custom_call_target="tpu_custom_call"')}))
         """
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"mosaic_calls": 1}
+    assert out == {"mosaic_calls": 1}
