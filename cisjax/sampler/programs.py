@@ -334,16 +334,18 @@ def whole(
     `prompts`: prefill's, into the rows (its n and max_new: the rows as `enter` would fill them) or into the prompts'
     cache (then copied into the rows in one piece, _rows_of: entering rows into empty ones would hold a gathered
     copy of their prompt slots beside the cache)."""
-    b = prompts.valid_BxP.shape[0]
+    b, p = prompts.valid_BxP.shape
     q = b * n
-    cache_rows = jax.tree.leaves(prompts.cache)[0].shape[1]
-    if cache_rows not in (b, q):
-        raise ValueError(f"a cache of {cache_rows} rows for {b} prompts of {n} samples")
+    first = prompts.cache[0][0]  # [layers, rows, ...] with its slots on the stack's first slot axis
+    shape = (first.shape[1], first.shape[model.cache_slot_axes()[0][0]])
+    if shape not in ((q, p + max_new), (b, p)):
+        raise ValueError(f"a cache of {shape} (rows, slots) for {b} prompts of {p} slots, {n} samples, {max_new} new")
+    ready = shape == (q, p + max_new)  # prefill(n, max_new)'s: the rows' (at n = 1 and max_new = 0 both hold)
     out = outputs(prompts, samples=q, max_new=max_new, top_n=top_n, mask_n=mask_n)
     rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
     slots = Slots(
         prompts.cache
-        if cache_rows == q
+        if ready
         else [
             tuple(_rows_of(a, ax, n=n, max_new=max_new) for a, ax in zip(cs, axes))
             for cs, axes in zip(prompts.cache, model.cache_slot_axes())
@@ -355,7 +357,7 @@ def whole(
         rep(prompts.logits_BxV, 0),
         rep(prompts.ids_XxBxK, 1),
     )
-    p, start = prompts.valid_BxP.shape[1], 0
+    start = 0
     if not model.decode_needs_phases():  # a kernel that stops at each row's last slot: phases would only compile
         phases = 1
     for end in phase_ends(max_new, phases):
