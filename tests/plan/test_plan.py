@@ -217,6 +217,19 @@ def test_narrow_sampler_on_v5p16(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_narrow_sampler_on_h100s(tmp_path):
+    """The sampler's program compiled for 8 deviceless H100s (bf16: its decode attention through the Pallas Triton
+    decode kernel, one decode phase; the prompts prefilled straight into the rows)."""
+    overrides = ["--config.data.prompts_per_step=6", "--config.rollout.group_size=4"]
+    report = narrow_plan(
+        PAPER_WIDTHS, tmp_path, target="h100x8", overrides=overrides, programs=("sampler",), layer_costs=False
+    )
+    assert report["target"]["platform"] == "cuda" and report["model"]["attention_impl_resolved"] == "triton"
+    p = report["programs"]["sampler"]
+    assert p["fits"] and p["memory"]["temporaries"] > report["sampler"]["kv_cache_bytes"] / 8, p
+
+
+@pytest.mark.slow
 def test_narrow_deepseek_layer_costs_on_v5p16(tmp_path):
     """The per-layer-kind programs of DeepSeek-V2-Lite's narrow cut (MLA, a dense-MLP first layer, its MoE block): the
     FLOP tables and roofline of the train step and the rescoring."""
