@@ -330,8 +330,8 @@ def whole(
 ) -> Decoded:
     """Every prompt's n samples at once (sample i * n + j: prompt i's j-th), one row each, decoded to the end in
     `phases` phases (phase_ends): every row starts at step 0, so a phase ending at step e attends over the P + e
-    slots its steps can have written (one phase where the model's decode attention needs no bound: CausalLM.decode_needs_phases).
-    `prompts`: prefill's, into the rows (its n and max_new: the rows as `enter` would fill them) or into the prompts'
+    slots its steps can have written (one phase where the model's decode attention needs no bound:
+    CausalLM.decode_needs_phases). `prompts`: prefill's, into the rows (its n and max_new: the rows as `enter` would fill them) or into the prompts'
     cache (then copied into the rows in one piece, _rows_of: entering rows into empty ones would hold a gathered
     copy of their prompt slots beside the cache)."""
     b, p = prompts.valid_BxP.shape
