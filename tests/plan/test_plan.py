@@ -217,13 +217,19 @@ def test_narrow_sampler_on_v5p16(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_narrow_sampler_on_h100s(tmp_path):
+def test_narrow_sampler_on_h100s_in_a_fresh_process(tmp_path):
     """The sampler's program compiled for 8 deviceless H100s (bf16: its decode attention through the Pallas Triton
-    decode kernel, one decode phase; the prompts prefilled straight into the rows)."""
-    overrides = ["--config.data.prompts_per_step=6", "--config.rollout.group_size=4"]
-    report = narrow_plan(
-        PAPER_WIDTHS, tmp_path, target="h100x8", overrides=overrides, programs=("sampler",), layer_costs=False
-    )
+    decode kernel, one decode phase; the prompts prefilled straight into the rows). A fresh process: XLA's CUDA
+    plugin must be on the path before JAX starts its backends."""
+    out, hf = tmp_path / "plan.json", tmp_path / "narrow.json"
+    cfg = config_lib.load(ROOT / "configs" / f"{PAPER_WIDTHS}.py")
+    hf.write_text(json.dumps({**json.loads(Path(cfg.model.hf_config).read_text()), **NARROW[PAPER_WIDTHS]}))
+    argv = ["--config", str(ROOT / "configs" / f"{PAPER_WIDTHS}.py"), "--topology", "h100x8", "--hf-config", str(hf)]
+    argv += ["--num-layers", "2", "--programs", "sampler", "--no-layer-costs", "--json", str(out)]
+    argv += ["--config.data.prompts_per_step=6", "--config.rollout.group_size=4"]
+    proc = subprocess.run([sys.executable, "-m", "cisjax", "plan", *argv], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
     assert report["target"]["platform"] == "cuda" and report["model"]["attention_impl_resolved"] == "triton"
     p = report["programs"]["sampler"]
     assert p["fits"] and p["memory"]["temporaries"] > report["sampler"]["kv_cache_bytes"] / 8, p
