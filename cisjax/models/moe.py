@@ -18,23 +18,38 @@ from cisjax.models.moe_tpu import megablox_swiglu
 from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "ragged", "dense")
+MGPU_MIN_ROWS = 64  # the Hopper kernels' smallest row tile (moe_hopper.blocks): "auto" takes "triton" below it
 
 
-def default_impl(platform: str | None = None, capability: tuple[int, int] | None = None) -> str:
+def default_impl(
+    platform: str | None = None, capability: tuple[int, int] | None = None, rows_per_expert: float | None = None
+) -> str:
     """The dispatch for `platform` (default: the platform of the program being traced, see
     sharding.current_platform, so a CPU host compiling for a TPU mesh gets the TPU path).
 
     TPU: "gmm", megablox's grouped-matmul kernels, forward and both gradients (XLA's ragged_dot lowers its weight
-    gradient to masked dense work over every expert, E times the FLOPs). GPU: "mgpu" on compute capability 9.x
-    (Hopper: JAX's Mosaic GPU kernels, moe_hopper.py), else "triton", cisjax's grouped matmuls in Pallas's Triton
-    backend (gpu_grouped.py); `capability` (major, minor) defaults to that of the traced program's devices
-    (moe_hopper.compute_capability: the mesh's, never the host's), cisjax plan passes its target's. CPU: "tiled"
-    (ragged_dot lowers to E-fold masked dense work there)."""
+    gradient to masked dense work over every expert, E times the FLOPs; its row tile follows the rows per expert).
+    GPU: "mgpu" on compute capability 9.x (Hopper: JAX's Mosaic GPU kernels, moe_hopper.py), else "triton", cisjax's
+    grouped matmuls in Pallas's Triton backend (gpu_grouped.py); `capability` (major, minor) defaults to that of the
+    traced program's devices (moe_hopper.compute_capability: the mesh's, never the host's), cisjax plan passes its
+    target's. With `rows_per_expert` (a device's rows x k / E) under MGPU_MIN_ROWS, "triton" on Hopper too: a decode
+    step's few rows per expert would each fill one of the Hopper kernels' row tiles of 64 or more, where Triton's row
+    blocks follow the mean group size (16 at least). CPU: "tiled" (ragged_dot lowers to E-fold masked dense work
+    there)."""
     platform = platform or sharding.current_platform()
     if platform in sharding.GPU_PLATFORMS:
         capability = capability or moe_hopper.compute_capability()
-        return "mgpu" if capability is not None and capability[0] == 9 else "triton"
+        few = rows_per_expert is not None and rows_per_expert < MGPU_MIN_ROWS
+        return "mgpu" if capability is not None and capability[0] == 9 and not few else "triton"
     return {"cpu": "tiled", "tpu": "gmm"}.get(platform, "ragged")
+
+
+def device_rows_per_expert(n: int, k: int, e: int) -> float:
+    """A device's mean rows per expert for n tokens of k experts each over E: the tokens split over the active mesh's
+    batch shards (all of them without a mesh)."""
+    ctx = sharding.active()
+    shards = sharding.axis_multiple(ctx[0], ctx[1], "batch") if ctx is not None else 1
+    return n / shards * k / e
 
 
 def _ragged_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
@@ -127,7 +142,7 @@ def moe_ffn(
     )
     n, e, k = x_NxD.shape[0], wg_ExDxF.shape[0], ids_NxK.shape[1]
     if impl == "auto":
-        impl = default_impl()
+        impl = default_impl(rows_per_expert=device_rows_per_expert(n, k, e))
     if impl not in IMPLS:
         raise errors.UserError(f"unknown moe impl {impl!r}; one of {IMPLS}")
     w_NxK = w_NxK.astype(x_NxD.dtype)

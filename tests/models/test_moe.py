@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
-from cisjax.models import moe, moe_tpu, routing
+from cisjax.models import moe, moe_hopper, moe_tpu, routing
 from tests.helpers import MESHES
 from tests.models import mgpu_interpret
 
@@ -208,6 +208,13 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
     assert [moe.default_impl(p) for p in ("tpu", "gpu", "cuda")] == ["gmm", "triton", "triton"]
     assert [moe.default_impl(p, (9, 0)) for p in ("gpu", "cuda", "tpu", "cpu")] == ["mgpu", "mgpu", "gmm", "tiled"]
     assert [moe.default_impl("gpu", c) for c in ((8, 0), (8, 9), (10, 0))] == ["triton"] * 3
+    # a decode step's few rows per expert: Triton's small row blocks on Hopper too, under the kernels' 64-row tiles
+    few = [moe.default_impl(p, c, rows_per_expert=r) for p, c, r in (("gpu", (9, 0), 8), ("gpu", (9, 0), 64))]
+    assert few == ["triton", "mgpu"]
+    assert [moe.default_impl(p, (9, 0), rows_per_expert=8) for p in ("tpu", "cpu")] == ["gmm", "tiled"]
+    assert moe.device_rows_per_expert(40, 2, 8) == 10.0  # no mesh: every token on the one device
+    with sharding.use_mesh(sharding.make_mesh({"fsdp": 8})):
+        assert moe.device_rows_per_expert(40, 2, 8) == 1.25  # 5 tokens per device
     np.testing.assert_allclose(moe.moe_ffn(x, wg, wu, wo, ids, w), y_ref, rtol=2e-5, atol=2e-5)
     # bf16 in and out (the tiled impl keeps its loop buffers as uint16 bits): close to float64
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wo, w, ct)]
@@ -265,3 +272,35 @@ def test_gmm_row_tile_follows_the_rows_per_expert():
     assert tiling(65536, 2048, 1408, 60) == (512, 512, 128)
     assert tiling(512, 2048, 1408, 60)[0] == 16 and tiling(4096, 1408, 2048, 60) == (128, 128, 512)
     assert tiling(300, 8, 4, 5) == (64, 8, 4) and tiling(10, 8, 4, 1)[0] == 16 and tiling(40, 8, 4, 1)[0] == 48
+
+
+def test_auto_on_hopper_takes_the_triton_kernels_for_few_rows_per_expert(monkeypatch):
+    """moe_ffn traced for a compute capability 9.0 GPU: 4 rows per expert (a decode step's) go through cisjax's
+    Triton grouped matmuls (`cisjax_gmm`), 128 per expert through the Hopper kernels (no `cisjax_gmm`)."""
+    monkeypatch.setattr(sharding, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(moe_hopper, "compute_capability", lambda *a, **k: (9, 0))
+
+    def kernels(n):
+        x = jnp.ones((n, 128), jnp.bfloat16)
+        w_ExDxF = jnp.ones((8, 128, 128), jnp.bfloat16)
+        ids = jnp.asarray(np.arange(n * 2).reshape(n, 2) % 8, jnp.int32)
+        jaxpr = jax.make_jaxpr(moe.moe_ffn)(x, w_ExDxF, w_ExDxF, w_ExDxF, ids, jnp.ones((n, 2), jnp.bfloat16))
+        return {
+            str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split()[0]
+            for eqn in _eqns(jaxpr.jaxpr)
+            if eqn.primitive.name == "pallas_call"
+        }
+
+    assert "cisjax_gmm" in kernels(16)  # 16 tokens x 2 / 8 experts
+    assert "cisjax_gmm" not in kernels(512)
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
