@@ -247,17 +247,22 @@ def spec_of(cfg):
     return validate.check(cfg, inputs=False)
 
 
-def jaxpr_dots(jaxpr, inside: bool = False):
-    """(dot_general equation, whether a pallas_call kernel holds it) for every matmul of `jaxpr` and of the jaxprs
-    nested in it (jit, scan, custom_vjp, kernels)."""
+def jaxpr_eqns(jaxpr, inside: bool = False):
+    """(equation, whether a pallas_call kernel holds it) for every equation of `jaxpr` and of the jaxprs nested in it
+    (jit, scan, custom_vjp, kernels)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn, inside
+        yield eqn, inside
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
                 if hasattr(sub, "eqns"):
-                    yield from jaxpr_dots(sub, inside or eqn.primitive.name == "pallas_call")
+                    yield from jaxpr_eqns(sub, inside or eqn.primitive.name == "pallas_call")
+
+
+def jaxpr_dots(jaxpr, inside: bool = False):
+    """(dot_general equation, whether a pallas_call kernel holds it) for every matmul of `jaxpr` and of the jaxprs
+    nested in it."""
+    return ((eqn, held) for eqn, held in jaxpr_eqns(jaxpr, inside) if eqn.primitive.name == "dot_general")
 
 
 def fresh_process_json(script: str, timeout: int = 600) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from cisjax import sharding
 from cisjax.models import moe, moe_hopper, moe_tpu, routing
-from tests.helpers import MESHES
+from tests.helpers import MESHES, jaxpr_eqns
 from tests.models import mgpu_interpret
 
 # gmm (megablox), triton (gpu_grouped): Pallas's interpreter on CPU; mgpu (moe_hopper) in float32 runs the Triton
@@ -287,20 +287,9 @@ def test_auto_on_hopper_takes_the_triton_kernels_for_few_rows_per_expert(monkeyp
         jaxpr = jax.make_jaxpr(moe.moe_ffn)(x, w_ExDxF, w_ExDxF, w_ExDxF, ids, jnp.ones((n, 2), jnp.bfloat16))
         return {
             str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split()[0]
-            for eqn in _eqns(jaxpr.jaxpr)
+            for eqn, _ in jaxpr_eqns(jaxpr.jaxpr)
             if eqn.primitive.name == "pallas_call"
         }
 
     assert "cisjax_gmm" in kernels(16)  # 16 tokens x 2 / 8 experts
     assert "cisjax_gmm" not in kernels(512)
-
-
-def _eqns(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs nested in it."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
