@@ -203,10 +203,10 @@ def _workers(cases: list[list[str]], n: int) -> list[list[list[str]]]:
     """The cases in `n` groups of about equal estimated time (longest first onto the least loaded), each in order."""
     groups: list[list] = [[] for _ in range(min(n, len(cases)))]
     load = [0.0] * len(groups)
-    for case in sorted(cases, key=lambda c: -gpu_budget.case_s(c[1], c[2])):
+    for case in sorted(cases, key=lambda c: -gpu_budget.case_s(c[1], c[2], kind=c[0])):
         i = load.index(min(load))
         groups[i].append(case)
-        load[i] += gpu_budget.case_s(case[1], case[2])
+        load[i] += gpu_budget.case_s(case[1], case[2], kind=case[0])
     return [sorted(g, key=cases.index) for g in groups if g]
 
 
@@ -226,7 +226,8 @@ def plans(section: str, size: str, env: dict, sections: dict, impls: str = "defa
         cases, _ = _exactness_cases(env)
         if size == "small" or env.get("backend", "cpu") == "cpu":
             return [dict(base, cases=cases)]
-        return [dict(base, cases=group) for group in _workers(cases, EXACTNESS_WORKERS)]
+        groups = _workers(cases, EXACTNESS_WORKERS)
+        return [dict(base, cases=group, workers=len(groups)) for group in groups]
     tuned = gpu_tune.tuned_blocks(sections.get("tune", {}))
     if tuned:
         base["blocks"] = tuned
@@ -237,8 +238,10 @@ def plans(section: str, size: str, env: dict, sections: dict, impls: str = "defa
         return [dict(base, units=units)]
     if section == "train_step":
         first, *others = _impls("moe", env, impls)
-        # the default impl at each shape, then with each memory option of the optimizer state, then the other impls
-        options = [[f"{first}+{o}", *tokens[0]] for o in gpu_parts.STATE_OPTIONS]
+        # the default impl at each shape, then with each memory option of the optimizer state (on a GPU only with
+        # --impls all: measured on an H200 on 2026-11-30, docs/results.md; 117 s of a 222 s section), the other impls
+        with_options = impls == "all" or size == "small"
+        options = [[f"{first}+{o}", *tokens[0]] for o in gpu_parts.STATE_OPTIONS] if with_options else []
         combos = [[first, *t] for t in tokens] + options + [[i, *tokens[0]] for i in others]
         return [dict(base, combos=combos, trace_dir=dirs.get("trace_dir"))]
     if section == "torch_step":
@@ -422,10 +425,13 @@ def dry_run(args) -> int:
         print(f"  {row['section']:<11} {row['parts']} part(s)  {row['estimate_s']:6.0f} s  {verdict}")
     env_s = gpu_budget.part_s("env", dict(size=size))
     print(f"  {'(probe)':<11} {'':9}  {env_s:6.0f} s")
-    print(f"total {plan['total_s'] + env_s:.0f} s against a budget of {args.budget_s:.0f} s")
+    runs = env_s + sum(r["estimate_s"] for r in plan["rows"] if r["fits"])
+    print(f"this call: {runs:.0f} s of a budget of {args.budget_s:.0f} s")
     call = next_call(plan["deferred"], size, args.impls)
     if call:
+        print(f"deferred: {plan['total_s'] + env_s - runs:.0f} s ({', '.join(plan['deferred'])})")
         print(f"next call: {call}")
+    print(f"total {plan['total_s'] + env_s:.0f} s")
     return 0
 
 

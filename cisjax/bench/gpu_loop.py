@@ -30,6 +30,10 @@ STOP_S = 15.0  # a stage past its deadline: seconds between TERM (the launcher s
 # section's own 64 steps on a CPU (tests/fixtures/gpu_check/loop_colocated_cpu.jsonl) 0.167 -> 0.463 over 16-step
 # windows, with step-to-step spread of about 0.05: a gain of 0.10 is well outside noise and well inside learning.
 MARGIN = 0.10
+# Each process's share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; gpu_local.sh's GPU_MEM and TRAIN_MEM):
+# the colocated run and gpu_local.sh's two processes run at once (on an H200 on 2026-11-30 each run, alone, peaked at
+# 1.1 GiB: the demo's model is small), the warm-up before them alone.
+MEM_SHARES = dict(prepare="0.93", colocated="0.3", gpu_local_server="0.3", gpu_local_trainer="0.3")
 # Phases read from metrics.jsonl (time/<phase>_s): the rollout side's generation, what the trainer waited for it,
 # the update, the publish (swap or export + reload, and the canary), the in-loop evaluation, the whole step.
 PHASES = ("generate", "rollout_wait", "train", "publish", "eval", "step")
@@ -72,29 +76,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> dict:
-    """`cmd` from the repository's root, its output to `log`, killed (its whole session) at `deadline`: how it ended."""
-    t0 = time.time()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, text=True
-        )
+def _start(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """`cmd` started from the repository's root in a session of its own, its output to `log`."""
+    fh = open(log, "w")  # closed by _wait
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, text=True
+    )
+    return dict(proc=proc, fh=fh, log=log, cmd=cmd, t0=time.time())
+
+
+def _wait(started: dict, deadline: float) -> dict:
+    """How a started command ended, its whole session killed at `deadline`."""
+    proc, cmd, log = started["proc"], started["cmd"], started["log"]
+    try:
+        proc.wait(timeout=max(deadline - time.time(), 1.0))
+        status = "ok" if proc.returncode == 0 else f"failed (exit code {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        # TERM first: gpu_local.sh's trap stops its servers (their own sessions), which a KILL would leave running
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=max(deadline - time.time(), 1.0))
-            status = "ok" if proc.returncode == 0 else f"failed (exit code {proc.returncode})"
+            proc.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
-            # TERM first: gpu_local.sh's trap stops its servers (their own sessions), which a KILL would leave running
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            status = "timed out"
-    out = dict(status=status, seconds=time.time() - t0, command=" ".join(cmd[1:] if cmd[0] == sys.executable else cmd))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        status = "timed out"
+    started["fh"].close()
+    out = dict(status=status, seconds=time.time() - started["t0"])
+    out["command"] = " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
     if status != "ok":
         out["log_tail"] = log.read_text(errors="replace")[-3000:]
     return out
+
+
+def _run(cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> dict:
+    """`cmd` from the repository's root, its output to `log`, killed (its whole session) at `deadline`: how it ended."""
+    return _wait(_start(cmd, log, env), deadline)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -123,39 +139,45 @@ def _train_args(init: Path, run_dir: Path, steps: int, spec: dict) -> list[str]:
     ]
 
 
-def run(size: str, deadline: float, save, work_dir: str, jax_mem_fraction: str = "0.93") -> dict:
-    """prepare -> colocated train -> gpu_local.sh (transformers server), each recorded as it ends; a stage that would
-    start past `deadline` is skipped, saying so. `work_dir` holds the runs (the warm-up model, metrics, logs)."""
+def run(size: str, deadline: float, save, work_dir: str) -> dict:
+    """prepare, then the colocated train and gpu_local.sh (transformers server) at once, each recorded as it ends; a
+    stage that would start past `deadline` is skipped, saying so. `work_dir` holds the runs (the warm-up model,
+    metrics, logs). The two runs share the GPU (MEM_SHARES): their learning verdict and end-to-end checks are theirs
+    alone, their phase seconds are measured beside each other."""
     spec = SIZES[size]
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     init = work / "init"
-    out: dict = dict(size=size, spec=spec, stages={})
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=jax_mem_fraction, PYTHONUNBUFFERED="1")
+    out: dict = dict(size=size, spec=spec, stages={}, concurrent=["colocated", "gpu_local"], mem_shares=MEM_SHARES)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_SHARES["prepare"], PYTHONUNBUFFERED="1")
     py = [sys.executable, "-m", "cisjax"]
 
-    def stage(name, cmd, env_, left_needed=5.0):
-        if time.time() + left_needed > deadline:
-            out["stages"][name] = dict(status="skipped", reason=f"time box: {deadline - time.time():.0f} s left")
-            save(out)
+    def late(name) -> bool:
+        if time.time() + 5.0 <= deadline:
             return False
-        out["stages"][name] = _run(cmd, work / f"{name}.log", deadline, env_)
+        out["stages"][name] = dict(status="skipped", reason=f"time box: {deadline - time.time():.0f} s left")
         save(out)
-        return out["stages"][name]["status"] == "ok"
+        return True
 
     prep = [*py, "demo", "prepare", "--out", str(init), "--warmup-steps", str(spec["warmup_steps"])]
     prep += ["--heldout", str(spec["heldout"]), "--eval-size", str(spec["eval_size"])]
-    if not stage("prepare", prep, env):
+    if late("prepare"):
+        return out
+    out["stages"]["prepare"] = _run(prep, work / "prepare.log", deadline, env)
+    save(out)
+    if out["stages"]["prepare"]["status"] != "ok":
         return out
     warm = json.loads((init / "warmup.json").read_text()) if (init / "warmup.json").is_file() else {}
     out["stages"]["prepare"]["warmup"] = {k: v for k, v in warm.items() if not isinstance(v, (list, dict))}
+    if late("colocated") or late("gpu_local"):
+        return out
 
     colo = work / "colocated"
     cmd = [*py, "train", *_train_args(init, colo, spec["steps"], spec)]
     cmd += ["--config.rollout.backend=jax", "--config.rollout.colocated=True"]
-    stage("colocated", cmd, env)
-    out["stages"]["colocated"]["run"] = summarize(_rows(colo / "metrics.jsonl"), spec["window"])
-    save(out)
+    started = dict(
+        colocated=_start(cmd, work / "colocated.log", dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_SHARES["colocated"]))
+    )
 
     local = work / "local"
     launcher_env = dict(
@@ -168,13 +190,17 @@ def run(size: str, deadline: float, save, work_dir: str, jax_mem_fraction: str =
         PORT=str(_free_port()),
         STARTUP_S="300",
         PYTHON=sys.executable,
+        GPU_MEM=MEM_SHARES["gpu_local_server"],
+        TRAIN_MEM=MEM_SHARES["gpu_local_trainer"],
     )
-    launcher_env.pop(
-        "XLA_PYTHON_CLIENT_MEM_FRACTION"
-    )  # the launcher splits the GPU between the two (GPU_MEM, TRAIN_MEM)
+    launcher_env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION")  # the launcher splits the GPU between the two (TRAIN_MEM)
     args = _train_args(init, local, spec["local_steps"], spec)[2:] + ["--config.eval.sets="]
-    stage("gpu_local", ["bash", "launchers/gpu_local.sh", *args], launcher_env)
-    out["stages"]["gpu_local"]["run"] = summarize(_rows(local / "metrics.jsonl"), spec["window"])
+    started["gpu_local"] = _start(["bash", "launchers/gpu_local.sh", *args], work / "gpu_local.log", launcher_env)
+
+    for name, run_dir in (("colocated", colo), ("gpu_local", local)):
+        out["stages"][name] = _wait(started[name], deadline)
+        out["stages"][name]["run"] = summarize(_rows(run_dir / "metrics.jsonl"), spec["window"])
+        save(out)
     log = work / "gpu_local.log"
     split = (
         [line for line in log.read_text(errors="replace").splitlines() if " shared" in line] if log.is_file() else []

@@ -21,9 +21,10 @@ from cisjax.sampler.sampling import key_data
 
 # the fp32 agreement's batch (an fp32 engine and trainer: twice the weights' bytes): prompts, n, new tokens
 FP32_BATCH = {"full": (4, 2, 64), "small": (2, 2, 16)}
-# A unit's seconds at size full on an H200 (measured 2026-11-28, jax 0.11.2; init includes JAX's start on the device):
-# what the time box expects of it; elsewhere (small) the unit before it is the estimate.
-FULL_UNIT_S = {"init": 25.0, "64": 25.0, "256": 32.0, "profile": 7.0, "bfloat16": 10.0, "float32": 57.0}
+# A unit's seconds at size full on an H200 (measured 2026-11-28 and 2026-11-30, the larger, jax 0.11.2; init includes
+# JAX's start on the device; batch 256 less the timed call TIMED_S leaves out): what the time box expects of it;
+# elsewhere (small) the unit before it is the estimate.
+FULL_UNIT_S = {"init": 25.0, "64": 25.0, "256": 28.0, "profile": 9.5, "bfloat16": 10.0, "float32": 60.0}
 CHUNK = 1024  # the trainer forward's logprob chunk (configs/base.py logprobs.chunk_size)
 METHOD = (
     "the Engine's programs (cisjax.sampler.programs.split_fns: prefill, then every sample in a decode row of its "

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,12 +207,12 @@ H200 = dict(gpu_check.ASSUMED_ENV, moe_impls=list(moe.IMPLS))
 def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a_gpu():
     default = gpu_check.plans("train_step", "full", H200, {})
     first = list(gpu_parts.STEP_TOKENS["full"][0])
-    assert len(default) == 1 and default[0]["combos"] == [
-        ["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])
-    ] + [["mgpu+bf16moments", *first], ["mgpu+offload", *first], ["mgpu+bf16sum", *first]]
+    shapes = [["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
+    assert len(default) == 1 and default[0]["combos"] == shapes  # the optimizer state's options only when asked
     every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
-    n = len(default[0]["combos"])
-    assert every[:n] == default[0]["combos"] and [c[0] for c in every[n:]] == ["tiled", "triton", "ragged", "dense"]
+    options = [["mgpu+bf16moments", *first], ["mgpu+offload", *first], ["mgpu+bf16sum", *first]]
+    assert every[: len(shapes) + 3] == shapes + options
+    assert [c[0] for c in every[len(shapes) + 3 :]] == ["tiled", "triton", "ragged", "dense"]
     layer = gpu_check.plans("moe_layer", "full", H200, {})
     assert len(layer) == 1 and len(layer[0]["units"]) == 6  # three shapes at 8,192 and at 16,384 tokens
     assert {u[1] for u in layer[0]["units"]} == {"mgpu"} and {u[2] for u in layer[0]["units"]} == {8192, 16384}
@@ -252,6 +253,9 @@ def test_schedule_defers_what_the_budget_cannot_hold_in_value_order(capsys):
     assert gpu_check.main(["--out", "x.json", "--dry-run", "--budget-s", "540"]) == 0
     shown = capsys.readouterr().out
     assert all(s in shown for s in gpu_check.DEFAULT_SECTIONS) and "total" in shown and "NVIDIA H200" in shown
+    # the default call: what its budget runs fits the 540 s of one device call; what it defers is the printed next call
+    this_call = float(re.search(r"this call: (\d+) s of a budget of 540 s", shown).group(1))
+    assert this_call <= 540 and ("next call:" in shown) == ("deferred:" in shown)
 
 
 def test_peak_table():

@@ -147,6 +147,19 @@ def test_torch_generate_small():
         assert _real(b["tokens_per_s"]) and b["timed_calls"] == gpu_torch_generate.TIMED_CALLS
 
 
+def test_timed_calls_stop_at_their_time_target_keeping_one(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu_torch_generate, "TIMED_S", 0.05)
+    times, note = gpu_torch_generate.timed_calls(lambda: (calls.append(1), time.sleep(0.03)), time.time() + 60, 0.03)
+    # the first call always; a second would take the timed calls to ~0.06 s, past 0.05
+    assert len(calls) == len(times) == 1 and times[0] >= 0.03 and "1 of 3 timed calls" in note
+    monkeypatch.setattr(gpu_torch_generate, "TIMED_S", 10.0)
+    times, note = gpu_torch_generate.timed_calls(lambda: None, time.time() + 60, 0.0)
+    assert len(times) == gpu_torch_generate.TIMED_CALLS and note is None
+    times, note = gpu_torch_generate.timed_calls(lambda: None, time.time() - 1, 0.0)  # past the deadline: none
+    assert times == [] and "time box" in note
+
+
 def test_the_torch_side_imports_no_jax():
     """The torch process's module (its workload constants too) loads without JAX."""
     code = "import sys, cisjax.bench.gpu_torch_generate; print('jax' in sys.modules)"
