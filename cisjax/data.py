@@ -13,7 +13,7 @@ from typing import Any
 
 from cisjax import errors
 from cisjax import tokenizer as tokenizer_lib
-from cisjax.rl.rewards import last_boxed, normalize_reference
+from cisjax.answers import last_boxed, normalize_reference
 
 log = logging.getLogger(__name__)
 

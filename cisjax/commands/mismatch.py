@@ -12,11 +12,10 @@ from cisjax import config as config_lib
 from cisjax import errors
 from cisjax import score as score_lib
 from cisjax.commands import remote
-from cisjax.mismatch import dumps, records
+from cisjax.mismatch import analysis, dumps, records
 from cisjax.mismatch import measure as measure_lib
 from cisjax.mismatch import report as report_lib
 from cisjax.mismatch import spec as spec_lib
-from cisjax.mismatch import stats as S
 from cisjax.mismatch.prompts import PROMPT_FORMATS
 
 STEPS = {
@@ -131,10 +130,11 @@ def _report_args(p: argparse.ArgumentParser) -> None:
         help="measurement directories (or directories holding one per engine pair), see mismatch/records.py",
     )
     add("--out", required=True, help="output directory: report.md, summary.json, *.png, raw/*.npz")
-    defaults = S.operator_defaults()  # base.py's correction.*
+    defaults = analysis.operator_defaults()  # base.py's correction.*
     add("--lam", type=float, default=defaults.lam, help="CIS lambda (default %(default)s)")
     add("--kappa", type=float, default=defaults.kappa, help="CIS floor kappa (default %(default)s)")
     add("--cap", type=float, default=defaults.cap, help="TIS cap C (default %(default)s)")
+    add("--threshold", type=float, default=defaults.threshold, help="KPop's threshold phi (default %(default)s)")
     add("--plot-points", type=int, default=200_000, help="tokens subsampled per measurement for scatter plots")
     add(
         "--spearman-tokens",

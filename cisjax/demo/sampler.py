@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cisjax.rl.rewards import last_boxed, normalize_reference, verify
+from cisjax.answers import last_boxed, normalize_reference, verify
 
 
 def make_sampler(graphdef, max_new_tokens: int):

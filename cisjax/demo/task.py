@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from cisjax import errors
-from cisjax.rl.rewards import normalize_reference
+from cisjax.answers import normalize_reference
 
 # "What is 23 + 45?" / "What is 71 - 38?": two-digit operands (10..99); subtraction only with a >= b
 # (answers 0..89), addition answers 20..198. The worked solution goes column by column, units first, the carry

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from cisjax.rl.rewards import last_boxed
+from cisjax.answers import last_boxed
 
 __all__ = [
     "RULES",

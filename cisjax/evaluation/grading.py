@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cisjax.answers import boxed_equal
 from cisjax.evaluation.answers import e_notation_to_latex, exact_form, numbers_equal, numeric_value
-from cisjax.rl.rewards import boxed_equal
 
 __all__ = ["METHODS", "Grade", "grade_locally", "math_verify_equal", "grade_all", "POOL_FN"]
 

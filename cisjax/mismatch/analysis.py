@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from cisjax.mismatch import records
+from cisjax import config as config_lib
+from cisjax.mismatch import acted, deltas, records
 from cisjax.mismatch import stats as S
 
 PHASES = ("early", "middle", "late")  # records: phase 0, 1, 2
+
+
+class OperatorDefaults(NamedTuple):
+    """The operators' defaults (paper tab:baselines): CIS lambda and kappa, TIS cap C, KPop's threshold phi."""
+
+    lam: float
+    kappa: float
+    cap: float
+    threshold: float
+
+
+@functools.cache
+def operator_defaults() -> OperatorDefaults:
+    """The operators' defaults as base.py's correction.* sets them (that file is their one source: the checkout's
+    configs/base.py, or the copy the wheel ships; config.configs_dir), read on first use, not at import."""
+    c = config_lib.load(None).correction
+    return OperatorDefaults(float(c.lam), float(c.kappa), float(c.cap), float(c.threshold))
+
+
 # Bins of 1 - p for the eps-vs-(1 - p) band plot: UNCERTAINTY_EDGES as inner edges of p (tokens with 1 - p < 1e-6
 # fall in an extra top bin, left out of the plot).
 _BAND_P_EDGES = tuple(1.0 - S.UNCERTAINTY_EDGES[-2::-1])
@@ -23,10 +45,11 @@ class ReportSpec:
     """The report's settings: the operators' parameters, the subsample sizes and their seed, where it is written."""
 
     out: Path  # report.md, summary.json, *.png, raw/*.npz
-    # the operators' parameters default to base.py's (stats.operator_defaults, read when a spec is made)
-    lam: float = field(default_factory=lambda: S.operator_defaults().lam)  # CIS lambda
-    kappa: float = field(default_factory=lambda: S.operator_defaults().kappa)  # CIS floor kappa
-    cap: float = field(default_factory=lambda: S.operator_defaults().cap)  # TIS cap C
+    # the operators' parameters default to base.py's (operator_defaults, read when a spec is made)
+    lam: float = field(default_factory=lambda: operator_defaults().lam)  # CIS lambda
+    kappa: float = field(default_factory=lambda: operator_defaults().kappa)  # CIS floor kappa
+    cap: float = field(default_factory=lambda: operator_defaults().cap)  # TIS cap C
+    threshold: float = field(default_factory=lambda: operator_defaults().threshold)  # KPop's phi
     plot_points: int = 200_000  # tokens subsampled per measurement for scatter plots
     spearman_tokens: int = 300_000  # tokens subsampled for the Spearman correlations (the paper: 300,000)
     seed: int = 0  # seed of the subsamples
@@ -61,18 +84,18 @@ def _ccdf(x, points=200):
 def _delta_tables(m):
     """delta_stats and (with routing) delta_by_nflip; plus |delta| for the CCDF."""
     t = m.topk
-    delta, pos = S.paired_topk(t["ids_p"], t["logp_p"], t["ids_q"], t["logp_q"])
-    out = {"delta_stats": S.delta_stats(delta)}
+    delta, pos = deltas.paired_topk(t["ids_p"], t["logp_p"], t["ids_q"], t["logp_q"])
+    out = {"delta_stats": deltas.delta_stats(delta)}
     if m.routing is not None:
         r = m.routing
-        nflip = S.n_flip(r["experts_p"], r["experts_q"])
+        nflip = deltas.n_flip(r["experts_p"], r["experts_q"])
         # a delta's top-k position -> the routing row of the same token (routing may probe other tokens)
         r_tok = np.asarray(r["token_index"], np.int64)
         order = np.argsort(r_tok, kind="stable")
         tok = np.asarray(t["token_index"], np.int64)[pos]
         j = np.minimum(np.searchsorted(r_tok[order], tok), max(r_tok.size - 1, 0))
         hit = (r_tok[order][j] == tok) if r_tok.size else np.zeros(tok.size, bool)
-        out["delta_by_nflip"] = S.delta_by_nflip(delta[hit], order[j[hit]], nflip)
+        out["delta_by_nflip"] = deltas.delta_by_nflip(delta[hit], order[j[hit]], nflip)
         out["delta_by_nflip"]["paired_with_routing"] = int(hit.sum())
     return out, np.abs(delta)
 
@@ -100,7 +123,8 @@ def _summary(m: records.Measurement, lp, lq, eps, finite, logk, spec: ReportSpec
     }
     del k
     lengths = _response_lengths(tok["seq_id"])
-    summary["acted"] = S.acted_fractions(lp, lq, response_lengths=lengths, lam=spec.lam, kappa=spec.kappa, cap=spec.cap)
+    params = dict(lam=spec.lam, kappa=spec.kappa, cap=spec.cap, threshold=spec.threshold)
+    summary["acted"] = acted.acted_fractions(lp, lq, response_lengths=lengths, **params)
     if lengths is None:
         summary["acted"]["note"] = "seq_id is not contiguous per response: sequence operators left out"
     if "phase" in tok:

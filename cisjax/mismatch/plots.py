@@ -106,7 +106,7 @@ def _plane(plt, out: Path, label: str, plot, spec: ReportSpec) -> str | None:
     fig, axes = plt.subplots(1, len(PLANE_OPERATORS), figsize=(4.2 * len(PLANE_OPERATORS), 4.2), sharey=True)
     for ax, (op, verb) in zip(axes, PLANE_OPERATORS):
         mask = np.ones((1, lp.size), bool)
-        hparams = dict(lam=spec.lam, kappa=spec.kappa, cap=spec.cap, threshold=S.operator_defaults().threshold)
+        hparams = dict(lam=spec.lam, kappa=spec.kappa, cap=spec.cap, threshold=spec.threshold)
         acted = np.asarray(corrections.correction(op, lp[None], lq[None], mask, **hparams).acted_BxT)[0]
         # acted-on tokens last and larger: they are rare and would vanish under the kept ones
         for sel, colour, what, size in ((~acted, "tab:blue", "keeps", 1.5), (acted, "tab:red", verb, 6)):

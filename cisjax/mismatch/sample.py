@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cisjax import errors
-from cisjax.rollout.client import RolloutClient, SamplingParams
+from cisjax.rollout.client import RolloutClient
+from cisjax.rollout.params import SamplingParams
 from cisjax.rows import Seq
 
 

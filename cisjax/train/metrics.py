@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from cisjax.answers import last_boxed
 from cisjax.rl import corrections
-from cisjax.rl.rewards import last_boxed
 
 SHOWN = (
     "reward_mean",

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
+from cisjax.answers import verify
 from cisjax.data import PromptFormatter
 from cisjax.demo import sft, task
 from cisjax.demo.write import prepare
-from cisjax.rl.rewards import verify
 
 
 def test_closing_styles_and_their_reward(tok_dir):

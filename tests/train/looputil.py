@@ -32,7 +32,7 @@ def metrics(run_dir) -> list[dict]:
 def reference_reward(text: str, reference: str) -> float:
     """A reward fn for the pool that math-verify judges 1.0 whatever the (untrained) model wrote: the reference
     against itself. A run scored with it has reward_mean 1 on every step unless the pool lost a score."""
-    from cisjax.rl.rewards import verify
+    from cisjax.answers import verify
 
     return verify(f"\\boxed{{{reference}}}", reference)
 
