@@ -215,9 +215,9 @@ def hf_forward(model_dir: str, tokens_BxL: np.ndarray, attention_mask=None, posi
 
 
 def engine_params(**overrides):
-    """cisjax.rollout.backend.Params for a backend or engine called directly: one sample of 8 new tokens at
+    """cisjax.rollout.params.SamplingParams for a backend or engine called directly: one sample of 8 new tokens at
     temperature 1 (no top-k, top-p, stop tokens, seed, top logprobs or routing), with `overrides`."""
-    from cisjax.rollout.backend import Params
+    from cisjax.rollout.params import SamplingParams
 
     base = dict(
         n=1,
@@ -231,7 +231,7 @@ def engine_params(**overrides):
         logprobs=0,
         return_routing=False,
     )
-    return Params(**{**base, **overrides})
+    return SamplingParams(**{**base, **overrides})
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ class InProcess:
 
     def generate(self, prompts, params):
         """[prompt][sample] -> (token ids, sampled-token logprobs), like the client returns them: `params` a
-        client.SamplingParams (its n, temperature, max_new_tokens, stop_token_ids, and seed: the per-sample seeds)."""
+        params.SamplingParams (its n, temperature, max_new_tokens, stop_token_ids, and seed: the per-sample seeds)."""
         if self._pool is not None:
             return self._pool.submit(self._generate, prompts, params).result()
         return self._generate(prompts, params)

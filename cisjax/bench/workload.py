@@ -10,7 +10,7 @@ import numpy as np
 from rich.console import Console
 
 from cisjax.bench import harness, tiny_model
-from cisjax.rollout.client import SamplingParams
+from cisjax.rollout.params import SamplingParams
 
 # the flags of the workload that must be positive
 COUNT_FLAGS = ("prompts", "prompt_len", "n", "max_new_tokens")

@@ -9,7 +9,8 @@ from pathlib import Path
 from cisjax import errors
 from cisjax.commands import remote
 from cisjax.files import write_jsonl_atomic
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
+from cisjax.rollout.client import RolloutClient, RolloutError
+from cisjax.rollout.params import SamplingParams
 
 # the columns of a sample's line (Sample.to_json's keys, in order; those a sample has)
 KEYS = (

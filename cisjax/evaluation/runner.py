@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cisjax import errors
 from cisjax.evaluation import answers as answers_lib
 from cisjax.evaluation import grading, scores
-from cisjax.rollout.client import SamplingParams
+from cisjax.rollout.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import grpc
 
+from cisjax.rollout.params import SamplingParams
+
 MAX_N = 1024
 MAX_NEW_TOKENS = 1 << 16
 MAX_TOP_LOGPROBS = 100
@@ -23,28 +25,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class Params:
-    """Validated sampling parameters (engine-neutral)."""
-
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    stop_token_ids: frozenset
-    seed: int | None
-    greedy: bool
-    logprobs: int
-    return_routing: bool
-    return_sampling_mask: bool = False
-
-    @property
-    def truncates(self) -> bool:
-        """Whether the distribution sampled from is cut (top-k or top-p on a non-greedy sample)."""
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 @dataclass
@@ -97,7 +77,7 @@ class Backend:
     phases: dict | None = None  # prefill and decode apart (sampler.engine.PHASE_KEYS) where the engine times them
 
     # --- what a serial backend implements (called on the one worker thread)
-    def generate(self, prompt_ids: list, prompt_id: int, params: Params):
+    def generate(self, prompt_ids: list, prompt_id: int, params: SamplingParams):
         """Sample params.n continuations of one prompt; returns a list of SampleResult."""
         raise NotImplementedError
 
@@ -116,7 +96,7 @@ class Backend:
         raise NotImplementedError
 
     # --- what the servicer calls
-    def submit_generate(self, prompt_ids: list, prompt_id: int, params: Params) -> futures.Future:
+    def submit_generate(self, prompt_ids: list, prompt_id: int, params: SamplingParams) -> futures.Future:
         """Future of the list of SampleResult, each with timing {"started", "finished"} (time.monotonic)."""
         return self._serial().submit(self._timed_generate, prompt_ids, prompt_id, params)
 
@@ -167,7 +147,7 @@ def check_routing(b: Backend) -> None:
         raise RequestError(f"the {b.engine} backend does not return routing{why}", grpc.StatusCode.UNIMPLEMENTED)
 
 
-def check_sampling_mask(b: Backend, params: Params) -> None:
+def check_sampling_mask(b: Backend, params: SamplingParams) -> None:
     """RequestError when return_sampling_mask cannot be served: UNIMPLEMENTED by the engine, or a truncated
     distribution whose support top_k does not bound."""
     if not b.supports_sampling_mask:
@@ -182,8 +162,8 @@ def check_sampling_mask(b: Backend, params: Params) -> None:
         )
 
 
-def check_params(p, vocab_size: int) -> Params:
-    """A request's SamplingParams message as Params; RequestError when a field is out of range."""
+def check_params(p, vocab_size: int) -> SamplingParams:
+    """A request's SamplingParams message as the record SamplingParams; RequestError when a field is out of range."""
     if p.n <= 0 or p.n > MAX_N:
         raise RequestError(f"n must be in [1, {MAX_N}], got {p.n}")
     if not math.isfinite(p.temperature) or (not p.greedy and p.temperature <= 0):
@@ -200,7 +180,7 @@ def check_params(p, vocab_size: int) -> Params:
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return Params(
+    return SamplingParams(
         n=p.n,
         temperature=float(p.temperature) if not p.greedy else 1.0,
         top_p=float(top_p),
@@ -225,8 +205,8 @@ def check_ids(ids, what: str, vocab_size: int, *, allow_empty: bool = False) -> 
     return ids
 
 
-def check_generate(request, b: Backend) -> tuple[Params, list[list[int]]]:
-    """A GenerateRequest as (Params, the prompts' token ids); RequestError naming what the engine `b` cannot take."""
+def check_generate(request, b: Backend) -> tuple[SamplingParams, list[list[int]]]:
+    """A GenerateRequest as (SamplingParams, the prompts' token ids); RequestError naming what the engine `b` cannot take."""
     if not request.prompts:
         raise RequestError("no prompts in the request")
     params = check_params(request.params, b.vocab_size)

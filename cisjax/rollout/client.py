@@ -6,13 +6,13 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from cisjax.rollout import manifest as manifest_lib
 from cisjax.rollout import protos, weights
+from cisjax.rollout.params import SamplingParams
 from cisjax.rollout.samples import RolloutError, Sample, decode_routing, from_message
 from cisjax.rollout.tls import LOCALHOST, ClientTLS
 
@@ -28,19 +28,24 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    stop_token_ids: list = field(default_factory=list)
-    seed: int | None = None
-    greedy: bool = False
-    logprobs: int = 0
-    return_routing: bool = False
-    return_sampling_mask: bool = False  # each response token's sampling support (Sample.support)
+def sampling_message(rp, params: SamplingParams):
+    """`params` as rollout.proto's SamplingParams message (rp: the generated rollout_pb2); the server's
+    backend.check_params reads it back into the same record."""
+    p = rp.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_new_tokens=params.max_new_tokens,
+        stop_token_ids=sorted(params.stop_token_ids),
+        greedy=params.greedy,
+        logprobs=params.logprobs,
+        return_routing=params.return_routing,
+        return_sampling_mask=params.return_sampling_mask,
+    )
+    if params.seed is not None:
+        p.seed = params.seed
+    return p
 
 
 class RolloutClient:
@@ -231,20 +236,7 @@ class RolloutClient:
             raise ValueError(f"generate: {len(wire)} ids for {len(prompts)} prompts, or repeated ids")
         position = {w: i for i, w in enumerate(wire)}
         rp = self.pb.rollout_pb2
-        p = rp.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_new_tokens=params.max_new_tokens,
-            stop_token_ids=params.stop_token_ids,
-            greedy=params.greedy,
-            logprobs=params.logprobs,
-            return_routing=params.return_routing,
-            return_sampling_mask=params.return_sampling_mask,
-        )
-        if params.seed is not None:
-            p.seed = params.seed
+        p = sampling_message(rp, params)
         results: dict[int, dict[int, Sample]] = {i: {} for i in range(len(prompts))}
         for lo in range(0, len(prompts), self.batch_size):
             batch = list(range(lo, min(lo + self.batch_size, len(prompts))))

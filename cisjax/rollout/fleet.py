@@ -11,8 +11,9 @@ import grpc
 
 from cisjax.rollout import client as client_lib
 from cisjax.rollout import manifest as manifest_lib
-from cisjax.rollout.client import RolloutClient, RolloutError, Sample, SamplingParams
+from cisjax.rollout.client import RolloutClient, RolloutError, Sample
 from cisjax.rollout.fanout import Fanout
+from cisjax.rollout.params import SamplingParams
 from cisjax.rollout.replica import Replica
 
 log = logging.getLogger("cisjax.rollout.fleet")

@@ -22,7 +22,8 @@ from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import weights
-from cisjax.rollout.backend import Params, RequestError
+from cisjax.rollout.backend import RequestError
+from cisjax.rollout.params import SamplingParams
 from cisjax.sampler.engine import Engine, Request, bucket
 
 MAX_BATCH = 64  # prompts in one program: the requests waiting beyond it run in the next
@@ -78,7 +79,7 @@ class Backend(backend_lib.Backend):
         return model, cfg
 
     # ------------------------------------------------------------------ the engine thread
-    def submit_generate(self, prompt_ids, prompt_id, params: Params) -> futures.Future:
+    def submit_generate(self, prompt_ids, prompt_id, params: SamplingParams) -> futures.Future:
         fut: futures.Future = futures.Future()
         self._queue.put(("generate", Request(list(prompt_ids), prompt_id, params), fut))
         return fut
@@ -147,7 +148,7 @@ class Backend(backend_lib.Backend):
                     f.set_result(samples)
 
     # ------------------------------------------------------------------ generate / score
-    def generate(self, prompt_ids, prompt_id, params: Params):
+    def generate(self, prompt_ids, prompt_id, params: SamplingParams):
         return self.sampler.generate([list(prompt_ids)], [prompt_id], params)[0]
 
     def score(self, prompt_ids, response_ids, temperature, top_k, routing=False):

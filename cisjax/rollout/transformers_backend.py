@@ -18,10 +18,11 @@ import transformers
 from cisjax import errors
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import weights
-from cisjax.rollout.backend import Params, SampleResult, sample_seed
+from cisjax.rollout.backend import SampleResult, sample_seed
+from cisjax.rollout.params import SamplingParams
 
 
-def sampling_logprobs(logits_NxV: torch.Tensor, params: Params) -> torch.Tensor:
+def sampling_logprobs(logits_NxV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float64 log-probabilities of the distribution sampled from: temperature, then top-k, then top-p
     (filtered tokens get -inf). Greedy: the unfiltered temperature-1 distribution."""
     x = logits_NxV.double()
@@ -142,7 +143,7 @@ class Backend(backend_lib.Backend):
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
-    def generate(self, prompt_ids, prompt_id, params: Params):
+    def generate(self, prompt_ids, prompt_id, params: SamplingParams):
         with self._routing_capture(params.return_routing) as calls:
             samples = self._generate(prompt_ids, prompt_id, params)
         if params.return_routing:
@@ -157,7 +158,7 @@ class Backend(backend_lib.Backend):
                 s.routing = produced[s.sample_index, : len(s.token_ids)]
         return samples
 
-    def _generate(self, prompt_ids, prompt_id, params: Params):
+    def _generate(self, prompt_ids, prompt_id, params: SamplingParams):
         n = params.n
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         gens = [torch.Generator().manual_seed(sample_seed(seed, prompt_id, j)) for j in range(n)]

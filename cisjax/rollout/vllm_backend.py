@@ -35,14 +35,13 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import engine_env, routing_capture, vllm_results, weights
-from cisjax.rollout.backend import Params, RequestError, sample_seed
+from cisjax.rollout.backend import RequestError, sample_seed
+from cisjax.rollout.params import SamplingParams
 from cisjax.rollout.vllm_platform import (
     MLA_ARCHITECTURES,
     attention_backends,
@@ -55,59 +54,9 @@ from cisjax.rollout.vllm_platform import (
     prepack_moe,
     request_attention,
 )
+from cisjax.rollout.vllm_work import Call, Cancel, Exclusive, Stop, Work, run_exclusive
 
 log = logging.getLogger("cisjax.serve.vllm")
-
-
-# ---------------------------------------------------------------------- what the engine thread is sent
-
-
-@dataclass(eq=False)
-class _Call:
-    """The engine requests whose outputs resolve one future: the n samples of a prompt, or one scored sequence."""
-
-    requests: list  # [(request id, TokensPrompt, SamplingParams)]
-    finish: Callable  # (call, [RequestOutput in request order]) -> the future's result
-    future: futures.Future
-    routing: bool  # run in a routing phase, with the routers' ids captured per request
-    outputs: dict = field(default_factory=dict)
-    internal: dict = field(default_factory=dict)  # request id -> the engine's internal id (the model runner's)
-    version: int = 0
-    started: float = 0.0
-    captured: list = field(default_factory=list)  # per request: routed ids [positions, layers, k] of every position
-
-
-@dataclass(frozen=True, eq=False)
-class _Exclusive:
-    """Work that needs the engine to itself (a weight reload): `fn` runs once nothing is in flight."""
-
-    fn: Callable[[], object]
-    future: futures.Future
-
-
-@dataclass(frozen=True, eq=False)
-class _Cancel:
-    """The caller of `future` went away: drop its requests."""
-
-    future: futures.Future
-
-
-class _Stop:
-    """Shut the engine thread down, failing what waits."""
-
-
-@dataclass(eq=False)
-class _Work:
-    """What the engine thread holds."""
-
-    admitted: dict = field(default_factory=dict)  # request id -> _Call, in the engine
-    held: collections.deque = field(default_factory=collections.deque)  # other calls waiting behind exclusive work
-    # _Exclusive (run once the engine is idle) or a routing _Call (starts or joins a routing phase), in arrival order
-    exclusive: collections.deque = field(default_factory=collections.deque)
-    phase: bool = False  # a routing phase runs: capture on, only routing calls admitted
-
-    def idle(self) -> bool:
-        return not (self.admitted or self.exclusive or self.held or self.phase)
 
 
 class Backend(backend_lib.Backend):
@@ -153,7 +102,7 @@ class Backend(backend_lib.Backend):
                 "and routing capture is off"
             )
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[_Call | _Exclusive | _Cancel | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Call | Exclusive | Cancel | Stop] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -220,7 +169,7 @@ class Backend(backend_lib.Backend):
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
-        work = _Work()
+        work = Work()
         while True:
             block = work.idle()
             while True:  # take everything that arrived; wait only when there is nothing to do
@@ -229,7 +178,7 @@ class Backend(backend_lib.Backend):
                 except queue.Empty:
                     break
                 block = False
-                if isinstance(msg, _Stop):
+                if isinstance(msg, Stop):
                     err = RuntimeError("the server is shutting down")
                     self._fail([*work.admitted.values(), *work.held, *work.exclusive], err)
                     return
@@ -246,32 +195,32 @@ class Backend(backend_lib.Backend):
                 except Exception:
                     log.exception("vLLM engine restart failed")
 
-    def _receive(self, msg: _Call | _Exclusive | _Cancel, work: _Work) -> None:
+    def _receive(self, msg: Call | Exclusive | Cancel, work: Work) -> None:
         match msg:
-            case _Call(routing=True) if work.phase and not work.exclusive and not work.held:
+            case Call(routing=True) if work.phase and not work.exclusive and not work.held:
                 self._admit(msg, work.admitted)  # joins the phase running (its cache, its capture)
-            case _Call(routing=True) | _Exclusive():
+            case Call(routing=True) | Exclusive():
                 work.exclusive.append(msg)
-            case _Call() if work.exclusive or work.phase:
+            case Call() if work.exclusive or work.phase:
                 work.held.append(msg)
-            case _Call():
+            case Call():
                 self._admit(msg, work.admitted)
-            case _Cancel():
+            case Cancel():
                 self._cancel(msg.future, work)
 
-    def _advance(self, work: _Work) -> None:
+    def _advance(self, work: Work) -> None:
         """End a routing phase that ran out of calls; start exclusive work on an idle engine (a reload, or a routing
         phase with the routing calls at the head of the queue), else admit the held calls; then step the engine."""
         if work.phase and not work.admitted:
             work.phase = False
             self.llm.collective_rpc(routing_capture.install, args=(False,))
         if work.exclusive and not work.admitted:
-            if isinstance(work.exclusive[0], _Call):
+            if isinstance(work.exclusive[0], Call):
                 work.phase = self._begin_routing_phase(work.exclusive)
-                while work.exclusive and isinstance(work.exclusive[0], _Call):
+                while work.exclusive and isinstance(work.exclusive[0], Call):
                     self._admit(work.exclusive.popleft(), work.admitted)
             else:
-                _run(work.exclusive.popleft())
+                run_exclusive(work.exclusive.popleft())
         elif work.held and not work.exclusive and not work.phase:
             while work.held:
                 self._admit(work.held.popleft(), work.admitted)
@@ -294,14 +243,14 @@ class Backend(backend_lib.Backend):
                 raise RuntimeError("routing capture: vLLM did not reset its prefix cache")
             self.llm.collective_rpc(routing_capture.install, args=(True,))
         except Exception as err:  # noqa: BLE001
-            while exclusive and isinstance(exclusive[0], _Call):
+            while exclusive and isinstance(exclusive[0], Call):
                 call = exclusive.popleft()
                 if call.future.set_running_or_notify_cancel():
                     call.future.set_exception(err)
             return False
         return True
 
-    def _admit(self, call: _Call, admitted: dict) -> None:
+    def _admit(self, call: Call, admitted: dict) -> None:
         if not call.future.set_running_or_notify_cancel():
             return
         call.version, call.started = self.version, time.monotonic()
@@ -318,7 +267,7 @@ class Backend(backend_lib.Backend):
                 self.llm.llm_engine.abort_request(added, internal=False)  # our (external) ids
             call.future.set_exception(err)
 
-    def _resolve(self, call: _Call) -> None:
+    def _resolve(self, call: Call) -> None:
         try:
             outs = [call.outputs[rid] for rid, _, _ in call.requests]
             if call.routing:  # every position each request ran through the model: its prompt, all but its last token
@@ -331,7 +280,7 @@ class Backend(backend_lib.Backend):
         except Exception as err:  # noqa: BLE001  (a conversion or capture error belongs to this call only)
             call.future.set_exception(err)
 
-    def _cancel(self, future: futures.Future, work: _Work) -> None:
+    def _cancel(self, future: futures.Future, work: Work) -> None:
         gone = [rid for rid, c in work.admitted.items() if c.future is future]
         for rid in gone:
             del work.admitted[rid]
@@ -351,19 +300,19 @@ class Backend(backend_lib.Backend):
 
     def _submit(self, requests: list, finish, routing: bool) -> futures.Future:
         future: futures.Future = futures.Future()
-        self._inbox.put(_Call(requests, finish, future, routing))
+        self._inbox.put(Call(requests, finish, future, routing))
         return future
 
     def _exclusive(self, fn):
         future: futures.Future = futures.Future()
-        self._inbox.put(_Exclusive(fn, future))
+        self._inbox.put(Exclusive(fn, future))
         return future.result()
 
     def cancel(self, future: futures.Future) -> None:
-        self._inbox.put(_Cancel(future))
+        self._inbox.put(Cancel(future))
 
     # ------------------------------------------------------------------ generate and score
-    def submit_generate(self, prompt_ids, prompt_id, params: Params) -> futures.Future:
+    def submit_generate(self, prompt_ids, prompt_id, params: SamplingParams) -> futures.Future:
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         common = dict(
             max_tokens=params.max_new_tokens,
@@ -387,7 +336,7 @@ class Backend(backend_lib.Backend):
                 )
             requests.append((f"g{next(self._ids)}", *_request(prompt_ids, **sampling)))
 
-        def finish(call: _Call, outs: list) -> list:
+        def finish(call: Call, outs: list) -> list:
             return vllm_results.samples(
                 outs,
                 params,
@@ -404,7 +353,7 @@ class Backend(backend_lib.Backend):
         seq = list(prompt_ids) + list(response_ids)
         prompt, sp = _request(seq, max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else top_k)
 
-        def finish(call: _Call, outs: list) -> dict:
+        def finish(call: Call, outs: list) -> dict:
             captured = call.captured if routing else None
             response = list(response_ids)
             return vllm_results.scored(
@@ -473,7 +422,7 @@ class Backend(backend_lib.Backend):
             gc.collect()
 
     def close(self) -> None:
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         self._thread.join(timeout=60)
         self._shutdown_engine()
         if self._owned_cleanup is not None:
@@ -487,14 +436,3 @@ def _request(prompt_ids, **sampling) -> tuple:
 
     sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, **sampling)
     return TokensPrompt(prompt_token_ids=list(prompt_ids)), sp
-
-
-def _run(work: _Exclusive) -> None:
-    """Exclusive work, its result or error handed to its future (unless cancelled)."""
-    if work.future.set_running_or_notify_cancel():
-        try:
-            result = work.fn()
-        except BaseException as err:  # noqa: BLE001  (handed to the caller)
-            work.future.set_exception(err)
-        else:
-            work.future.set_result(result)

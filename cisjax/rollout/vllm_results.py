@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 from cisjax.rollout import routing_capture
-from cisjax.rollout.backend import Params, SampleResult
+from cisjax.rollout.backend import SampleResult
+from cisjax.rollout.params import SamplingParams
 
 
 def _finish_reason(reason) -> str:
@@ -24,7 +25,7 @@ def _ranked(d: dict, k: int) -> list:
 
 
 def samples(
-    outs: list, params: Params, prompt_len: int, *, version: int, started: float, captured: list | None
+    outs: list, params: SamplingParams, prompt_len: int, *, version: int, started: float, captured: list | None
 ) -> list:
     """The SampleResult of each of a prompt's requests (`outs`, one RequestOutput per sample, in sample order), made
     by weights `version` since `started` (time.monotonic); `captured`: each request's routed ids [positions, layers,

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax import sharding
-from cisjax.rollout.backend import Params, SampleResult, sample_seed
+from cisjax.rollout.backend import SampleResult, sample_seed
+from cisjax.rollout.params import SamplingParams
 from cisjax.sampler import costs, programs
 from cisjax.sampler.sampling import key_data
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 class Request(NamedTuple):
     prompt: list  # token ids
     prompt_id: int  # mixed into the per-sample seeds (cisjax.rollout.backend.sample_seed)
-    params: Params
+    params: SamplingParams
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -280,7 +281,7 @@ class Engine:
             self._ran.update(used)
         return out, prompt_routing
 
-    def check(self, prompt: Sequence[int], params: Params) -> None:
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """ValueError naming what this engine cannot take (the server checks requests first; a library caller may not)."""
         if not prompt:
             raise ValueError("an empty prompt")
@@ -289,7 +290,7 @@ class Engine:
         if len(params.stop_token_ids) > STOP_SLOTS:
             raise ValueError(f"{len(params.stop_token_ids)} stop token ids: at most {STOP_SLOTS}")
 
-    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], params: Params):
+    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], params: SamplingParams):
         """Per prompt, its params.n samples as SampleResults (the logprobs of the distribution sampled from)."""
         return self.generate_many([Request(list(p), i, params) for p, i in zip(prompts, prompt_ids)])
 
@@ -381,7 +382,7 @@ class Engine:
         return samples
 
     @staticmethod
-    def _support(out: programs.Decoded, i: int, m: int, params: Params) -> tuple[list, list]:
+    def _support(out: programs.Decoded, i: int, m: int, params: SamplingParams) -> tuple[list, list]:
         """(kept ids, a count per token) of sample i's m tokens: counts of 0 when the distribution was not cut."""
         if not params.truncates:
             return [], [0] * m

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from cisjax.records import SamplingSupport
-from cisjax.rollout.client import SamplingParams
+from cisjax.rollout.params import SamplingParams
 from cisjax.train.batching import Rollout
 
 log = logging.getLogger(__name__)

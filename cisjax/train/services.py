@@ -20,8 +20,8 @@ from cisjax.evaluation.in_loop import LoopEval
 from cisjax.rl.rewards import RewardPool
 from cisjax.rollout import colocated as colocated_lib
 from cisjax.rollout import service
-from cisjax.rollout.client import SamplingParams
 from cisjax.rollout.fleet import RolloutFleet
+from cisjax.rollout.params import SamplingParams
 from cisjax.train import perturb as perturb_lib
 from cisjax.train.checkpoint import Checkpointer, abstract_state
 from cisjax.train.metrics import MetricsLog

@@ -9,9 +9,10 @@ import pytest
 
 from cisjax import sharding
 from cisjax.models import hf_io
-from cisjax.rollout.client import RolloutError, SamplingParams
+from cisjax.rollout.client import RolloutError
 from cisjax.rollout.colocated import Colocated
 from cisjax.rollout.jax_backend import Backend
+from cisjax.rollout.params import SamplingParams
 from tests.helpers import engine_params
 
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from cisjax import errors
-from cisjax.rollout.client import RolloutError, Sample, SamplingParams
+from cisjax.rollout.client import RolloutError, Sample
 from cisjax.rollout.fleet import RolloutFleet
+from cisjax.rollout.params import SamplingParams
 
 
 class FakeReplica:

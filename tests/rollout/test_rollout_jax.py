@@ -11,7 +11,8 @@ import pytest
 
 from cisjax.models import hf_io
 from cisjax.rollout import transformers_backend
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
+from cisjax.rollout.client import RolloutClient, RolloutError
+from cisjax.rollout.params import SamplingParams
 from tests.helpers import SERVER_QWEN2_MOE, engine_params
 from tests.rollout import serverutil, xla
 

@@ -14,7 +14,8 @@ import pytest
 
 from cisjax.commands.generate import add_args as generate_add_args
 from cisjax.commands.generate import run as generate_run
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams
+from cisjax.rollout.client import RolloutClient, RolloutError
+from cisjax.rollout.params import SamplingParams
 from tests.helpers import SERVER_QWEN2_MOE, hf_forward, tiny_hf_config
 from tests.rollout import serverutil, xla
 

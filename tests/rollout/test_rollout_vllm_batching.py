@@ -12,7 +12,8 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
     pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine", allow_module_level=True)
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
+from cisjax.rollout.client import RolloutClient, RolloutError  # noqa: E402
+from cisjax.rollout.params import SamplingParams  # noqa: E402
 from tests.helpers import VLLM_QWEN2_MOE  # noqa: E402
 from tests.rollout import xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import PROMPTS, TINY, _Server  # noqa: E402

@@ -32,7 +32,8 @@ if os.environ.get("CISJAX_SKIP_VLLM") == "1":
 import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite, not skip it)
 
 from cisjax import export as ex  # noqa: E402
-from cisjax.rollout.client import RolloutClient, RolloutError, SamplingParams  # noqa: E402
+from cisjax.rollout.client import RolloutClient, RolloutError  # noqa: E402
+from cisjax.rollout.params import SamplingParams  # noqa: E402
 from tests.helpers import save_tiny_hf  # noqa: E402
 from tests.rollout import serverutil, xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import TINY as QWEN2_MOE  # noqa: E402

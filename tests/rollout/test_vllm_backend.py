@@ -4,7 +4,7 @@ the order that keeps every token of a sample on one weights version, without sta
 from concurrent import futures
 from types import SimpleNamespace
 
-from cisjax.rollout import routing_capture
+from cisjax.rollout import routing_capture, vllm_work
 from cisjax.rollout import vllm_backend as vb
 
 
@@ -50,18 +50,18 @@ def _call(name, order, routing=False):
         order.append(name)
         return (call.version, call.captured, [o.request_id for o in outs])
 
-    return vb._Call([(name, {"prompt_token_ids": [1, 2, 3]}, None)], finish, futures.Future(), routing)
+    return vllm_work.Call([(name, {"prompt_token_ids": [1, 2, 3]}, None)], finish, futures.Future(), routing)
 
 
 def test_a_reload_waits_for_the_calls_in_flight_and_holds_back_new_ones():
-    b, work, order = _backend(), vb._Work(), []
+    b, work, order = _backend(), vllm_work.Work(), []
     first, later = _call("first", order), _call("later", order)
 
     def reload():
         order.append("reload")
         b.version = 4
 
-    swap = vb._Exclusive(reload, futures.Future())
+    swap = vllm_work.Exclusive(reload, futures.Future())
     b._receive(first, work)
     b._receive(swap, work)
     b._receive(later, work)
@@ -74,7 +74,7 @@ def test_a_reload_waits_for_the_calls_in_flight_and_holds_back_new_ones():
 
 
 def test_routing_calls_run_in_a_phase_of_their_own():
-    b, work, order = _backend(), vb._Work(), []
+    b, work, order = _backend(), vllm_work.Work(), []
     routed, plain = _call("routed", order, routing=True), _call("plain", order)
     b._receive(routed, work)
     assert list(work.exclusive) == [routed]
@@ -89,7 +89,7 @@ def test_routing_calls_run_in_a_phase_of_their_own():
 
 
 def test_a_routing_call_joins_the_phase_running():
-    b, work, order = _backend(), vb._Work(phase=True), []
+    b, work, order = _backend(), vllm_work.Work(phase=True), []
     joining = _call("joining", order, routing=True)
     b._receive(joining, work)
     assert list(work.admitted) == ["joining"]
@@ -99,14 +99,14 @@ def test_a_routing_call_joins_the_phase_running():
 
 
 def test_cancel_and_stop():
-    b, work, order = _backend(), vb._Work(), []
+    b, work, order = _backend(), vllm_work.Work(), []
     running, waiting = _call("running", order), _call("waiting", order)
     b._receive(running, work)
-    b._receive(vb._Exclusive(lambda: None, futures.Future()), work)
+    b._receive(vllm_work.Exclusive(lambda: None, futures.Future()), work)
     b._receive(waiting, work)
-    b._receive(vb._Cancel(waiting.future), work)
+    b._receive(vllm_work.Cancel(waiting.future), work)
     assert not work.held and waiting.future.cancelled()
-    b._receive(vb._Cancel(running.future), work)
+    b._receive(vllm_work.Cancel(running.future), work)
     assert not work.admitted and not b.llm.running  # aborted in the engine (its future already runs)
     pending = _call("pending", order)
     b._receive(pending, work)

@@ -192,7 +192,7 @@ def test_fp32_deepseek_v2_engine_loads_with_cpu_mla_on_an_amx_cpu(deepseek_v2_di
         from cisjax.rollout import backend, vllm_backend, vllm_platform
         logging.basicConfig(level=logging.INFO)  # the engine's start-up log, on stderr
         b = vllm_backend.Backend(sys.argv[1], dtype="float32", max_model_len=128)
-        params = backend.Params(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, stop_token_ids=frozenset(),
+        params = backend.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, stop_token_ids=frozenset(),
                                 seed=1, greedy=False, logprobs=0, return_routing=False)
         samples = b.submit_generate([1, 2, 3], 0, params).result(timeout=300)
         print(json.dumps({"amx": vllm_platform.cpu_has_amx(), "attention": b.attention,

@@ -109,7 +109,7 @@ def test_sampler_builds_rollouts_with_their_rewards():
     import dataclasses
     from types import SimpleNamespace
 
-    from cisjax.rollout.client import SamplingParams
+    from cisjax.rollout.params import SamplingParams
     from cisjax.train.rollouts import Sampler
 
     class Client:
