@@ -40,7 +40,7 @@ def _dtype_kwargs(precision: str) -> dict:
 
 
 def _sampler_kwargs(dtype: str) -> dict:
-    """The sampler's model options as colocated mode builds them (rollout.jax_backend): the trainer's, with the
+    """The sampler's model options as colocated mode builds them (cisjax.engines.jax.backend): the trainer's, with the
     weights and compute in `dtype`, no remat."""
     return dict(_dtype_kwargs("bf16"), dtype=dtype, param_dtype=dtype, remat="none")
 

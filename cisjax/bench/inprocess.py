@@ -9,7 +9,7 @@ from cisjax.rollout.backend import sample_seed
 
 
 class InProcess:
-    """The baseline: a `vllm.LLM` in this process with the engine settings of cisjax/rollout/vllm_backend.py, given every
+    """The baseline: a `vllm.LLM` in this process with the engine settings of cisjax/engines/vllm/backend.py, given every
     request (N prompts x n samples, each with the server's per-sample seed) in one `generate` call. vLLM is imported here
     only (the trainer side never imports it).
 
@@ -25,7 +25,7 @@ class InProcess:
 
         self._vllm = vllm
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(  # as vllm_backend.Backend._start
+        self.llm = vllm.LLM(  # as cisjax.engines.vllm.backend.Backend._start
             model=model_dir,
             skip_tokenizer_init=True,
             dtype=dtype,

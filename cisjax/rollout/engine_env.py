@@ -7,7 +7,7 @@ from importlib import metadata
 
 # An in-process engine (no engine-core subprocess), 1 GiB of CPU KV cache (unset, vLLM on CPU takes ~11 GiB), no
 # torch.compile (3-15 s per start on CPU), the V1 model runner (the routing capture splits each forward's rows along
-# its token layout, cisjax.rollout.routing_capture; on GPUs vLLM would otherwise pick its V2 runner; CPU has only V1).
+# its token layout, cisjax.engines.vllm.routing_capture; on GPUs vLLM would otherwise pick its V2 runner; CPU has only V1).
 DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -26,9 +26,9 @@ log = logging.getLogger("cisjax.serve")
 
 DEVICES = ("auto", "cpu", "cuda", "tpu")
 BACKENDS = {  # name -> module defining Backend, imported only when chosen (the server runs without vllm installed)
-    "transformers": "cisjax.rollout.transformers_backend",
-    "vllm": "cisjax.rollout.vllm_backend",
-    "jax": "cisjax.rollout.jax_backend",
+    "transformers": "cisjax.engines.transformers_backend",
+    "vllm": "cisjax.engines.vllm.backend",
+    "jax": "cisjax.engines.jax.backend",
 }
 
 

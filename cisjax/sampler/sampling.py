@@ -11,7 +11,7 @@ import numpy as np
 
 def sampling_logprobs(logits_BxV, temperature_B, top_k_B, top_p_B, greedy_B) -> jax.Array:
     """fp32 log-probabilities of the distribution each row samples from, with the definition of the other engines
-    (cisjax.rollout.transformers_backend.sampling_logprobs): logits / temperature; top-k keeps the tokens at or above
+    (cisjax.engines.transformers_backend.sampling_logprobs): logits / temperature; top-k keeps the tokens at or above
     the k-th largest value (ties kept; k = 0 or >= V: all); top-p then keeps, on the renormalised distribution, the
     tokens whose mass strictly above them is below top_p (the best token always; a tie at the boundary is kept
     whole); filtered tokens get -inf. A greedy row: the unfiltered distribution at temperature 1.

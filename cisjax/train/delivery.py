@@ -140,7 +140,7 @@ def send_stream(t: Target, model, version: int, more: dict) -> Sent:
 
 
 def send_colocated(t: Target, engine, model, version: int, *, export: bool = False) -> Sent:
-    """The params swapped into the trainer's own engine (cisjax.rollout.colocated.Colocated.publish): nothing sent (0
+    """The params swapped into the trainer's own engine (cisjax.engines.jax.colocated.Colocated.publish): nothing sent (0
     bytes); the cast and copy onto the engine's shardings count as the reload. `export`: also written as
     root/vNNNNNN (the run's last step: the trained model as an HF directory, LATEST)."""
     t0 = time.perf_counter()

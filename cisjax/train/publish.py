@@ -20,8 +20,8 @@ from cisjax.models import hf_io
 from cisjax.models.hf_config import dtype_of
 from cisjax.models.padding import round_up
 from cisjax.records import TrainBatch
-from cisjax.rollout import canary as canary_lib
 from cisjax.rollout.fleet import RolloutFleet
+from cisjax.train import canary as canary_lib
 from cisjax.train import delivery
 from cisjax.train import perturb as perturb_lib
 
@@ -161,7 +161,7 @@ class Publisher:
       * disk: `export.export` as root/vNNNNNN in spec.dtype (atomic, manifest, LATEST, keep), then
         `client.update_weights(path as the server sees it, version, the manifest's sha256)`;
         stream: `client.update_weights_from_tensors` with the HF tensors produced lazily (hf_io.HFTensors);
-        colocated: swapped into `colocated` (cisjax.rollout.colocated.Colocated, the engine in this process), the
+        colocated: swapped into `colocated` (cisjax.engines.jax.colocated.Colocated, the engine in this process), the
         last step (`full`) also exported as on disk.
       * the canary (first publish and every spec.canary.every-th): the trainer's logprobs of fixed random-token
         sequences under these params (the step's own forward, at temperature 1) against the server's `Score` of the

@@ -16,9 +16,9 @@ import jax
 from cisjax import data as data_lib
 from cisjax import distributed, errors
 from cisjax import export as export_lib
+from cisjax.engines.jax import colocated as colocated_lib
 from cisjax.evaluation.in_loop import LoopEval
 from cisjax.rl.rewards import RewardPool
-from cisjax.rollout import colocated as colocated_lib
 from cisjax.rollout import service
 from cisjax.rollout.fleet import RolloutFleet
 from cisjax.rollout.params import SamplingParams

@@ -56,7 +56,7 @@ class RolloutSpec:
     # truncated sampling (top_p < 1 or top_k > 0) renormalised by mask replay: ask the engine for each token's
     # sampling support (sampling_mask below says when)
     sampling_mask: bool = False
-    # rollout.colocated: the JAX sampler in the trainer's process, on its mesh (cisjax.rollout.colocated)
+    # rollout.colocated: the JAX sampler in the trainer's process, on its mesh (cisjax.engines.jax.colocated)
     colocated: bool = False
 
 

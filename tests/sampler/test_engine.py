@@ -8,8 +8,8 @@ import flax.nnx as nnx
 import numpy as np
 import pytest
 
+from cisjax.engines import transformers_backend
 from cisjax.models import hf_io
-from cisjax.rollout import transformers_backend
 from cisjax.sampler.engine import Engine, Request, bucket
 from tests.helpers import TINY_FAMILIES, engine_params, log_softmax
 from tests.models import parity

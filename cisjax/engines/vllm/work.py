@@ -1,4 +1,4 @@
-"""The vLLM engine thread's inbox: the messages the callers send it and the work it holds (vllm_backend.Backend)."""
+"""The vLLM engine thread's inbox: the messages the callers send it and the work it holds (cisjax.engines.vllm.backend.Backend)."""
 
 from __future__ import annotations
 

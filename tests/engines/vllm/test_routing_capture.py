@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from cisjax.rollout.routing_capture import RoutingStore
+from cisjax.engines.vllm.routing_capture import RoutingStore
 
 LAYERS, K = 2, 2
 

@@ -4,8 +4,9 @@ the order that keeps every token of a sample on one weights version, without sta
 from concurrent import futures
 from types import SimpleNamespace
 
-from cisjax.rollout import routing_capture, vllm_work
-from cisjax.rollout import vllm_backend as vb
+from cisjax.engines.vllm import backend as vb
+from cisjax.engines.vllm import routing_capture
+from cisjax.engines.vllm import work as vllm_work
 
 
 class FakeLLM:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cisjax.rollout import vllm_backend as vb
-from cisjax.rollout import vllm_platform as vp
+from cisjax.engines.vllm import backend as vb
+from cisjax.engines.vllm import platform as vp
 
 REPO = Path(__file__).resolve().parents[2]
 SKIP_VLLM = pytest.mark.skipif(
@@ -189,10 +189,12 @@ def test_fp32_deepseek_v2_engine_loads_with_cpu_mla_on_an_amx_cpu(deepseek_v2_di
     script = textwrap.dedent(
         """
         import json, logging, sys
-        from cisjax.rollout import backend, vllm_backend, vllm_platform
+        from cisjax.rollout.params import SamplingParams
+        from cisjax.engines.vllm import backend as vllm_backend
+        from cisjax.engines.vllm import platform as vllm_platform
         logging.basicConfig(level=logging.INFO)  # the engine's start-up log, on stderr
         b = vllm_backend.Backend(sys.argv[1], dtype="float32", max_model_len=128)
-        params = backend.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, stop_token_ids=frozenset(),
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, stop_token_ids=frozenset(),
                                 seed=1, greedy=False, logprobs=0, return_routing=False)
         samples = b.submit_generate([1, 2, 3], 0, params).result(timeout=300)
         print(json.dumps({"amx": vllm_platform.cpu_has_amx(), "attention": b.attention,

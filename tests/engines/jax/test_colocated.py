@@ -1,4 +1,4 @@
-"""cisjax.rollout.colocated: the JAX sampler on the trainer's mesh (8 fake CPU devices) behind a loopback server in the
+"""cisjax.engines.jax.colocated: the JAX sampler on the trainer's mesh (8 fake CPU devices) behind a loopback server in the
 test's process; the trainer's params swapped in memory, checked, copied (the trainer donates its own buffers)."""
 
 import flax.nnx as nnx
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
+from cisjax.engines.jax.backend import Backend
+from cisjax.engines.jax.colocated import Colocated
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutError
-from cisjax.rollout.colocated import Colocated
-from cisjax.rollout.jax_backend import Backend
 from cisjax.rollout.params import SamplingParams
 from tests.helpers import engine_params
 

@@ -1,10 +1,10 @@
-"""cisjax.rollout.jax_backend in process: requests waiting together run as one batch, each with its own parameters,
+"""cisjax.engines.jax.backend in process: requests waiting together run as one batch, each with its own parameters,
 and a weight update holds back the work queued after it."""
 
 import dataclasses
 import threading
 
-from cisjax.rollout.jax_backend import Backend
+from cisjax.engines.jax.backend import Backend
 from tests.helpers import engine_params
 
 BASE = engine_params(n=2, max_new_tokens=6, seed=4)

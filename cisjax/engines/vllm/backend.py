@@ -7,7 +7,7 @@ admitted — so every token of a sample has one weights version. Calls that retu
 routing phases, exclusive of the other calls but batched among themselves: on an idle engine the
 prefix cache is emptied and the capture turned on, the routing calls waiting (and those arriving
 while nothing else waits) run together, and each forward's routed ids are split per request and
-position (cisjax.rollout.routing_capture); a prompt prefix read from the prefix cache gets the rows of the request
+position (cisjax.engines.vllm.routing_capture); a prompt prefix read from the prefix cache gets the rows of the request
 of the phase that computed it.
 
 Each reported logprob is that of the distribution actually sampled from (vLLM's
@@ -38,11 +38,9 @@ import weakref
 from concurrent import futures
 from pathlib import Path
 
-from cisjax.rollout import backend as backend_lib
-from cisjax.rollout import engine_env, routing_capture, vllm_results, weights
-from cisjax.rollout.backend import RequestError, sample_seed
-from cisjax.rollout.params import SamplingParams
-from cisjax.rollout.vllm_platform import (
+from cisjax.engines.vllm import results as vllm_results
+from cisjax.engines.vllm import routing_capture
+from cisjax.engines.vllm.platform import (
     MLA_ARCHITECTURES,
     attention_backends,
     check_device,
@@ -54,7 +52,11 @@ from cisjax.rollout.vllm_platform import (
     prepack_moe,
     request_attention,
 )
-from cisjax.rollout.vllm_work import Call, Cancel, Exclusive, Stop, Work, run_exclusive
+from cisjax.engines.vllm.work import Call, Cancel, Exclusive, Stop, Work, run_exclusive
+from cisjax.rollout import backend as backend_lib
+from cisjax.rollout import engine_env, weights
+from cisjax.rollout.backend import RequestError, sample_seed
+from cisjax.rollout.params import SamplingParams
 
 log = logging.getLogger("cisjax.serve.vllm")
 
@@ -148,7 +150,7 @@ class Backend(backend_lib.Backend):
         return llm
 
     def _attention_options(self) -> tuple[dict, str]:
-        """The engine options with the attention backend cisjax requests (vllm_platform.choose_attention: CPU_MLA for
+        """The engine options with the attention backend cisjax requests (platform.choose_attention: CPU_MLA for
         an fp32 MLA model on a CPU with AMX tiles), unless they name one; and why, for the start-up log."""
         if named_attention(self.engine_options) is not None:
             return dict(self.engine_options), "set in the engine options"

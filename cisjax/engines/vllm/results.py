@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from cisjax.rollout import routing_capture
+from cisjax.engines.vllm import routing_capture
 from cisjax.rollout.backend import SampleResult
 from cisjax.rollout.params import SamplingParams
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 import secrets
 
+from cisjax.engines.jax.backend import Backend
 from cisjax.rollout import server as server_lib
 from cisjax.rollout.client import RolloutClient
-from cisjax.rollout.jax_backend import Backend
 
 log = logging.getLogger(__name__)
 
 
 class Colocated:
-    """cisjax.rollout.jax_backend's engine on `mesh` (the trainer's: the weights, activations and KV cache sharded as
+    """cisjax.engines.jax.backend's engine on `mesh` (the trainer's: the weights, activations and KV cache sharded as
     the trainer shards its own), served on a 127.0.0.1 port of this process with a random token, so the run's
     rollouts, canary and in-loop evaluation go through the same protocol, checks and client as with a separate
     server. `publish` swaps the trainer's params in (cast to the engine's dtype, copied: no export, no stream); it

@@ -1,0 +1,1 @@
+"""The engines behind `cisjax serve`: vLLM, transformers (the torch reference) and the JAX sampler's adapter."""

@@ -1,0 +1,1 @@
+"""Tests of the engines behind the rollout service."""

@@ -1,0 +1,1 @@
+"""Tests of the JAX sampler as an engine: its backend and the colocated mode."""

@@ -1,0 +1,1 @@
+"""Tests of the vLLM engine: its engine thread, platform choices and routing capture."""
