@@ -15,18 +15,13 @@ import traceback
 import flax.nnx as nnx
 import jax
 
-from cisjax import runtime, sharding
+from cisjax import sharding
 from cisjax.bench import gpu_profile, harness, mfu, synthetic, tiny_model, torch_step
 from cisjax.bench import moe as bench_moe
 from cisjax.models import attention, hf_io, moe
 from cisjax.plan import buffers
 from cisjax.plan import flops as flops_lib
 from cisjax.records import TrainBatch
-from cisjax.rl.corrections import CorrectionSpec
-from cisjax.rl.loss import LossSpec
-from cisjax.train import optim
-from cisjax.train import state as state_lib
-from cisjax.train import step as step_lib
 
 # Qwen1.5-MoE-A2.7B's layers at full width (hidden 2048, 60 experts of 1408, top-4, a 5632-wide shared expert, vocab
 # 151,936), 4 of its 24 (2.9B parameters, 0.97B active); small: a toy of the same family for a CPU run.
@@ -169,27 +164,6 @@ def _base_config(precision: str, moe_impl: str):
     return cfg
 
 
-def step_spec(cfg) -> step_lib.StepSpec:
-    """The StepSpec of a config, field by field as cisjax.train.spec builds it (not imported: the rest of a run's spec
-    pulls in the rollout client, whose grpc a GPU machine may lack)."""
-
-    def section(cls, node, **given):
-        return cls(**{f.name: given.get(f.name, node.get(f.name)) for f in dataclasses.fields(cls)})
-
-    m = cfg.model
-    keys = ("dtype", "param_dtype", "router_dtype", "moe_impl", "moe_tile", "attention_impl", "remat", "scan_layers")
-    rt = runtime.make_runtime(cfg.train.precision, method=cfg.correction.method, **{k: m[k] for k in keys if k in m})
-    return step_lib.StepSpec(
-        runtime=rt,
-        temperature=float(cfg.logprobs.temperature),
-        chunk_size=int(cfg.logprobs.chunk_size),
-        correction=section(CorrectionSpec, cfg.correction),
-        loss=section(LossSpec, cfg.loss, gspo=cfg.correction.method == "gspo"),
-        optim=section(optim.OptimSpec, cfg.train),
-        proximal="step" if cfg.train.proximal == "auto" and int(cfg.train.updates_per_batch) == 1 else "rescore",
-    )
-
-
 def model_of(size: str, seq: int, runtime_kwargs: dict):
     """(HF config dict, the family's config) of MODEL[size] for sequences of `seq` tokens."""
     hf = tiny_model.hf_config(argparse.Namespace(**dataclasses.asdict(MODEL[size])), max_positions=max(seq, 128))
@@ -222,31 +196,22 @@ class _Cut:
     carry STATE_OPTIONS after a "+" (mgpu+offload: the moments in host memory)."""
 
     def __init__(self, size: str, impl: str, max_seq: int):
+        # a run's spec reaches the rollout client's grpc, which the launcher carries to a GPU machine as a wheel
+        from cisjax.train import build, validate  # lazy: grpc
+
         moe_impl, *options = impl.split("+")
         cfg = _base_config("bf16", moe_impl)
         for option in options:
             field, value = STATE_OPTIONS[option]
             cfg.train[field] = value
-        self.spec = spec = step_spec(cfg)
-        self.mesh = sharding.make_mesh(cfg.mesh.to_dict())
-        self.rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-        self.hf, self.mcfg = model_of(size, max_seq, spec.runtime.model_kwargs())
-        graphdef, abstract = hf_io.abstract_model(self.hf, self.mcfg)
-        shardings = sharding.param_shardings(abstract, self.mesh, self.rules)
+        train_spec = validate.check(cfg, inputs=False)
+        self.spec = train_spec.step
+        self.hf, self.mcfg = model_of(size, max_seq, self.spec.runtime.model_kwargs())
         t0 = time.perf_counter()
-        params = jax.jit(lambda: nnx.split(hf_io.init_model(self.hf, self.mcfg, 0), nnx.Param)[1])()
-        params = jax.tree.map(
-            lambda v, sh: v.replace(jax.device_put(v[...], sh)),
-            params,
-            shardings,
-            is_leaf=lambda v: isinstance(v, nnx.Variable),
-        )
-        model = nnx.merge(graphdef, params)
-        tx = optim.make_optimizer(spec.optim)
-        graphdef, self.state = state_lib.create(model, tx, mesh=self.mesh, offload=spec.optim.offload_optimizer)
-        del model, params
+        # the run the loop builds (train.build), on random weights initialised on the mesh
+        run = build.build_run(train_spec, params="random", hf=self.hf)
+        self.mesh, self.rules, self.state, self.step = run.mesh, run.rules, run.state, run.train_step
         self.init_s = time.perf_counter() - t0
-        self.step = step_lib.make_train_step(graphdef, tx, spec, self.mesh, self.rules, state_lib.shardings(self.state))
 
     def batch(self, size: str, rows: int, seq: int):
         mb = synthetic.train_batch(1, rows, seq, MODEL[size].vocab, logprobs=True)
@@ -365,7 +330,9 @@ def torch_steps(size: str, combos: list[list], deadline: float, save) -> dict:
     clipping and AdamW, fused on CUDA), per (experts implementation, rows, seq); in a process without JAX on the
     device (the two would share its memory)."""
     try:
-        spec = step_spec(_base_config("bf16", "auto"))
+        from cisjax.train import spec as spec_lib  # lazy: grpc (the rollout client), as in _Cut
+
+        spec = spec_lib.step_of(_base_config("bf16", "auto"))
     except RuntimeError as err:  # no ml_collections: said once, for every combo
         return {f"{e}@{r}x{t}": dict(failure(err), rows=r, seq=t) for e, r, t in combos}
     dev = torch_step.device("cuda")  # "cpu" when torch sees no GPU

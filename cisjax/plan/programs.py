@@ -24,9 +24,8 @@ from cisjax.models.attention import Segments
 from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
 from cisjax.sampler import programs as sampler_programs
-from cisjax.train import optim, validate
+from cisjax.train import build, validate
 from cisjax.train import publish as publish_lib
-from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
 
 BATCH_DTYPES = TrainBatch(jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_, jnp.float32, jnp.float32, jnp.float32)
@@ -164,10 +163,6 @@ def pallas_costs(jaxpr) -> dict:
     return {"flops": float(flops), "bytes": float(nbytes)}
 
 
-def _abstract(x, sharding_):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
-
-
 class StepPrograms:
     """The loop's programs for one config, model and mesh, on abstract inputs (nothing is allocated):
     train_step / rescore at a [M, rows, seq_len] batch, canary, and the loop-free per-layer-kind programs."""
@@ -175,16 +170,14 @@ class StepPrograms:
     def __init__(self, cfg, hf: dict, mesh, rules):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
         self.spec = validate.check(cfg, inputs=False)  # the config's typed sections
+        # the run the loop builds (train.build), on abstract params: its train step is the program compiled here
+        self.run = build.build_run(self.spec, params="abstract", hf=hf, mesh=mesh)
         self.mcfg = hf_io.model_config(hf, **self.spec.runtime.model_kwargs())
-        self.graphdef, abstract = hf_io.abstract_model(hf, self.mcfg)
-        shardings = sharding.param_shardings(abstract, mesh, rules)
-        is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-        self.params = jax.tree.map(lambda v, s: v.replace(_abstract(v, s)), abstract, shardings, is_leaf=is_var)
+        self.graphdef, self.tx, self.state = self.run.graphdef, self.run.tx, self.run.state
+        self.params = self.state.params
         self.model = nnx.merge(self.graphdef, self.params)  # abstract: ShapeDtypeStructs, for shapes and sub-modules
-        self.tx = optim.make_optimizer(self.spec.step.optim)
-        self.state = state_lib.abstract(self.params, self.tx, mesh, offload=self.spec.step.optim.offload_optimizer)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self.rows_multiple = sharding.axis_multiple(mesh, rules, "batch")
+        self.rows_multiple = self.run.rows_multiple
         # the kernels the programs run: "auto" resolved once, by the mesh's devices (a GPU target's compute capability)
         with sharding.use_mesh(mesh, rules):
             self.moe_impl = moe.default_impl() if self.mcfg.moe_impl == "auto" else self.mcfg.moe_impl
@@ -206,10 +199,8 @@ class StepPrograms:
     # ------------------------------------------------------------------ the loop's programs
 
     def train_step(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
-        run = step_lib.make_train_step(
-            self.graphdef, self.tx, self.spec.step, self.mesh, self.rules, self.state_shardings
-        )
-        return compile_program("train_step", run.jitted, self.state, self.batch(micro_batches, rows, seq_len))
+        jitted = self.run.train_step.jitted
+        return compile_program("train_step", jitted, self.state, self.batch(micro_batches, rows, seq_len))
 
     def rescore(self, micro_batches: int, rows: int, seq_len: int) -> Compiled:
         fn = step_lib.make_rescore(self.graphdef, self.spec.step, self.mesh, self.rules, self.state_shardings.params)

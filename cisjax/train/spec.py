@@ -147,9 +147,9 @@ class TrainSpec:
         return self.step.correction
 
 
-def from_config(cfg) -> TrainSpec:
-    """The TrainSpec of a ConfigDict whose fields train.validate has checked (call validate.check, which calls
-    this)."""
+def step_of(cfg) -> StepSpec:
+    """The StepSpec of a ConfigDict (what the train step takes: runtime, logprobs, correction, loss, optimizer), read
+    as from_config reads it; no other section is looked at, nothing checked."""
     m = cfg.model
     runtime = runtime_lib.make_runtime(
         cfg.train.precision,
@@ -168,10 +168,7 @@ def from_config(cfg) -> TrainSpec:
             )
         },
     )
-    tokenizer = str(cfg.data.tokenizer or m.path)
-    r = cfg.rollout
-    perturb = Perturbation(kind=str(r.perturb), scale=float(r.perturb_scale), seed=int(r.perturb_seed))
-    step = StepSpec(
+    return StepSpec(
         runtime=runtime,
         temperature=float(cfg.logprobs.temperature),
         chunk_size=int(cfg.logprobs.chunk_size),
@@ -181,6 +178,17 @@ def from_config(cfg) -> TrainSpec:
         loss_scale=float(cfg.train.loss_scale) if runtime.precision == "fp16" else 1.0,
         proximal=proximal(cfg.train.proximal, int(cfg.train.updates_per_batch)),
     )
+
+
+def from_config(cfg) -> TrainSpec:
+    """The TrainSpec of a ConfigDict whose fields train.validate has checked (call validate.check, which calls
+    this)."""
+    m = cfg.model
+    step = step_of(cfg)
+    runtime = step.runtime
+    tokenizer = str(cfg.data.tokenizer or m.path)
+    r = cfg.rollout
+    perturb = Perturbation(kind=str(r.perturb), scale=float(r.perturb_scale), seed=int(r.perturb_seed))
     canary = section(CanarySpec, cfg.publish.canary, seed=int(cfg.seed))
     return TrainSpec(
         seed=int(cfg.seed),
