@@ -1,5 +1,5 @@
-"""Attention of a KV cache's new queries: one decode query per row over its written slots only (JAX's Pallas Triton
-decode kernel on a GPU, a Pallas Mosaic kernel on a TPU), else the einsum over every slot (attention.cache_attention)."""
+"""Attention of a KV cache's new queries: one decode query per row over its written slots only (a Pallas Triton
+kernel on a GPU, a Pallas Mosaic kernel on a TPU), else the einsum over every slot (attention.cache_attention)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from cisjax import sharding
+from cisjax.models import gpu_decode, stacked
 from cisjax.models.attention import cache_attention, check_impl, default_impl
 
-# The kernel (jax.experimental.pallas.ops.gpu.decode_attention) splits each row's slots into parts of a power of two
-# (at least MIN_SPLIT slots: Triton's blocks are powers of two), one program per (head block, part), and walks each
-# part in blocks of at most DECODE_BLOCK slots, stopping at the row's last written slot: a row reads only its live
-# parts. SPLITS: the parts it aims at (flash decoding: a few rows still fill the GPU).
+# The GPU kernel (gpu_decode.py, as JAX's pallas.ops.gpu.decode_attention) splits each row's slots into parts of a
+# power of two (at least MIN_SPLIT slots: Triton's blocks are powers of two), one program per (row, kv head, part),
+# and walks each part in blocks of at most DECODE_BLOCK slots, from the row's first written slot to its last: a row
+# reads only its live parts. SPLITS: the parts it aims at (flash decoding: a few rows still fill the GPU).
 MIN_SPLIT = 16
 DECODE_BLOCK = 128
 SPLITS = 16
@@ -58,6 +59,13 @@ def skips_phases(impl: str, dtype) -> bool:
     return kernel_of(impl, dtype) == "triton"
 
 
+def reads_stack(impl: str, dtype) -> bool:
+    """Whether `impl`'s decode kernel on the current platform in `dtype` reads a layer of a stacked cache in place
+    (stacked.LayerOf): the GPU's (Triton) kernel. The TPU kernel takes the layer's slots sliced out (the TPU keeps
+    the scanned slices: run_stack_cached; its carried cache held 119.0 GiB per chip against 52.4 on v5p-16)."""
+    return kernel_of(impl, dtype) == "triton"
+
+
 def tpu_block(slots: int) -> int | None:
     """The TPU kernel's block of slots: the largest power of two up to TPU_BLOCK dividing `slots`, at least 16 (a
     bf16 tile's rows); None where there is none (the einsum)."""
@@ -65,11 +73,11 @@ def tpu_block(slots: int) -> int | None:
     return block if block >= 16 else None
 
 
-def kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl: str) -> bool:
+def kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl: str, slots: int | None = None) -> bool:
     """Whether a decode kernel takes these: one query per row, a kernel for the platform (kernel_of), values as wide
     as the queries, and (Triton) a head width of a power of two and slots split_of divides, or (TPU) slots tpu_block
-    divides."""
-    l, h, s = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3], k_BxKxSxH.shape[2]
+    divides. `slots`: those attended over (default all of the keys')."""
+    l, h, s = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3], slots or k_BxKxSxH.shape[2]
     kernel = kernel_of(impl, q_BxLxNxH.dtype)
     if l != 1 or v_BxKxSxV.shape[-1] != h or kernel is None:
         return False
@@ -89,15 +97,27 @@ def interval(mask_BxLxS: jax.Array) -> tuple[jax.Array, jax.Array]:
 def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale: float, impl: str = "auto") -> jax.Array:
     """Queries over a cache's heads-major keys and values under its [B, L, S] mask -> [B, L, N, V]: the decode
     kernel where kernel_fits (each row from its first valid slot to its last: the mask's interval), else
-    cache_attention."""
-    if not kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl):
+    cache_attention. The keys and values may be stacked.LayerOf (a layer of the stack's cache [n, B, K, S', H], of
+    whose slots the mask's S come first): the GPU's kernel reads the layer in its stack; the others slice it out."""
+    s = mask_BxLxS.shape[-1]
+    if not kernel_fits(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, impl, s):
+        k_BxKxSxH, v_BxKxSxV = (stacked.array(a)[:, :, :s] for a in (k_BxKxSxH, v_BxKxSxV))
         return cache_attention(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale)
     start_B, end_B = interval(mask_BxLxS)
     if kernel_of(impl, q_BxLxNxH.dtype) == "triton":
+        split = split_of(s)
         interpret = sharding.current_platform() not in sharding.GPU_PLATFORMS
-        kernel = functools.partial(_kernel, scale=scale, interpret=interpret)
-    else:
+        kernel = functools.partial(
+            gpu_decode.attend, scale=scale, part=split, block=min(DECODE_BLOCK, split), slots=s, interpret=interpret
+        )
+        as_stack = lambda x: (x.stack, x.layer) if isinstance(x, stacked.LayerOf) else (x[None], 0)  # noqa: E731
+        (k_stack, layer), (v_stack, v_layer) = as_stack(k_BxKxSxH), as_stack(v_BxKxSxV)
+        if v_layer is not layer:  # keys and values of different layers (or one stacked, one not): each its own stack
+            (k_stack, layer), (v_stack, _) = as_stack(stacked.array(k_BxKxSxH)), as_stack(stacked.array(v_BxKxSxV))
+        args = (q_BxLxNxH, k_stack, v_stack, jnp.asarray(layer, jnp.int32), start_B, end_B)
+    else:  # the TPU kernel on the layer's slots (given the stack and the layer, on v5p-16 it held 30 GiB more)
         kernel = functools.partial(_tpu_kernel, scale=scale, interpret=sharding.current_platform() != "tpu")
+        args = (q_BxLxNxH, *(stacked.array(a)[:, :, :s] for a in (k_BxKxSxH, v_BxKxSxV)), start_B, end_B)
     ctx = sharding.active()
     if ctx is not None:  # GSPMD does not partition a Pallas kernel: each device its rows (and heads, where they split)
         mesh, rules = ctx
@@ -107,45 +127,17 @@ def attend(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, mask_BxLxS, scale: float, impl: str 
             q_spec = PartitionSpec(q_spec[0], None, None, None)
             kv_spec = PartitionSpec(kv_spec[0], None, None, None)
         row_spec = PartitionSpec(q_spec[0])
+        stacks = len(args) == 6  # the GPU kernel's: the stack's layers on every device, the layer index too
+        cache_specs = (PartitionSpec(None, *kv_spec),) * 2 + (PartitionSpec(),) if stacks else (kv_spec,) * 2
         kernel = jax.shard_map(
             kernel,
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+            in_specs=(q_spec, *cache_specs, row_spec, row_spec),
             out_specs=q_spec,
             check_vma=False,
         )
-    o_BxLxNxH = kernel(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B)
+    o_BxLxNxH = kernel(*args)
     return o_BxLxNxH.astype(v_BxKxSxV.dtype)
-
-
-def _kernel(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B, *, scale: float, interpret: bool):
-    """JAX's decode kernel per (row, kv head) on its group of query heads, reading the cache as it lies (the kernel
-    takes a head's [S, H] keys: the cache's heads-major layout needs no transpose)."""
-    # jax 0.11 deprecates these modules (for tokamax, which the GPU machines here lack): imported where the kernel is
-    # traced, as attention._triton does
-    from jax.experimental.pallas.ops.gpu import decode_attention as gpu_decode  # lazy: deprecated in jax 0.11
-
-    b, _, n, h = q_BxLxNxH.shape
-    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
-    split = split_of(s)
-    one = functools.partial(
-        gpu_decode.decode_attn_unbatched,
-        sm_scale=scale,
-        block_h=16,
-        block_k=min(DECODE_BLOCK, split),
-        k_splits=s // split,
-        num_warps=None,
-        num_stages=2,
-        grid=None,
-        interpret=interpret,
-        debug=False,
-        return_residuals=False,
-        normalize_output=True,
-    )
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over the kv heads of a row
-    q_BxKxGxH = q_BxLxNxH.reshape(b, kv, n // kv, h)
-    o_BxKxGxH = jax.vmap(per_head)(q_BxKxGxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B)
-    return o_BxKxGxH.reshape(b, 1, n, h)
 
 
 def _tpu_kernel(q_BxLxNxH, k_BxKxSxH, v_BxKxSxV, start_B, end_B, *, scale: float, interpret: bool):

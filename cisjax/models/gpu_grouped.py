@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from cisjax.models import stacked
 from cisjax.models.padding import pad_axes, round_up
 
 MIN_BLOCK = 16  # Triton's tl.dot needs every block dimension >= 16
@@ -50,9 +51,10 @@ def _tiles(sizes_G, bm: int, max_tiles: int):
     return g_T, jnp.where(valid_T, row0_T, 0).astype(jnp.int32), jnp.where(valid_T, ends_G[g_T], 0).astype(jnp.int32)
 
 
-def _gmm_kernel(g_ref, row0_ref, end_ref, x_ref, w_ref, out_ref, *, bm, bk, bn, k_dim, trans_w):
+def _gmm_kernel(layer_ref, g_ref, row0_ref, end_ref, x_ref, w_ref, out_ref, *, bm, bk, bn, k_dim, trans_w):
     t, j = pl.program_id(0), pl.program_id(1)
     g, row0, end = g_ref[t], row0_ref[t], end_ref[t]
+    layer = layer_ref[0]  # W's layer in its stack [n, G, ...] (n = 1: W alone)
 
     @pl.when(row0 < end)
     def _():
@@ -63,9 +65,9 @@ def _gmm_kernel(g_ref, row0_ref, end_ref, x_ref, w_ref, out_ref, *, bm, bk, bn, 
             k0 = i * bk
             a_MxK = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=mask_Mx1, other=0)
             if trans_w:  # W[g] stored [N, K]: the transposed weight of the input gradient, never materialised
-                b = plgpu.load(w_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)])
+                b = plgpu.load(w_ref.at[layer, g, pl.ds(n0, bn), pl.ds(k0, bk)]).astype(a_MxK.dtype)
                 return acc_MxN + plgpu.dot(a_MxK, b, trans_b=True, precision=_PRECISION).astype(jnp.float32)
-            b = plgpu.load(w_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)])
+            b = plgpu.load(w_ref.at[layer, g, pl.ds(k0, bk), pl.ds(n0, bn)]).astype(a_MxK.dtype)
             return acc_MxN + plgpu.dot(a_MxK, b, precision=_PRECISION).astype(jnp.float32)
 
         acc_MxN = jax.lax.fori_loop(0, k_dim // bk, body, jnp.zeros((bm, bn), jnp.float32))
@@ -74,14 +76,21 @@ def _gmm_kernel(g_ref, row0_ref, end_ref, x_ref, w_ref, out_ref, *, bm, bk, bn, 
 
 def _gmm(x_RxK, w_GxKxN, sizes_G, *, trans_w: bool, interpret: bool):
     """out[r] = x[r] @ W[group(r)] (trans_w: W given as [G, N, K]). Rows are padded by one tile so that every tile's
-    window lies inside the arrays (Pallas's interpreter clamps windows that do not); K and N to multiples of 16."""
+    window lies inside the arrays (Pallas's interpreter clamps windows that do not); K and N to multiples of 16.
+    W may be a stacked.LayerOf: the kernel reads its layer in the stack (in place, cast to x's dtype on its loads),
+    unless W must be padded (then the layer is sliced out)."""
     r, k = x_RxK.shape
     g = w_GxKxN.shape[0]
     n = w_GxKxN.shape[1 if trans_w else 2]
     kp, np_ = round_up(k, MIN_BLOCK), round_up(n, MIN_BLOCK)
     bm, bk, bn = row_block(r, g), _block(kp, 64), _block(np_, 128)
     x_PxK = pad_axes(x_RxK, {0: r + bm, 1: kp})
-    w = pad_axes(w_GxKxN, {1: np_ if trans_w else kp, 2: kp if trans_w else np_})
+    if isinstance(w_GxKxN, stacked.LayerOf) and (kp, np_) == (k, n):
+        w, layer = w_GxKxN.stack, w_GxKxN.layer
+    else:
+        w_GxKxN = stacked.array(w_GxKxN)
+        w = pad_axes(w_GxKxN, {1: np_ if trans_w else kp, 2: kp if trans_w else np_})[None]
+        layer = 0
     max_tiles = -(-r // bm) + g
     tiles = _tiles(sizes_G, bm, max_tiles)
     kernel = functools.partial(_gmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=kp, trans_w=trans_w)
@@ -102,7 +111,7 @@ def _gmm(x_RxK, w_GxKxN, sizes_G, *, trans_w: bool, interpret: bool):
         interpret=interpret,
         cost_estimate=cost,
         name="cisjax_gmm",
-    )(*tiles, x_PxK, w)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), *tiles, x_PxK, w)
     return out_PxN[:r, :n]
 
 
@@ -169,6 +178,8 @@ def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret):
 
 def _gmm_bwd(interpret, res, dout_RxN):
     x_RxK, w_GxKxN, sizes_G = res
+    if isinstance(w_GxKxN, stacked.LayerOf):
+        raise NotImplementedError("gmm's gradient of a stacked.LayerOf: a decode's weights only")
     dx_RxK = _gmm(dout_RxN, w_GxKxN, sizes_G, trans_w=True, interpret=interpret)
     dw_GxKxN = _tgmm(x_RxK, dout_RxN, sizes_G, w_GxKxN.dtype, interpret=interpret)
     return dx_RxK.astype(x_RxK.dtype), dw_GxKxN, None

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cisjax import errors, sharding
-from cisjax.models import expert_parallel, moe_hopper
+from cisjax.models import expert_parallel, moe_hopper, stacked
 from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 from cisjax.models.moe_tiled import choose_tile, tiled_ffn, tiled_rows
@@ -19,6 +19,9 @@ from cisjax.models.routing import replay_weights, route, sort_by_expert, through
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "ragged", "dense")
 MGPU_MIN_ROWS = 64  # the Hopper kernels' smallest row tile (moe_hopper.blocks): "auto" takes "triton" below it
+# MoE's expert weights: a GPU decode hands them over as stacked.LayerOf (transformer.run_stack_cached), which the
+# Triton grouped matmuls read in place; every other impl slices its layer out
+EXPERT_STACKS = ("wg_ExDxF", "wu_ExDxF", "wo_ExFxD")
 
 
 def default_impl(
@@ -80,6 +83,8 @@ def _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
     f_axes = tuple(a for a in ((f_axes,) if isinstance(f_axes, str) else f_axes or ()) if a not in row_axes)
     f_spec = f_axes[0] if len(f_axes) == 1 else (f_axes or None)
     up, down = PartitionSpec(None, None, f_spec), PartitionSpec(None, f_spec, None)
+    if isinstance(wg_ExDxF, stacked.LayerOf):  # each device its slice of F of every layer; the layer index on all
+        up, down = (stacked.LayerOf(PartitionSpec(None, *p), PartitionSpec(), wg_ExDxF.dtype) for p in (up, down))
 
     def local(x, wg, wu, wo, ids, w):
         y = ffn(x, wg, wu, wo, ids, w)
@@ -137,15 +142,17 @@ def moe_ffn(
     axes of size > 1, every impl but dense runs expert-parallel (expert_parallel.py: tokens travel to the chips that
     hold their experts); dense is left to GSPMD.
     """
-    x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK = map(
-        jnp.asarray, (x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
-    )
+    x_NxD, ids_NxK, w_NxK = map(jnp.asarray, (x_NxD, ids_NxK, w_NxK))
     n, e, k = x_NxD.shape[0], wg_ExDxF.shape[0], ids_NxK.shape[1]
     if impl == "auto":
         impl = default_impl(rows_per_expert=device_rows_per_expert(n, k, e))
     if impl not in IMPLS:
         raise errors.UserError(f"unknown moe impl {impl!r}; one of {IMPLS}")
     w_NxK = w_NxK.astype(x_NxD.dtype)
+    weights = (wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    if impl != "triton" or expert_parallel.plan(wg_ExDxF.shape, k) is not None:  # a stacked.LayerOf sliced out
+        weights = tuple(jnp.asarray(stacked.array(w)) for w in weights)
+    wg_ExDxF, wu_ExDxF, wo_ExFxD = weights
 
     if impl == "dense":  # every expert on every token: a reference, E/k times the FLOPs
         g_ExNxF = jnp.einsum("nd,edf->enf", x_NxD, wg_ExDxF)
@@ -183,6 +190,12 @@ def moe_ffn(
     if impl == "ragged":
         return _sorted_ffn(_ragged_swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
     return tiled_ffn(x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK, tile)
+
+
+def _weights(v: nnx.Variable):
+    """An expert stack's value: its array, or a stacked.LayerOf as a GPU decode hands it over (not sliced out)."""
+    value = v.get_value()
+    return value if isinstance(value, stacked.LayerOf) else v[...]
 
 
 class MoE(nnx.Module):
@@ -241,11 +254,12 @@ class MoE(nnx.Module):
             w_NxK = replay_weights(
                 logits_NxE, ids_NxK, norm_topk_prob=route_kw["norm_topk_prob"], scaling=route_kw["scaling"]
             )
+        wg, wu, wo = (_weights(getattr(self, name)) for name in EXPERT_STACKS)
         y_NxD = moe_ffn(
             x_NxD,
-            self.wg_ExDxF[...].astype(self.dtype),
-            self.wu_ExDxF[...].astype(self.dtype),
-            self.wo_ExFxD[...].astype(self.dtype),
+            wg.astype(self.dtype),
+            wu.astype(self.dtype),
+            wo.astype(self.dtype),
             ids_NxK,
             w_NxK,
             impl=self.impl,

@@ -81,6 +81,11 @@ class Attention(nnx.Module):
         each (heads-major: a decode step's batched matmuls over (row, head) read them in place)."""
         return ((self.cfg.num_key_value_heads, None, self.cfg.head_dim),) * 2
 
+    def reads_stacked_cache(self) -> bool:
+        """Whether a decode step's kernel reads its layer of the stack's cache in place (stacked.LayerOf:
+        decode_attention.reads_stack)."""
+        return decode_attention.reads_stack(self.cfg.attention_impl, self.cfg.dtype)
+
     def decode_needs_phases(self) -> bool:
         """Whether the sampler's decode should bound the slots a step attends over (decode_attention.skips_phases:
         not with the GPU's kernel, which stops at each row's last written slot itself)."""

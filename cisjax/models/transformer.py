@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors, sharding
-from cisjax.models import grad_sink
+from cisjax.models import grad_sink, stacked
 from cisjax.models.attention import Segments, cache_mask
 from cisjax.models.layers import MLP, RMSNorm, param
+from cisjax.models.moe import EXPERT_STACKS
 
 # model.remat: what the backward pass keeps of each decoder layer's forward; the rest it recomputes from the layer's
 # input. "minimal": the matmuls without dot batch dimensions (jax's dots_with_no_batch_dims_saveable), i.e. the
@@ -88,14 +89,24 @@ class DecoderLayer(nnx.Module):
         else:
             if repeat != 1:
                 raise ValueError(f"repeat={repeat}: a prefill at slot 0 only")
-            if layer is not None:
-                cache_j = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in cache)
-            mine = tuple(
-                jax.lax.slice_in_dim(c, 0, seen, axis=a) for c, a in zip(cache if layer is None else cache_j, axes)
-            )
+            if layer is not None and in_place(self.attn):
+                mine = tuple(stacked.LayerOf(c, layer) for c in cache)  # the layer read in place (decode_attention)
+            else:
+                cache_j = cache
+                if layer is not None:
+                    cache_j = tuple(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in cache)
+                mine = tuple(jax.lax.slice_in_dim(c, 0, seen, axis=a) for c, a in zip(cache_j, axes))
         x_BxLxD = x_BxLxD + self.attn.attend(q, positions_BxL, mine, mask_BxLxS)
         y_BxLxD, ids = self.mlp_block(x_BxLxD)
         return sharding.constrain(x_BxLxD + y_BxLxD, ("batch", "length", "act_embed")), ids, cache
+
+
+def in_place(attn) -> bool:
+    """Whether a decode step hands `attn` its layer of the stack's cache in place (stacked.LayerOf, never sliced out:
+    the carried form of run_stack_cached) rather than a copy: where attn's decode kernel reads it there
+    (attn.reads_stacked_cache)."""
+    reads = getattr(attn, "reads_stacked_cache", None)
+    return reads is not None and reads()
 
 
 def slot_axis(shape: tuple) -> int:
@@ -263,14 +274,19 @@ def run_stack_cached(
     `repeat` rows: DecoderLayer.cached) and reading its own slots -> (x_BxLxD, expert ids [n, B, L, k] or None, the
     updated cache). Scanned as run_stack.
 
-    Two forms of the same computation, by platform (`carried` forces one): the layers' slices as the scan's inputs and
-    the updated slices stacked as its outputs, which a rolled scan (TPU, GPU) keeps in place; or (CPU, where the scan
-    is unrolled and the stacked outputs would be a new cache) the stack's cache carried whole, each layer writing its
-    new entries into it. Measured (docs/results.md): the carried form held the sampler's temporaries at 1.6x the
-    cache on XLA:CPU against 2.0x, and cost 4.5 GiB more per chip on a v5p (57.5 -> 62.0 GiB, Qwen1.5-MoE)."""
+    Two forms of the same computation, by platform (`carried` forces one): on a TPU the layers' slices as the scan's
+    inputs and the updated slices stacked as its outputs, which the rolled scan keeps in place; on a CPU (where the
+    scan is unrolled and the stacked outputs would be a new cache) and a GPU the stack's cache carried whole, each
+    layer writing its new entries into it. Measured (docs/results.md): the carried form held the sampler's
+    temporaries at 1.6x the cache on XLA:CPU against 2.0x, and cost 4.5 GiB more per chip on a v5p (57.5 -> 62.0
+    GiB, Qwen1.5-MoE). On a GPU the other form copied each layer's slices out of the stacked cache and back every
+    step (a decode step of Qwen1.5-MoE's 4-layer cut at 256 rows on an H200: 12 of its 15.8 ms), and the carried
+    form there hands the layer's cache and expert weights to the kernels that read them in place (stacked.LayerOf:
+    in_place, moe.EXPERT_STACKS), none sliced out."""
     graphdef, state = nnx.split(stack)
-    unrolled = sharding.current_platform() == "cpu"
-    if not (unrolled if carried is None else carried):
+    platform = sharding.current_platform()
+    unrolled = platform == "cpu"
+    if not ((unrolled or platform in sharding.GPU_PLATFORMS) if carried is None else carried):
 
         def body(x_BxLxD, xs):
             state_j, cache_j = xs
@@ -281,10 +297,15 @@ def run_stack_cached(
         x_BxLxD, (ids, cache) = jax.lax.scan(body, x_BxLxD, (state, cache), unroll=unrolled)
         return x_BxLxD, ids, cache
 
+    whole = nnx.State({})  # the expert stacks read in place (GPU), beside the scanned slices of the rest
+    if platform in sharding.GPU_PLATFORMS:
+        graphdef, whole, state = nnx.split(stack, lambda path, _: path[-1] in EXPERT_STACKS, ...)
+
     def carried_body(carry, xs):
         x_BxLxD, cache = carry
         state_j, j = xs
-        layer = nnx.merge(graphdef, state_j)
+        in_place_j = jax.tree.map(lambda v: v.replace(stacked.LayerOf(v[...], j)), whole, is_leaf=_is_var)
+        layer = nnx.merge(graphdef, in_place_j, state_j) if jax.tree.leaves(whole) else nnx.merge(graphdef, state_j)
         x_BxLxD, ids, cache = layer.cached(x_BxLxD, positions_BxL, cache, index, mask_BxLxS, layer=j, repeat=repeat)
         return (x_BxLxD, cache), ids
 

@@ -65,6 +65,30 @@ def test_parts_past_a_rows_last_slot_are_never_read(impl, part):
     assert np.isnan(np.asarray(cache_attention(q, dirty_k, dirty_v, mask, 0.25))).all()
 
 
+@pytest.mark.parametrize("impl", [*KERNELS, "auto"])  # "auto" on the CPU: the einsum
+def test_a_layer_of_a_stacked_cache(impl):
+    """Keys and values as stacked.LayerOf (a GPU decode's: a layer of the stack's cache [n, B, K, S, H]): the same as
+    the layer sliced out. The Triton kernel takes the whole stack and the layer (read in place); the others slice."""
+    from cisjax.models import stacked
+    from tests.helpers import jaxpr_eqns
+
+    q, k, v = _inputs(4, 4, 2, 16, 96, seed=1)
+    k_stack, v_stack = (jnp.stack([a * (i + 1) for i in range(3)]) for a in (k, v))
+    mask = _mask([0, 10, 32, 50], [96, 40, 33, 51], 96)
+    layer = jnp.int32(1)
+    got = decode_attention.attend(q, stacked.LayerOf(k_stack, layer), stacked.LayerOf(v_stack, layer), mask, 0.25, impl)
+    np.testing.assert_allclose(got, decode_attention.attend(q, 2 * k, 2 * v, mask, 0.25, impl), atol=1e-6, rtol=0)
+    jaxpr = jax.make_jaxpr(
+        lambda ks, vs: decode_attention.attend(
+            q, stacked.LayerOf(ks, layer), stacked.LayerOf(vs, layer), mask, 0.25, impl
+        )
+    )(k_stack, v_stack)
+    kernels = [e for e, _ in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(kernels) == (impl != "auto")
+    if impl == "triton":
+        assert k_stack.shape in [x.aval.shape for x in kernels[0].invars]
+
+
 def test_where_the_kernels_apply(monkeypatch):
     q, k, v = _inputs(2, 4, 2, 16, 96, jnp.bfloat16)
     assert decode_attention.kernel_fits(q, k, v, "triton") and decode_attention.kernel_fits(q, k, v, "splash")

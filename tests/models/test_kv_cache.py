@@ -96,3 +96,50 @@ def test_the_two_forms_of_a_cached_stack_agree(family, index):
     ]
     for a, c in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_a_gpu_decode_reads_each_layers_cache_and_experts_in_the_stacks(monkeypatch):
+    """A decode step traced for a GPU (the Pallas interpreter on the CPU): run_stack_cached carries the stack's cache,
+    and the decode attention and the Triton grouped matmuls take the stacked cache and expert weights with the layer
+    index (stacked.LayerOf), no layer sliced out of them; the same outputs and cache as the scanned slices."""
+    from cisjax import sharding
+    from cisjax.models import gpu_decode, moe, stacked
+    from tests.helpers import jaxpr_eqns
+
+    hf = tiny_hf_config("qwen2_moe", moe_intermediate_size=32)  # multiples of 16: the grouped matmuls pad nothing
+    cfg = hf_io.model_config(hf, attention_impl="triton", moe_impl="triton")
+    model = hf_io.family_module(hf).build(cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    b, slots, index = 2, 16, 5
+    x_BxLxD = jnp.asarray(rng.normal(size=(b, 1, cfg.hidden_size)), jnp.float32)
+    positions_BxL = jnp.full((b, 1), index)
+    cache = [tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in e) for e in model.init_cache(b, slots)]
+    valid_BxS = jnp.arange(slots)[None].repeat(b, 0) < index + 1
+    mask_BxLxS = cache_mask(valid_BxS, jnp.int32(index), 1)
+    run = lambda carried: transformer.run_stack_cached(  # noqa: E731
+        model.stacks[0], x_BxLxD, positions_BxL, cache[0], jnp.int32(index), mask_BxLxS, carried=carried
+    )
+    monkeypatch.setattr(sharding, "current_platform", lambda: "gpu")
+    for module, name in ((gpu_decode, "attend"), (moe, "triton_swiglu")):  # the kernels in the interpreter
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, interpret, _k=kernel, **kw: _k(*a, interpret=True, **kw))
+    got = run(None)
+    kernels = [
+        eqn for eqn, _ in jaxpr_eqns(jax.make_jaxpr(lambda: run(None))().jaxpr) if eqn.primitive.name == "pallas_call"
+    ]
+    n = transformer.stack_size(model.stacks[0])
+    stack_shapes = {a.shape for a in cache[0]} | {model.stacks[0].mlp.moe.wg_ExDxF.shape}
+    names = [str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split()[0] for eqn in kernels]
+    assert sorted(set(names)) == ["cisjax_decode_attention", "cisjax_gmm"], names
+    for eqn in kernels:  # the keys and values, or the expert weights: whole stacks of n layers
+        assert {v.aval.shape for v in eqn.invars} & stack_shapes, [v.aval.shape for v in eqn.invars]
+    sliced = [
+        eqn
+        for eqn, _ in jaxpr_eqns(jax.make_jaxpr(lambda: run(None))().jaxpr)
+        if eqn.primitive.name == "dynamic_slice" and eqn.invars[0].aval.shape in stack_shapes
+    ]
+    assert not sliced and n == 2
+    want = run(False)  # the scanned slices: each layer's cache and experts sliced out for the kernels
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=1e-5, rtol=0)
+    assert isinstance(stacked.LayerOf(cache[0][0], 1)[...], jax.Array)
