@@ -13,11 +13,11 @@ import numpy as np
 from cisjax import forward, runtime, sharding
 from cisjax.bench import gpu_parts, gpu_profile, mfu
 from cisjax.bench.gpu_torch_generate import WORKLOAD, batch_key, prompt_ids, timed_calls
+from cisjax.engines.jax import costs, programs
+from cisjax.engines.jax.sampling import key_data
 from cisjax.models import hf_io
 from cisjax.plan import flops as flops_lib
 from cisjax.plan import hardware
-from cisjax.sampler import costs, programs
-from cisjax.sampler.sampling import key_data
 
 # the fp32 agreement's batch (an fp32 engine and trainer: twice the weights' bytes): prompts, n, new tokens
 FP32_BATCH = {"full": (4, 2, 64), "small": (2, 2, 16)}
@@ -27,7 +27,7 @@ FP32_BATCH = {"full": (4, 2, 64), "small": (2, 2, 16)}
 FULL_UNIT_S = {"init": 25.0, "64": 25.0, "256": 28.0, "profile": 9.5, "bfloat16": 10.0, "float32": 60.0}
 CHUNK = 1024  # the trainer forward's logprob chunk (configs/base.py logprobs.chunk_size)
 METHOD = (
-    "the Engine's programs (cisjax.sampler.programs.split_fns: prefill, then every sample in a decode row of its "
+    "the Engine's programs (cisjax.engines.jax.programs.split_fns: prefill, then every sample in a decode row of its "
     "own) as two jitted programs per batch on a one-device mesh, each timed alone: the prompts' prefill, then the "
     "rows' entering and the decode loop; no stop "
     "token, so every row decodes new_tokens tokens; sampling at temperature 1 without truncation (RL rollouts)"

@@ -16,11 +16,11 @@ from cisjax import errors
 from cisjax.bench import harness, rollout_fleet, serving, tiny_model, workload
 from cisjax.bench.inprocess import InProcess
 from cisjax.bench.serving import Server, engine_env
+from cisjax.engines.jax import costs
 from cisjax.plan import hardware
 from cisjax.rollout.client import RolloutClient
 from cisjax.rollout.local_ca import LocalCA
 from cisjax.rollout.tls import ClientTLS
-from cisjax.sampler import costs
 
 TARGET_RATIO = 0.9  # gRPC tokens/s / in-process tokens/s, same requests, same engine settings
 MODEL = tiny_model.Sizes(256, 4, 4, 2, 8, 2, 256, 512, 8192)

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from cisjax import errors, sharding
+from cisjax.engines.jax.engine import bucket
 from cisjax.models.padding import round_up
-from cisjax.sampler.engine import bucket
 
 
 def read_architecture(cfg, hf_config: str | None = None, num_layers: int = 0) -> tuple[dict, str]:
@@ -58,7 +58,7 @@ def step_shape(cfg, rows_multiple: int, rows: int = 0, seq_len: int = 0) -> dict
 def sampler_shape(cfg, prompt_bucket: int = 16, new_bucket: int = 16) -> dict:
     """The JAX sampler's bucket for one step's rollouts: every prompt of the step in one call (data.prompts_per_step),
     rollout.group_size samples each, the prompt length and new tokens rounded up as the sampler rounds them
-    (cisjax.sampler.engine.bucket: powers of two, at least 16)."""
+    (cisjax.engines.jax.engine.bucket: powers of two, at least 16)."""
     if int(cfg.data.max_prompt_tokens) <= 0:
         raise errors.UserError("data.max_prompt_tokens=0 (no limit) leaves the sampler's prompt length open: set it")
     prompt_len, new = (

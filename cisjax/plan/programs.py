@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cisjax import forward as forward_lib
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
+from cisjax.engines.jax import programs as sampler_programs
 from cisjax.models import attention, hf_io, moe, moe_hopper
 from cisjax.models.attention import Segments
 from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
-from cisjax.sampler import programs as sampler_programs
 from cisjax.train import build, validate
 from cisjax.train import publish as publish_lib
 from cisjax.train import step as step_lib
@@ -212,7 +212,7 @@ class StepPrograms:
         return compile_program("canary", fn, self.params, self.batch(1, rows, length))
 
     def sampler(self, batch: int, prompt_len: int, n: int, new_tokens: int) -> Compiled:
-        """The JAX sampler's program of one bucket (cisjax.sampler): `batch` prompts of `prompt_len` tokens, n samples
+        """The JAX sampler's program of one bucket (cisjax.engines.jax): `batch` prompts of `prompt_len` tokens, n samples
         each, `new_tokens` new tokens; on this mesh, its params laid out as the trainer's (a colocated sampler)."""
         fn = sampler_programs.sample_fn(
             self.graphdef, n=n, max_new=new_tokens, top_n=0, mesh=self.mesh, rules=self.rules

@@ -201,7 +201,7 @@ class RolloutClient:
             "architecture": r.architecture,
             "vocab_size": r.vocab_size,
             "max_model_len": r.max_model_len,
-            # the JAX sampler's prefill and decode apart (cisjax.sampler.engine.Engine.phases), None for the others
+            # the JAX sampler's prefill and decode apart (cisjax.engines.jax.engine.Engine.phases), None for the others
             "phases": _fields(r.phases) if r.HasField("phases") else None,
         }
 

@@ -16,8 +16,8 @@ import flax.nnx as nnx
 import pytest
 
 from cisjax.bench import gpu_parts, gpu_profile, gpu_sampler, gpu_torch_generate
+from cisjax.engines.jax import costs
 from cisjax.models import hf_io
-from cisjax.sampler import costs
 from tests.test_launchers import REPO
 
 BATCHES = [gpu_torch_generate.batch_key(p, n) for p, n in gpu_torch_generate.WORKLOAD["small"]["batches"]]

@@ -1,6 +1,6 @@
 """cisjax.models.decode_attention: JAX's Pallas Triton decode kernel and cisjax's TPU one (in Pallas's interpreters
 on the CPU) against the einsum over the cache, reading each row's written slots only, under a mesh, compiled for an
-H100 (for a v5p: tests/plan/test_hardware.py; the JAX sampler through them: tests/sampler/test_engine.py)."""
+H100 (for a v5p: tests/plan/test_hardware.py; the JAX sampler through them: tests/engines/jax/test_engine.py)."""
 
 import jax
 import jax.numpy as jnp

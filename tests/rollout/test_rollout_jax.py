@@ -78,7 +78,9 @@ def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, t
     phases = client.info()["phases"]
     assert phases["device_kind"] == "cpu"  # the engine's device: the roofline's bandwidth (none listed for a CPU)
     made = {k: phases[k] - before[k] for k in phases if k != "device_kind"}
-    assert made["decode_bytes"] > 0  # what its steps read: the weights and the KV cache (tests/sampler/test_engine.py)
+    assert (
+        made["decode_bytes"] > 0
+    )  # what its steps read: the weights and the KV cache (tests/engines/jax/test_engine.py)
     assert made["prefill_tokens"] == sum(len(p) for p in PROMPTS) and made["prefill_s"] > 0
     assert made["decode_tokens"] == sum(len(s.response_ids) for per in again for s in per) and made["decode_s"] > 0
     assert [[s.response_ids for s in per] for per in samples] == [[s.response_ids for s in per] for per in again]
@@ -98,7 +100,7 @@ def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, t
 
 def test_sampling_masks_travel(client):
     """return_sampling_mask through the server: each token's support (top-k 4) holds the token sampled; the exact
-    support is tests/sampler/test_engine.py's."""
+    support is tests/engines/jax/test_engine.py's."""
     params = SamplingParams(n=2, temperature=0.9, top_k=4, max_new_tokens=5, seed=2, return_sampling_mask=True)
     for per in client.generate(PROMPTS, params):
         for s in per:

@@ -50,7 +50,7 @@ def _cfg(prepared, run_dir, *extra):
 
 @pytest.mark.slow
 def test_colocated_run_publishes_in_memory(prepared, tmp_path, caplog, monkeypatch):
-    caplog.set_level(logging.INFO, logger="cisjax.sampler.engine")
+    caplog.set_level(logging.INFO, logger="cisjax.engines.jax.engine")
 
     class Pool(rewards.RewardPool):  # rewards that vary: the params change at every step
         def __init__(self, *args, **kwargs):

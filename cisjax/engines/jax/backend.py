@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax import runtime, sharding
+from cisjax.engines.jax.engine import Engine, Request, bucket
 from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
 from cisjax.rollout import backend as backend_lib
 from cisjax.rollout import weights
 from cisjax.rollout.backend import RequestError
 from cisjax.rollout.params import SamplingParams
-from cisjax.sampler.engine import Engine, Request, bucket
 
 MAX_BATCH = 64  # prompts in one program: the requests waiting beyond it run in the next
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class Backend(backend_lib.Backend):
-    """Generates with cisjax.sampler.engine, scores with the model's forward; weights and compute in `dtype`, the
+    """Generates with cisjax.engines.jax.engine, scores with the model's forward; weights and compute in `dtype`, the
     routers in fp32 (as the trainer's). One engine thread takes the work in arrival order: the Generate requests
     waiting together (those of one call, and of calls in flight at once) run as one batch per n; a Score or a weight
     update runs alone at its place in the order, so an update waits for the work before it and holds back the work

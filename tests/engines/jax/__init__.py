@@ -1,1 +1,1 @@
-"""Tests of the JAX sampler as an engine: its backend and the colocated mode."""
+"""Tests of the JAX sampler as an engine: sampling, programs, the engine, its backend and the colocated mode."""

@@ -1,4 +1,4 @@
-"""cisjax.sampler.sampling against hand-computed distributions, and the draw's frequencies against them."""
+"""cisjax.engines.jax.sampling against hand-computed distributions, and the draw's frequencies against them."""
 
 import math
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cisjax.sampler.sampling import block_width, draw, key_data, sampling_logprobs
+from cisjax.engines.jax.sampling import block_width, draw, key_data, sampling_logprobs
 
 NEG = -math.inf
 

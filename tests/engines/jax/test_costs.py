@@ -1,8 +1,8 @@
-"""What a decode step reads (cisjax.sampler.costs), by hand (the engine's sums: tests/sampler/test_engine.py)."""
+"""What a decode step reads (cisjax.engines.jax.costs), by hand (the engine's sums: tests/engines/jax/test_engine.py)."""
 
 import pytest
 
-from cisjax.sampler import costs
+from cisjax.engines.jax import costs
 
 
 def test_decode_bytes_per_step_by_hand():

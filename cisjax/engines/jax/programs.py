@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import runtime, sharding
-from cisjax.sampler.sampling import draw, sampling_logprobs
+from cisjax.engines.jax.sampling import draw, sampling_logprobs
 
 STOP_SLOTS = 8  # stop token ids per request, padded (-1 matches no token)
 # decode steps between two checks of the loop's end (whether any row is active): on a GPU each check of a while loop's

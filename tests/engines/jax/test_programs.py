@@ -1,4 +1,4 @@
-"""cisjax.sampler.programs compiled: the KV cache is written in place, never copied per decode step or rebuilt per
+"""cisjax.engines.jax.programs compiled: the KV cache is written in place, never copied per decode step or rebuilt per
 layer, and the prefill attends over the prompt's slots only (XLA's memory analysis of a bucket where the cache
 dominates)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cisjax import sharding
+from cisjax.engines.jax import programs
 from cisjax.models import hf_io
-from cisjax.sampler import programs
 from tests.helpers import fresh_process_json, jaxpr_dots, tiny_hf_config
 
 
@@ -58,7 +58,7 @@ def test_a_gpu_decode_step_copies_no_layer_of_the_cache_or_the_experts():
         from cisjax import sharding
         from cisjax.models import hf_io
         from cisjax.plan import hardware
-        from cisjax.sampler import programs
+        from cisjax.engines.jax import programs
         from tests.helpers import loop_moves, tiny_hf_config
 
         mesh = sharding.make_mesh({"fsdp": 1}, hardware.target("h100x1").devices())

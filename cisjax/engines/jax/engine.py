@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax import sharding
+from cisjax.engines.jax import costs, programs
+from cisjax.engines.jax.sampling import key_data
 from cisjax.rollout.backend import SampleResult, sample_seed
 from cisjax.rollout.params import SamplingParams
-from cisjax.sampler import costs, programs
-from cisjax.sampler.sampling import key_data
 
 STOP_SLOTS = programs.STOP_SLOTS
 # decode steps per call: between two calls, waiting samples enter the rows that ended, and the decode narrows once

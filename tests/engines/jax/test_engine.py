@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cisjax.engines import transformers_backend
+from cisjax.engines.jax.engine import Engine, Request, bucket
 from cisjax.models import hf_io
-from cisjax.sampler.engine import Engine, Request, bucket
 from tests.helpers import TINY_FAMILIES, engine_params, log_softmax
 from tests.models import parity
 
