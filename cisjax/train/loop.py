@@ -39,9 +39,8 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
       6. every eval.every steps and after the last one (eval.sets), greedy evaluation of version s + 1 on the
          server; then metrics, dump, checkpoint.
     """
-    spec = validate.check(
-        cfg
-    )  # every problem of the config at once, before the run directory, the model and the server
+    # every problem of the config at once, before the run directory, the model and the server
+    spec = validate.check(cfg)
     if spec.rollout.tls is not None:  # its files readable, before the model loads
         spec.rollout.tls.check(("rollout.tls_ca", "rollout.tls_cert", "rollout.tls_key"))
     run_dir = Path(spec.run.dir or "runs/default").resolve()
@@ -52,54 +51,50 @@ def train(cfg, *, resume: bool = False, stop_event=None) -> dict:
         (run_dir / "config.json").write_text(saved.to_json_best_effort(indent=2) + "\n")
     run = build_run(spec)  # mesh, model, optimizer, state, the jitted step and rescoring
     with open_services(run, run_dir, resume=resume) as sv:
-        state, last, ro, stopped = sv.state, {}, None, False
+        state, metrics, rollouts = sv.state, {}, None
         publish = _Publishing(sv.publisher, spec.rollout.lag, sv.total)
         for s in range(sv.start, sv.total):
             # on any process, answered alike on all: they leave at the same step, wherever the signal landed first
             if distributed.any_process(stop_event is not None and stop_event.is_set()):
                 log.info("stop requested: leaving after step %d", s)
-                stopped = True
                 break
             clock = _Clock()
-            ro = clock.time("rollout_wait", sv.producer.get, s) if lead else None  # 1. rollouts + rewards
-            host, versions, roll = _host_batch(ro, s, run, lead)  # 2. the batch (every process holds the host copy)
-            batches = updates.place(updates.split(host, spec.updates_per_batch), run)  # one mini-batch per update
+            rollouts = clock.time("rollout_wait", sv.rollouts, s)  # 1. rollouts + rewards (process 0)
+            # 2. the batch (every process holds the host copy)
+            host_batch, versions, rollout_metrics = _host_batch(rollouts, s, run, lead)
+            batches = updates.place(updates.split(host_batch, spec.updates_per_batch), run)  # a mini-batch per update
             flips = None
             if run.rescore is not None:  # 3. p_prox by a rescoring pass (train.proximal=rescore; step: in the step)
                 batches, flips = clock.time("rescore", updates.rescore, run, state.params, batches)
             state, step_m, batches, flips = clock.time("train", updates.update, run, state, batches, flips)  # 4.
             flips = updates.host_flips(flips)  # collective
             if spec.run.dump_every and s % spec.run.dump_every == 0:
-                _dump(run_dir, s, spec, host, batches, versions, flips, lead)
+                _dump(run_dir, s, spec, host_batch, batches, versions, flips, lead)
             report = clock.time("publish", publish, state.params, s)  # 5. version s + 1 (or s + 1 - lag)
-            state = state_lib.with_counters(state, policy_version=s + 1, data_position=int(roll["data/position"]))
-            if lead and report is not None:
-                sv.producer.published(report.version)
+            position = int(rollout_metrics["data/position"])
+            state = state_lib.with_counters(state, policy_version=s + 1, data_position=position)
+            sv.published(report)
             clock.stop("step")
             evaluated = {}  # 6. greedy evaluation of the weights just published, on the same server
             if sv.evaluator is not None and sv.evaluator.due(s, sv.total):
                 evaluated = sv.evaluator.run(sv.client, s + 1, model=report.path if report is not None else None)
-            last = metrics_lib.step_metrics(
-                step_m,
-                roll,
-                clock.seconds,
-                publish=report,
-                flips=metrics_lib.flip_metrics(flips, host.segment_ids_MxBxT) if flips is not None and lead else None,
-                lead=sv.lead_metrics(ro, evaluated) if lead else None,
+            flip_m = (
+                None if flips is None or not lead else metrics_lib.flip_metrics(flips, host_batch.segment_ids_MxBxT)
             )
-            last.update(metrics_lib.device_memory(jax.local_devices()))
-            if lead:
-                sv.log.log(s, last)
-            if sv.checkpointer.should_save(s + 1) or s + 1 == sv.total:  # the state after step s, data after batch s
-                meta = {"data_state": ro.data_state if lead else None, "version": s + 1}
-                sv.checkpointer.save(state, step=s + 1, metadata=meta)
+            lead_m = sv.lead_metrics(rollouts, evaluated)
+            metrics = metrics_lib.step_metrics(
+                step_m, rollout_metrics, clock.seconds, publish=report, flips=flip_m, lead=lead_m
+            )
+            metrics.update(metrics_lib.device_memory(jax.local_devices()))
+            sv.log_step(s, metrics)
+            if sv.checkpointer.should_save(s + 1):  # the state after step s, data after batch s
+                _checkpoint(sv, state, s + 1, rollouts)
+        # the end of the run, or a stop: the state after the last step trained, once
+        version = int(state.policy_version)  # rollout batches trained on (state.step counts optimizer updates)
+        if metrics and not sv.checkpointer.should_save(version):
+            _checkpoint(sv, state, version, rollouts)
         sv.checkpointer.wait()
-        if stopped and last:
-            version = int(state.policy_version)  # rollout batches trained on (state.step counts optimizer updates)
-            meta = {"data_state": ro.data_state if lead else None, "version": version}
-            sv.checkpointer.save(state, step=version, metadata=meta)
-            sv.checkpointer.wait()
-        return last
+        return metrics
 
 
 # ----------------------------------------------------------------------------- the stages of a step
@@ -121,27 +116,33 @@ class _Clock:
         self.seconds[stage] = time.monotonic() - self.start
 
 
-def _host_batch(ro, step: int, run: Run, lead: bool):
+def _checkpoint(sv, state, version: int, rollouts) -> None:
+    """The state after `version` rollout batches, with the prompt stream's position after them (process 0's)."""
+    meta = {"data_state": rollouts.data_state if rollouts is not None else None, "version": version}
+    sv.checkpointer.save(state, step=version, metadata=meta)
+
+
+def _host_batch(rollouts, step: int, run: Run, lead: bool):
     """(the TrainBatch of a step's rollouts on the host, each token's rollout version [M*B, T], the rollout metrics):
     process 0 builds them from its rollouts, every process gets a copy."""
     if not lead:
         return distributed.broadcast(None)
     spec = run.spec
-    host, info = batching.build_batch(
-        ro.groups,
+    host_batch, info = batching.build_batch(
+        rollouts.groups,
         micro_batches=spec.micro_batches * spec.updates_per_batch,
         rows_multiple=run.rows_multiple,
         length_multiple=spec.length_multiple,
         advantages=spec.advantages,
         replay=run.replay,
     )
-    m, b, t = host.tokens_MxBxT.shape
+    m, b, t = host_batch.tokens_MxBxT.shape
     versions = np.full((m * b, t), -1, np.int64)
     for row, (gi, si) in enumerate(info["index"]):
-        r = ro.groups[gi][si]
+        r = rollouts.groups[gi][si]
         p = len(r.prompt_ids)
         versions[row, p - 1 : p - 1 + len(r.versions)] = r.versions
-    return distributed.broadcast((host, versions, metrics_lib.rollout_metrics(ro, step)))
+    return distributed.broadcast((host_batch, versions, metrics_lib.rollout_metrics(rollouts, step)))
 
 
 def _dump(run_dir, step: int, spec, host, batches, versions, flips, lead: bool) -> None:

@@ -33,22 +33,39 @@ log = logging.getLogger("cisjax.train")
 
 @dataclass
 class Services:
-    """What the step loop talks to. The fields below `total` exist on process 0 only (None elsewhere)."""
+    """What the step loop talks to. The fields below `lead` exist on process 0 only (None elsewhere); the methods are
+    answered there and are no-ops (None) on the other processes."""
 
     checkpointer: Checkpointer
     publisher: Publisher
     state: Any  # the TrainState the run starts from (restored on --resume)
     start: int  # its step
     total: int  # the run's last step + 1
+    lead: bool  # process 0: the rollout side, the metrics log
     producer: RolloutProducer | None = None
     client: Any = None  # RolloutClient or RolloutFleet
     pool: RewardPool | None = None
     evaluator: LoopEval | None = None
     log: MetricsLog | None = None
 
-    def lead_metrics(self, rollouts, evaluated: dict) -> dict:
+    def rollouts(self, step: int):
+        """The rollouts of batch `step` with their rewards (rollouts.StepRollouts), from the producer; None elsewhere."""
+        return self.producer.get(step) if self.lead else None
+
+    def published(self, report) -> None:
+        """Tell the producer a version went out (it may then generate from it)."""
+        if self.lead and report is not None:
+            self.producer.published(report.version)
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        if self.lead:
+            self.log.log(step, metrics)
+
+    def lead_metrics(self, rollouts, evaluated: dict) -> dict | None:
         """Process 0's share of a step's metrics: the rollout side's timings, the reward pool's counts (cumulative:
         lost scores show), an evaluation, and a fleet's replicas (tokens/s, in flight, version, failures, restarts)."""
+        if not self.lead:
+            return None
         out = {"time/generate_s": rollouts.timings["generate_s"], "time/reward_s": rollouts.timings["reward_s"]}
         out.update({f"reward/pool_{k}": float(v) for k, v in self.pool.metrics().items()})
         out.update(evaluated)
@@ -121,7 +138,7 @@ def open_services(run, run_dir: Path, *, resume: bool) -> Iterator[Services]:
                 print_every=spec.run.print_every,
             )
             stack.callback(metrics_log.close)
-        yield Services(ckpt, publisher, state, start, total, producer, client, pool, evaluator, metrics_log)
+        yield Services(ckpt, publisher, state, start, total, lead, producer, client, pool, evaluator, metrics_log)
 
 
 def _start_state(state, ckpt: Checkpointer, resume: bool):
