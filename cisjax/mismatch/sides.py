@@ -144,10 +144,9 @@ def replay_side(sampled: Sampled, probes: Probes, spec: MeasureSpec, score_spec:
     the report counts where replay overrode them."""
     replayed = []
     for i, (s, it) in enumerate(zip(sampled.samples, sampled.items)):
-        if getattr(s, "routing", None) is None or getattr(s, "prompt_routing", None) is None:
+        if s.input_routing is None:
             raise errors.UserError(f"--replay: the vLLM server returned no routing for sample {i} (an MoE model?)")
-        ids = np.concatenate([np.asarray(s.prompt_routing), np.asarray(s.routing)])
-        replayed.append(Seq(it.prompt_ids, it.response_ids, routing=ids))
+        replayed.append(Seq(it.prompt_ids, it.response_ids, routing=s.input_routing))
     # the top-K probes: the truncated sequences, each with the routing of its own positions
     probe_items = [
         Seq(

@@ -297,10 +297,10 @@ class RolloutClient:
                     rec["topk_ids"] = [list(t.token_ids) for t in r.top_logprobs]
                     rec["topk_logprobs"] = [list(t.logprobs) for t in r.top_logprobs]
                 i = todo[r.index]
-                if routing:
-                    rec["prompt_routing"], rec["routing"] = decode_routing(
-                        r.routing, len(items[i][0]), len(items[i][1])
-                    )
+                if routing:  # the prompt's rows apart from the response's, as a Sample's properties give them
+                    rows = decode_routing(r.routing, len(items[i][0]), len(items[i][1]))
+                    p = len(items[i][0]) - 1
+                    rec["prompt_routing"], rec["routing"] = rows[:p], rows[p:]
                 out[i] = rec
 
         self._retrying("Score", attempt)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from cisjax.records import SamplingSupport
+
 __all__ = ["FINISH_REASONS", "RolloutError", "Sample", "from_message", "decode_routing"]
 
 FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
@@ -31,13 +33,23 @@ class Sample:
     versions: list  # per token
     top_ids: list | None = None
     top_logprobs: list | None = None
-    # routed expert ids (rollout.proto Routing), uint8 or uint16: [R, MoE layers, k] of the passes that produced the
-    # response tokens (positions P-1 ..), and [P-1, MoE layers, k] of the prompt's other positions 0 .. P-2
-    routing: np.ndarray | None = None
-    prompt_routing: np.ndarray | None = None
+    # routed expert ids (rollout.proto Routing), uint8 or uint16, of every input position as the wire holds them:
+    # [P + R - 1, MoE layers, k], the prompt's positions 0 .. P-2 (the prefill) then the passes that produced the
+    # response tokens (position P-1+i produced token i); or None
+    input_routing: np.ndarray | None = None
     timing: dict | None = None
-    # return_sampling_mask (rollout.proto SamplingMask): (kept ids int32, a count per response token int32)
-    support: tuple[np.ndarray, np.ndarray] | None = None
+    # return_sampling_mask (rollout.proto SamplingMask): each response token's kept ids, or None
+    support: SamplingSupport | None = None
+
+    @property
+    def routing(self) -> np.ndarray | None:
+        """The rows of the passes that produced the response tokens: [R, MoE layers, k]."""
+        return None if self.input_routing is None else self.input_routing[len(self.prompt_ids) - 1 :]
+
+    @property
+    def prompt_routing(self) -> np.ndarray | None:
+        """The prompt's other positions 0 .. P-2: [P - 1, MoE layers, k]."""
+        return None if self.input_routing is None else self.input_routing[: len(self.prompt_ids) - 1]
 
     @property
     def version(self) -> int:
@@ -64,7 +76,7 @@ class Sample:
         if self.timing:
             out["timing"] = self.timing
         if self.support is not None:
-            out["sampling_mask"] = {"token_ids": self.support[0].tolist(), "counts": self.support[1].tolist()}
+            out["sampling_mask"] = {"token_ids": self.support.ids.tolist(), "counts": self.support.counts.tolist()}
         return out
 
 
@@ -84,7 +96,7 @@ def from_message(s, prompt_index: int, prompt_ids: list) -> Sample:
         out.top_ids = [list(t.token_ids) for t in s.top_logprobs]
         out.top_logprobs = [list(t.logprobs) for t in s.top_logprobs]
     if s.HasField("routing"):
-        out.prompt_routing, out.routing = decode_routing(s.routing, len(prompt_ids), len(out.response_ids))
+        out.input_routing = decode_routing(s.routing, len(prompt_ids), len(out.response_ids))
     if s.HasField("sampling_mask"):
         m = s.sampling_mask
         ids, counts = np.asarray(m.token_ids, np.int32), np.asarray(m.counts, np.int32)
@@ -93,13 +105,14 @@ def from_message(s, prompt_index: int, prompt_ids: list) -> Sample:
                 f"sampling mask: {len(counts)} counts summing to {int(counts.sum())} for {len(out.response_ids)} "
                 f"tokens and {len(ids)} ids"
             )
-        out.support = (ids, counts)
+        out.support = SamplingSupport(ids, counts)
     return out
 
 
-def decode_routing(r, prompt_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """A Routing message of a P-token prompt and R-token response as (prompt rows [P - 1, layers, k], response rows
-    [R, layers, k]), uint8 or uint16 ids; RolloutError when it does not hold exactly those positions."""
+def decode_routing(r, prompt_len: int, response_len: int) -> np.ndarray:
+    """A Routing message of a P-token prompt and R-token response as the rows of every input position [P + R - 1,
+    layers, k] (the prompt's P - 1, then the response's R), uint8 or uint16 ids; RolloutError when it does not hold
+    exactly those positions."""
     if r.id_bytes not in (1, 2):
         raise RolloutError(f"routing: id_bytes {r.id_bytes}, expected 1 (uint8) or 2 (uint16)")
     if r.num_layers <= 0 or r.k <= 0:
@@ -114,5 +127,4 @@ def decode_routing(r, prompt_len: int, response_len: int) -> tuple[np.ndarray, n
             f"({positions} positions x {r.num_layers} layers x k={r.k} x {r.id_bytes} bytes)"
         )
     dtype = np.uint8 if r.id_bytes == 1 else np.uint16
-    ids = np.frombuffer(r.expert_ids, f"<u{r.id_bytes}").astype(dtype).reshape(positions, r.num_layers, r.k)
-    return ids[: prompt_len - 1], ids[prompt_len - 1 :]
+    return np.frombuffer(r.expert_ids, f"<u{r.id_bytes}").astype(dtype).reshape(positions, r.num_layers, r.k)

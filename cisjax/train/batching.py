@@ -53,8 +53,9 @@ def build_batch(
     Rollouts with a sampling support (all or none of them) give support_MxBxTxS: each response token's kept ids at
     the position that predicts it, -1 elsewhere, S the largest support rounded up to a power of two (at least 8).
 
-    Returns (batch, info) with info: rows (real), tokens (response tokens), length T, and
-    `index` [(group, sample)] of each real row in order."""
+    Returns (batch, info) with info: rows (real), tokens (response tokens), length T, `index` [(group, sample)] of
+    each real row in order, and `versions` [M * B, T] the policy version that sampled each response token (-1
+    elsewhere; the token dumps' staleness)."""
     if not groups or any(not g for g in groups):
         raise ValueError("build_batch needs at least one group, each with at least one rollout")
     n = len(groups[0])
@@ -64,8 +65,11 @@ def build_batch(
         for r in g:
             if not r.prompt_ids:
                 raise ValueError("a rollout has an empty prompt")
-            if len(r.logprobs) != len(r.response_ids):
-                raise ValueError(f"a rollout has {len(r.response_ids)} response tokens but {len(r.logprobs)} logprobs")
+            if not len(r.logprobs) == len(r.versions) == len(r.response_ids):
+                raise ValueError(
+                    f"a rollout has {len(r.response_ids)} response tokens but {len(r.logprobs)} logprobs and "
+                    f"{len(r.versions)} versions"
+                )
     rows = [r for g in groups for r in g]
     longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows) - 1
     t = round_up(max(longest, 1), length_multiple)
@@ -86,8 +90,10 @@ def build_batch(
     )
     mask = built.response_RxT
     infer = np.zeros((total, t), np.float32)
+    versions = np.full((total, t), -1, np.int64)
     for i, r in enumerate(rows):
         infer[i, mask[i]] = r.logprobs  # q of the response tokens, at the positions that predict them
+        versions[i, mask[i]] = r.versions  # the policy version that sampled each
 
     adv_RxT = _advantages(groups, mask, advantages)
     support_RxTxS = _support(rows, total, t)
@@ -111,6 +117,7 @@ def build_batch(
         tokens=int(mask.sum()),
         length=t,
         index=[(gi, si) for gi in range(len(groups)) for si in range(n)],
+        versions=versions,
     )
     return batch, info
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from cisjax import config as config_lib
 from cisjax import distributed
@@ -136,13 +135,7 @@ def _host_batch(rollouts, step: int, run: Run, lead: bool):
         advantages=spec.advantages,
         replay=run.replay,
     )
-    m, b, t = host_batch.tokens_MxBxT.shape
-    versions = np.full((m * b, t), -1, np.int64)
-    for row, (gi, si) in enumerate(info["index"]):
-        r = rollouts.groups[gi][si]
-        p = len(r.prompt_ids)
-        versions[row, p - 1 : p - 1 + len(r.versions)] = r.versions
-    return distributed.broadcast((host_batch, versions, metrics_lib.rollout_metrics(rollouts, step)))
+    return distributed.broadcast((host_batch, info["versions"], metrics_lib.rollout_metrics(rollouts, step)))
 
 
 def _dump(run_dir, step: int, spec, host, batches, versions, flips, lead: bool) -> None:

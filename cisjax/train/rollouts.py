@@ -9,9 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from cisjax.records import SamplingSupport
 from cisjax.rollout.params import SamplingParams
 from cisjax.train.batching import Rollout
 
@@ -187,18 +184,10 @@ def rollouts_from_samples(samples, problems, rewards) -> list:
                 reward=r,
                 finish_reason=s.finish_reason,
                 problem_id=str(getattr(p, "id", i)),
-                routing=_all_positions(s),
-                support=None if getattr(s, "support", None) is None else SamplingSupport(*s.support),
+                routing=s.input_routing,
+                support=s.support,
             )
             for s, r in zip(per, rs)
         ]
         for i, (per, p, rs) in enumerate(zip(samples, problems, rewards))
     ]
-
-
-def _all_positions(sample):
-    """A Sample's routing of every input position ([P + R - 1, layers, k]): the prompt rows (positions 0..P-2, the
-    prefill) then the response rows (position P-1+i produced response token i); None when the engine sent none."""
-    if getattr(sample, "routing", None) is None or getattr(sample, "prompt_routing", None) is None:
-        return None
-    return np.concatenate([np.asarray(sample.prompt_routing), np.asarray(sample.routing)])

@@ -41,24 +41,25 @@ def test_two_byte_ids_round_trip():
     msg = _wire(encode_routing(PB, ids[: p - 1], ids[p - 1 :], routing_id_bytes({"num_experts": 300})))
     assert (msg.id_bytes, msg.prompt_positions, msg.num_layers, msg.k) == (2, p - 1, layers, k)
     assert len(msg.expert_ids) == ids.size * 2 and msg.expert_ids[:2] == b"\x02\x01"
-    prompt, response = decode_routing(msg, p, r)
-    assert prompt.dtype == response.dtype == np.uint16
-    np.testing.assert_array_equal(prompt, ids[: p - 1])
-    np.testing.assert_array_equal(response, ids[p - 1 :])
+    rows = decode_routing(msg, p, r)  # every input position, as the wire holds them
+    assert rows.dtype == np.uint16
+    np.testing.assert_array_equal(rows, ids)
 
 
 def test_one_byte_ids_and_the_sample_json():
     ids = np.arange(2 * 3 * 2).reshape(6, 1, 2) * 40 % 256  # up to 255
     msg = _wire(encode_routing(PB, ids[:2], ids[2:], 1))
     assert len(msg.expert_ids) == ids.size
-    prompt, response = decode_routing(msg, 3, 4)
-    assert prompt.dtype == response.dtype == np.uint8 and prompt.shape == (2, 1, 2) and response.shape == (4, 1, 2)
-    s = Sample(0, 0, [1, 2, 3], [4, 5, 6, 7], [0.0] * 4, "length", [0] * 4, routing=response, prompt_routing=prompt)
+    rows = decode_routing(msg, 3, 4)
+    assert rows.dtype == np.uint8 and rows.shape == (6, 1, 2)
+    s = Sample(0, 0, [1, 2, 3], [4, 5, 6, 7], [0.0] * 4, "length", [0] * 4, input_routing=rows)
+    # the sample keeps the wire's rows whole; its prompt's and response's are views of them
+    assert s.prompt_routing.shape == (2, 1, 2) and s.routing.shape == (4, 1, 2)
     out = s.to_json()
     assert out["routing"] == ids[2:].tolist() and out["prompt_routing"] == ids[:2].tolist()
     # a one-token prompt and no response: no position, the shape kept
-    prompt, response = decode_routing(_wire(encode_routing(PB, ids[:0], ids[:0], 1)), 1, 0)
-    assert prompt.shape == response.shape == (0, 1, 2)
+    rows = decode_routing(_wire(encode_routing(PB, ids[:0], ids[:0], 1)), 1, 0)
+    assert rows.shape == (0, 1, 2)
 
 
 def test_ids_that_do_not_fit_are_refused():

@@ -53,6 +53,10 @@ def test_rows_masks_and_q():
     assert np.asarray(batch.segment_ids_MxBxT)[0, 1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert not mask[4:].any() and not np.asarray(batch.segment_ids_MxBxT)[0, 4:].any()  # padding rows
     assert info["rows"] == 4 and info["tokens"] == 2 + 1 + 3 + 2 and info["index"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # each response token's policy version at the position that predicts it, -1 elsewhere (padding rows too)
+    v = info["versions"]
+    assert v.shape == (6, 8) and v[0].tolist() == [-1, -1, 0, 0, -1, -1, -1, -1]
+    assert v[3, :2].tolist() == [0, 1] and (v[3, 2:] == -1).all() and (v[4:] == -1).all()
 
 
 def test_group_advantages_by_hand():
@@ -87,6 +91,10 @@ def test_bad_groups():
     bad = _groups()
     bad[0][0] = dataclasses.replace(bad[0][0], logprobs=[-1.0])
     with pytest.raises(ValueError, match="logprobs"):
+        build_batch(bad, micro_batches=1, rows_multiple=1)
+    bad = _groups()
+    bad[1][0] = dataclasses.replace(bad[1][0], versions=[1])
+    with pytest.raises(ValueError, match="3 response tokens but 3 logprobs and 1 versions"):
         build_batch(bad, micro_batches=1, rows_multiple=1)
     with pytest.raises(ValueError, match="maximum"):
         build_batch(_groups(), micro_batches=1, rows_multiple=1, length_multiple=8, max_length=4)

@@ -110,16 +110,16 @@ def test_sampler_builds_rollouts_with_their_rewards():
     from types import SimpleNamespace
 
     from cisjax.rollout.params import SamplingParams
+    from cisjax.rollout.samples import Sample
     from cisjax.train.rollouts import Sampler
 
     class Client:
         def generate(self, prompts, params):
             self.seed = params.seed
             return [
-                [SimpleNamespace(prompt_ids=p, response_ids=[7, i], logprobs=[-0.5, -1.0], versions=[3, 3],
-                                 finish_reason="stop") for i in range(params.n)]
-                for p in prompts
-            ]  # fmt: skip
+                [Sample(k, i, p, [7, i], [-0.5, -1.0], "stop", [3, 3]) for i in range(params.n)]
+                for k, p in enumerate(prompts)
+            ]
 
     class Formatter:
         def encode(self, question):
