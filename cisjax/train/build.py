@@ -38,9 +38,8 @@ class Run:
     # train.proximal=step (the step computes p_prox itself)
     rescore: Callable | None
     rows_multiple: int  # a batch's rows must be a multiple of this (the "batch" mesh axes)
-    replay: bool = (
-        False  # routing replay: routing.replay = "rollout" on a model with MoE layers (a dense one ignores it)
-    )
+    # routing replay: routing.replay = "rollout" on a model with MoE layers (a dense one ignores it)
+    replay: bool = False
 
 
 PARAMS = ("load", "random", "abstract")  # where build_run's parameters come from

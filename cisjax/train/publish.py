@@ -60,9 +60,8 @@ class PublishReport:
     reload_s: float  # disk: the UpdateWeights call (the server verifies and reloads); stream: the rest of the call (sending, reloading)
     canary_s: float  # trainer logprobs + server scoring + comparison; 0 when the canary did not run
     canary: canary_lib.CanaryReport | None  # None when the canary did not run (or on processes other than 0)
-    perturb_rel_rms: float | None = (
-        None  # rollout.perturb: ||sent - params|| / ||params|| over the matrices; None = off
-    )
+    # rollout.perturb: ||sent - params|| / ||params|| over the matrices; None = off
+    perturb_rel_rms: float | None = None
     # a RolloutFleet: the replicas that failed their canary (quarantined by the fleet; the publish stands while one passes)
     failed_replicas: tuple = ()
     changed_fraction: float | None = None  # publish.delta: elements whose published bits changed; None = whole
