@@ -67,8 +67,7 @@ def plan(
     hf, hf_source = inputs.read_architecture(cfg, hf_config, num_layers)
     log(f"target {target.name}: {target.chips} x {target.chip.name} ({target.platform}, topology {target.topology})")
     mesh = sharding.make_mesh(inputs.mesh_shape(cfg, mesh_text), target.devices())
-    rules = sharding.rules_from_config(cfg.sharding.rules.to_dict())
-    progs = StepPrograms(cfg, hf, mesh, rules)
+    progs = StepPrograms(cfg, hf, mesh)
     shape = inputs.step_shape(cfg, progs.rows_multiple, rows, seq_len)
     chunks, chunk_tokens = progs.head_chunks(shape["rows"], shape["seq_len"])
     shape.update(

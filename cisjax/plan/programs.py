@@ -167,9 +167,10 @@ class StepPrograms:
     """The loop's programs for one config, model and mesh, on abstract inputs (nothing is allocated):
     train_step / rescore at a [M, rows, seq_len] batch, canary, and the loop-free per-layer-kind programs."""
 
-    def __init__(self, cfg, hf: dict, mesh, rules):
-        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+    def __init__(self, cfg, hf: dict, mesh):
+        self.cfg, self.mesh = cfg, mesh
         self.spec = validate.check(cfg, inputs=False)  # the config's typed sections
+        self.rules = dict(self.spec.rules)  # the logical-axis table, resolved once (train.spec)
         # the run the loop builds (train.build), on abstract params: its train step is the program compiled here
         self.run = build.build_run(self.spec, params="abstract", hf=hf, mesh=mesh)
         self.mcfg = hf_io.model_config(hf, **self.spec.runtime.model_kwargs())
@@ -179,7 +180,7 @@ class StepPrograms:
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.rows_multiple = self.run.rows_multiple
         # the kernels the programs run: "auto" resolved once, by the mesh's devices (a GPU target's compute capability)
-        with sharding.use_mesh(mesh, rules):
+        with sharding.use_mesh(mesh, self.rules):
             self.moe_impl = moe.default_impl() if self.mcfg.moe_impl == "auto" else self.mcfg.moe_impl
         self.attention_impl = (
             attention.default_impl(sharding.mesh_platform(mesh), self.mcfg.dtype)
