@@ -28,8 +28,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 test: setup
 	$(BIN)/pytest -q -n $(WORKERS) --dist $(DIST) --durations=15
 
-# The fast tier while developing: no real vLLM engine, no server or loop subprocesses, no compiles of model cuts
-# (tests marked `slow`). CI runs `make test`, everything.
+# The fast tier while developing: no real engine (servers and training runs on the fake engine only), no compiles of
+# model cuts (tests marked `slow`). CI runs `make test`, everything.
 test-fast: setup
 	$(BIN)/pytest -q -n $(WORKERS) --dist $(DIST) -m "not slow" --durations=10
 

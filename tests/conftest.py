@@ -2,9 +2,9 @@
 
 import os
 
-# 8 fake CPU devices, and the suite's cheaper compile (tests/xla_flags.py); subprocesses inherit them. Flags the
+# 8 fake CPU devices, and the suite's cheaper compile (tests/support/xla_flags.py); subprocesses inherit them. Flags the
 # caller set win.
-from tests import xla_flags
+from tests.support import xla_flags
 
 _xla_flags = os.environ.get("XLA_FLAGS", "").split()
 for _flag in xla_flags.flags(8).split():
@@ -35,10 +35,10 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
     """tiny_hf_dir(family, seed=0, dtype="float32", **overrides) -> the directory of a tiny random transformers model of
-    a family in tests.helpers.TINY_FAMILIES (its base config with `overrides`), saved by tests.helpers.save_tiny_hf.
+    a family in tests.support.hf.TINY_FAMILIES (its base config with `overrides`), saved by tests.support.hf.save_tiny_hf.
     Built once per session (one per xdist worker) for each distinct set of arguments and shared by every test that
     asks for it: read only, copy it to change it."""
-    from tests.helpers import TINY_FAMILIES, save_tiny_hf
+    from tests.support.hf import TINY_FAMILIES, save_tiny_hf
 
     cache: dict[str, str] = {}
 
@@ -57,19 +57,19 @@ def tiny_hf_dir(tmp_path_factory):
 def jax_cache(tmp_path_factory):
     """A persistent compilation cache directory for the `cisjax` subprocesses of the session's tests (one per xdist
     worker: its tests run one at a time, so two of them never write an entry at once), given to them by
-    tests.train.looputil.subprocess_env: the demo's programs compile once per worker, not once per test (runs of the
+    tests.support.processes.subprocess_env: the demo's programs compile once per worker, not once per test (runs of the
     loop, sweep, bench and launcher tests share their shapes)."""
     return tmp_path_factory.mktemp("jax_cache")
 
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
-    """The demo's task and tiny MoE, not warmed up (tests.train.looputil.prepare): built once per session (one per
+    """The demo's task and tiny MoE, not warmed up (tests.support.runs.prepare): built once per session (one per
     xdist worker; ~10-25 s each) for the train, launcher, sweep, bench and evaluation tests that run on it. Read only:
     runs, exports and caches go to each test's own directories."""
-    from tests.train import looputil
+    from tests.support import runs
 
-    return looputil.prepare(tmp_path_factory.mktemp("demo"))
+    return runs.prepare(tmp_path_factory.mktemp("demo"))
 
 
 # Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one

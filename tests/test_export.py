@@ -27,9 +27,10 @@ from cisjax.models import hf_io
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import Checkpointer, CheckpointError
 from cisjax.train.optim import make_optimizer
-from tests.helpers import hf_forward, spec_of, tiny_hf_config
 from tests.models.parity import LOGITS_TOL
 from tests.models.parity import run as jax_forward
+from tests.support.hf import hf_forward, tiny_hf_config
+from tests.support.runs import spec_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = tiny_hf_config("qwen2_moe", decoder_sparse_step=2)  # a dense and an MoE layer

@@ -8,8 +8,8 @@ import pytest
 
 from cisjax import forward, rows, score, sharding
 from cisjax.train import step as step_lib
-from tests.helpers import spec_of
-from tests.train import steputil as U
+from tests.support import steps as U
+from tests.support.runs import spec_of
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def tiny():
 
 
 def _seqs(batch):
-    """The (prompt, response) of every row of a steputil.host_batch, read back from its arrays."""
+    """The (prompt, response) of every row of a tests.support.steps.host_batch, read back from its arrays."""
     out = []
     for tok, tgt, mask in zip(
         batch.tokens_MxBxT.reshape(-1, U.T),

@@ -20,8 +20,8 @@ import pytest
 from cisjax import cli
 from cisjax import config as config_lib
 from cisjax.rollout.local_ca import LocalCA
-from tests.rollout.serverutil import free_port
-from tests.train import looputil
+from tests.support import processes, runs
+from tests.support.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = ("carried_wheels.sh",)  # sourced by the launchers, not run
@@ -477,7 +477,7 @@ def test_distributed_is_opt_in(monkeypatch):
 
 @pytest.fixture(scope="module")
 def env(jax_cache):
-    return looputil.subprocess_env(jax_cache)
+    return processes.subprocess_env(jax_cache)
 
 
 def _small(prepared, steps=2):
@@ -515,7 +515,7 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
         STARTUP_S="300",
     )
     argv = ["bash", str(REPO / "launchers" / "gpu_local.sh"), *_small(prepared, steps), "--config.checkpoint.every=0"]
-    proc, tree = looputil.start_until_first_step(argv, run_dir, log_path, env, timeout_s=400)
+    proc, tree = runs.start_until_first_step(argv, run_dir, log_path, env, timeout_s=400)
     try:
         os.killpg(proc.pid, signal.SIGINT)
         deadline = time.monotonic() + 90
@@ -523,13 +523,13 @@ def test_gpu_local_runs_on_cpu_and_ctrl_c_stops_trainer_then_server(prepared, en
             tree.poll()
             time.sleep(0.2)
         if proc.poll() is None:
-            pytest.fail(f"gpu_local.sh still running after Ctrl-C; its log ends:\n{looputil.tail(log_path)}")
+            pytest.fail(f"gpu_local.sh still running after Ctrl-C; its log ends:\n{processes.tail(log_path)}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, looputil.tail(log_path)
-    done = len(looputil.metrics(run_dir))
-    assert 1 <= done < steps and (run_dir / "checkpoints" / str(done)).is_dir(), (done, looputil.tail(log_path))
+    assert proc.returncode == 0, processes.tail(log_path)
+    done = len(runs.metrics(run_dir))
+    assert 1 <= done < steps and (run_dir / "checkpoints" / str(done)).is_dir(), (done, processes.tail(log_path))
     servers = tree.matching("serve --backend transformers")
     assert len(servers) == 1, tree.cmdlines
     left = set(servers) & set(tree.alive())
@@ -575,7 +575,7 @@ def test_gpu_local_starts_one_server_per_gpu_group(prepared, env, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"serving on 127.0.0.1:{port},127.0.0.1:{port + 1}" in r.stderr
-    rows = looputil.metrics(run_dir)
+    rows = runs.metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1]
     for i in range(2):
         assert rows[-1][f"rollout/replica{i}/version"] == 2, rows[-1]
@@ -642,7 +642,7 @@ def test_tpu_pod_runs_as_one_process_against_a_running_server(prepared, env, tmp
     finally:
         server.terminate()
         server.wait(30)
-    rows = looputil.metrics(run_dir)
+    rows = runs.metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1] and rows[-1]["publish/version"] == 2
     assert all(row["publish/canary_failed_replicas"] == 0 for row in rows), rows
     assert not (run_dir / "exports").exists()  # streamed
@@ -678,7 +678,7 @@ def test_tpu_pod_defaults_to_the_colocated_jax_sampler(prepared, env, tmp_path):
         timeout=400,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = looputil.metrics(run_dir)
+    rows = runs.metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1] and rows[-1]["publish/version"] == 2
     assert all(row["publish/bytes"] == 0 and row["publish/canary_max_abs"] < 1e-3 for row in rows), rows
     assert not (run_dir / "rollout_server.log").exists()

@@ -8,8 +8,9 @@ import pytest
 from cisjax import runtime, sharding
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
-from tests.helpers import jaxpr_dots, spec_of
-from tests.train import steputil
+from tests.support import steps
+from tests.support.programs import jaxpr_dots
+from tests.support.runs import spec_of
 
 
 @pytest.mark.parametrize(
@@ -36,14 +37,14 @@ def test_the_train_step_and_rescoring_traced_for_a_gpu(monkeypatch, precision, m
     under fp32, none outside the kernels under bf16 (the Triton kernels ask for HIGHEST always: it changes nothing
     for bf16 blocks)."""
     monkeypatch.setattr(sharding, "mesh_platform", lambda mesh: "gpu")
-    cfg = steputil.make_cfg(precision=precision)
+    cfg = steps.make_cfg(precision=precision)
     cfg.model.moe_impl = moe_impl
-    mesh = steputil.mesh_for("single")
-    graphdef, tx, rules, state = steputil.build(cfg, mesh)
+    mesh = steps.mesh_for("single")
+    graphdef, tx, rules, state = steps.build(cfg, mesh)
     spec = spec_of(cfg).step
     train_step = step_lib.make_train_step(graphdef, tx, spec, mesh, rules, state_lib.shardings(state))
     rescore = step_lib.make_rescore(graphdef, spec, mesh, rules)
-    batch = sharding.place(steputil.host_batch(), mesh, rules, sharding.BATCH_AXES)
+    batch = sharding.place(steps.host_batch(), mesh, rules, sharding.BATCH_AXES)
     highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
     for program, args in ((train_step.jitted, (state, batch)), (rescore, (state.params, batch))):
         dots = list(jaxpr_dots(jax.make_jaxpr(program)(*args).jaxpr))

@@ -7,7 +7,7 @@ import pytest
 
 from cisjax import cli, config, rows
 from cisjax import score as score_lib
-from tests.helpers import SERVER_QWEN2_MOE, hf_forward, log_softmax
+from tests.support.hf import SERVER_QWEN2_MOE, hf_forward, log_softmax
 
 VOCAB = 97
 

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from cisjax import sharding
 from cisjax.models import hf_io
-from tests.helpers import MESHES as HELPER_MESHES
-from tests.helpers import SHARDABLE_QWEN2_MOE
+from tests.support.hf import MESHES as HELPER_MESHES
+from tests.support.hf import SHARDABLE_QWEN2_MOE
 
 TINY = SHARDABLE_QWEN2_MOE
 MESHES = {**HELPER_MESHES, "expert8": {"expert": -1}}

@@ -29,6 +29,7 @@ BACKENDS = {  # name -> module defining Backend, imported only when chosen (the 
     "transformers": "cisjax.engines.transformers_backend",
     "vllm": "cisjax.engines.vllm.backend",
     "jax": "cisjax.engines.jax.backend",
+    "fake": "cisjax.engines.fake",  # no model: a setup's and the tests' engine
 }
 
 

@@ -62,7 +62,7 @@ class RolloutSpec:
 
 # The engines that return each token's sampling support (rollout.proto SamplingMask); for a running server
 # (rollout.server) the server says, refusing the request where its engine cannot.
-MASK_BACKENDS = ("transformers", "jax")
+MASK_BACKENDS = ("transformers", "jax", "fake")
 # correction.method whose weights are 1 (no q in them): these may train on truncated samples without the support
 UNWEIGHTED = ("none", "fp16")
 

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from cisjax.bench import loop as bench_loop
-from tests.train import looputil
+from tests.support import processes, runs
 
 
 def test_summary_against_hand_values():
@@ -68,12 +68,12 @@ def test_bench_loop_tiny(prepared, jax_cache, tmp_path):
         "--config.run.dump_every=0",
     ]
     res = subprocess.run(
-        [*looputil.cisjax_command(), *argv],
+        [*processes.cisjax_command(), *argv],
         capture_output=True,
         text=True,
         timeout=900,
-        env=looputil.subprocess_env(jax_cache),
-        cwd=str(looputil.REPO),
+        env=processes.subprocess_env(jax_cache),
+        cwd=str(processes.REPO),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "async step / max(rollout, train)" in res.stdout
@@ -81,7 +81,7 @@ def test_bench_loop_tiny(prepared, jax_cache, tmp_path):
     for mode in ("sync", "async"):
         m = r[mode]
         assert m["steps"] == 2 and m["step_s"] > 0 and m["rollout_s"] > 0 and m["train_s"] > 0, m
-        assert len(looputil.metrics(tmp_path / "runs" / mode)) == 3
+        assert len(runs.metrics(tmp_path / "runs" / mode)) == 3
     assert r["sync"]["staleness_mean"] == 0.0  # synchronous: every token from the step's own weights
     assert r["bound_sync_s"] == max(r["sync"]["rollout_s"], r["sync"]["train_s"])
     assert r["bound_async_s"] == max(r["async"]["rollout_s"], r["async"]["train_s"])

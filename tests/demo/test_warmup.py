@@ -14,7 +14,7 @@ from cisjax.demo import sft, task
 from cisjax.demo.warmup import warmup_config
 from cisjax.models import hf_io
 from cisjax.train import step as step_lib
-from tests.helpers import spec_of
+from tests.support.runs import spec_of
 
 
 def _tiny(tok_dir):

@@ -14,7 +14,7 @@ from cisjax.evaluation import answers
 from cisjax.evaluation.served import check_vocabulary
 from cisjax.evaluation.sets import BENCHMARKS
 from cisjax.rollout import engine_env
-from tests.rollout import serverutil
+from tests.support import servers
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): cisjax eval on the real vLLM engine
 
@@ -118,13 +118,13 @@ def test_eval_on_the_demo_model_with_vllm(prepared, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def hf_server(prepared):
     """A running `cisjax serve` on the transformers engine (starts in seconds), for the --server path."""
-    port = serverutil.free_port()
-    proc = serverutil.start("transformers", prepared / "model", port)
+    port = servers.free_port()
+    proc = servers.start("transformers", prepared / "model", port)
     try:
-        serverutil.wait_serving(proc, f"127.0.0.1:{port}", timeout=180)
+        servers.wait_serving(proc, f"127.0.0.1:{port}", timeout=180)
         yield f"127.0.0.1:{port}"
     finally:
-        serverutil.stop(proc)
+        servers.stop(proc)
 
 
 def test_eval_against_a_running_server_and_sampled_pass_at_k(prepared, hf_server, tmp_path):

@@ -6,7 +6,7 @@ import flax.nnx as nnx
 import jax.numpy as jnp
 import numpy as np
 
-from tests.helpers import hf_forward, log_softmax
+from tests.support.hf import hf_forward, log_softmax
 
 LOGITS_TOL = 1e-4  # fp32 logits, max abs
 LOGPROB_TOL = 1e-5  # fp32 per-token log-softmax, max abs

@@ -10,7 +10,7 @@ import pytest
 from cisjax import sharding
 from cisjax.models import decode_attention
 from cisjax.models.attention import cache_attention
-from tests.helpers import fresh_process_json
+from tests.support.programs import fresh_process_json
 
 KERNELS = ["triton", "splash"]  # the impls that ask for each kernel: the GPU's, the TPU's
 
@@ -70,7 +70,7 @@ def test_a_layer_of_a_stacked_cache(impl):
     """Keys and values as stacked.LayerOf (a GPU decode's: a layer of the stack's cache [n, B, K, S, H]): the same as
     the layer sliced out. The Triton kernel takes the whole stack and the layer (read in place); the others slice."""
     from cisjax.models import stacked
-    from tests.helpers import jaxpr_eqns
+    from tests.support.programs import jaxpr_eqns
 
     q, k, v = _inputs(4, 4, 2, 16, 96, seed=1)
     k_stack, v_stack = (jnp.stack([a * (i + 1) for i in range(3)]) for a in (k, v))

@@ -9,7 +9,7 @@ import pytest
 from cisjax.models import deepseek_v2, hf_io
 from tests.models.parity import assert_matches_hf
 
-# Each config below overrides tests.helpers.TINY_FAMILIES["deepseek_v2"] (hidden 48, 3 layers, kv LoRA 16, 8 routed experts
+# Each config below overrides tests.support.hf.TINY_FAMILIES["deepseek_v2"] (hidden 48, 3 layers, kv LoRA 16, 8 routed experts
 # top 3, 2 shared; save_tiny_hf's initializer_range 0.1 is large enough that attention visibly moves the logits).
 YARN = dict(
     rope_type="yarn",

@@ -8,8 +8,8 @@ import pytest
 
 from cisjax import sharding
 from cisjax.models import expert_parallel, hf_io, moe
-from tests.helpers import SHARDABLE_QWEN2_MOE
 from tests.models.test_moe import _problem, ref_moe
+from tests.support.hf import SHARDABLE_QWEN2_MOE
 
 EP_MESHES = {
     "expert8": {"expert": 8},

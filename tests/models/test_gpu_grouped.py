@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax.models import gpu_grouped
-from tests.helpers import jaxpr_dots, jaxpr_eqns
+from tests.support.programs import jaxpr_dots, jaxpr_eqns
 
 
 def test_every_kernel_matmul_is_full_precision():

@@ -11,7 +11,7 @@ import pytest
 
 from cisjax import distributed
 from cisjax.models import hf_io
-from tests.helpers import hf_forward, tiny_hf_config
+from tests.support.hf import hf_forward, tiny_hf_config
 
 SPARSE_STEP2 = dict(decoder_sparse_step=2)  # layer 0 dense MLP, layer 1 MoE: both kinds of rows of the weight table
 CONFIG = tiny_hf_config("qwen2_moe", **SPARSE_STEP2)

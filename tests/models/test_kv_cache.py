@@ -10,8 +10,8 @@ import pytest
 from cisjax.models import hf_io, transformer
 from cisjax.models.attention import cache_mask
 from cisjax.models.transformer import layer_runs
-from tests.helpers import TINY_FAMILIES, tiny_hf_config
 from tests.models import parity
+from tests.support.hf import TINY_FAMILIES, tiny_hf_config
 
 
 def test_cache_mask_by_hand():
@@ -104,7 +104,7 @@ def test_a_gpu_decode_reads_each_layers_cache_and_experts_in_the_stacks(monkeypa
     index (stacked.LayerOf), no layer sliced out of them; the same outputs and cache as the scanned slices."""
     from cisjax import sharding
     from cisjax.models import gpu_decode, moe, stacked
-    from tests.helpers import jaxpr_eqns
+    from tests.support.programs import jaxpr_eqns
 
     hf = tiny_hf_config("qwen2_moe", moe_intermediate_size=32)  # multiples of 16: the grouped matmuls pad nothing
     cfg = hf_io.model_config(hf, attention_impl="triton", moe_impl="triton")

@@ -8,8 +8,9 @@ import pytest
 
 from cisjax import sharding
 from cisjax.models import moe, moe_hopper, moe_tpu, routing
-from tests.helpers import MESHES, jaxpr_eqns
 from tests.models import mgpu_interpret
+from tests.support.hf import MESHES
+from tests.support.programs import jaxpr_eqns
 
 # gmm (megablox), triton (gpu_grouped): Pallas's interpreter on CPU; mgpu (moe_hopper) in float32 runs the Triton
 # kernels (full fp32), in bf16 JAX's Mosaic GPU kernels, here in Mosaic GPU's interpreter (test_moe_hopper.py)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io
-from tests.helpers import hf_forward, log_softmax
 from tests.models.parity import LOGITS_TOL, LOGPROB_TOL, assert_same_routing, pack, run
+from tests.support.hf import hf_forward, log_softmax
 
 # Families under test; another joins by adding a row, and every test below runs on each.
-FAMILIES = {  # name -> (tests.helpers.TINY_FAMILIES family, overrides of its base config)
+FAMILIES = {  # name -> (tests.support.hf.TINY_FAMILIES family, overrides of its base config)
     "qwen2_moe": ("qwen2_moe", {}),
     "deepseek_v2": (
         "deepseek_v2",

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io, qwen2
-from tests.helpers import tiny_hf_config
 from tests.models.parity import assert_matches_hf
+from tests.support.hf import tiny_hf_config
 
 BASE = tiny_hf_config("qwen2")  # vocab 97, hidden 32, 4 heads, 4 kv heads, 2 layers
 CASES = {

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io
-from tests.helpers import hf_forward
 from tests.models.parity import LOGITS_TOL, assert_matches_hf, run
+from tests.support.hf import hf_forward
 
 # name -> (HF config overrides, lengths to test). Every length is covered by the base case; the
 # other cases take one length each (each new shape is a compile).

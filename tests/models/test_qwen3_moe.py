@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from cisjax.models import hf_io, qwen3_moe
-from tests.helpers import tiny_hf_config
 from tests.models.parity import assert_matches_hf
+from tests.support.hf import tiny_hf_config
 
 BASE = tiny_hf_config("qwen3_moe")  # head_dim 16 != hidden_size // num_attention_heads
 # name -> (HF config overrides, cisjax runtime options, lengths to test). Every length on two

@@ -1,5 +1,5 @@
 """Routing replay: MoE layers run on forced expert ids (the rollout engine's) with gate weights from the current
-router, against the transformers reference forced the same way (tests/helpers.py hooks its routers)."""
+router, against the transformers reference forced the same way (tests/support/hf.py hooks its routers)."""
 
 import functools
 
@@ -11,8 +11,8 @@ import pytest
 
 from cisjax import sharding
 from cisjax.models import hf_io, routing
-from tests.helpers import SHARDABLE_QWEN2_MOE, hf_forward, log_softmax
 from tests.models.parity import LOGITS_TOL, LOGPROB_TOL
+from tests.support.hf import SHARDABLE_QWEN2_MOE, hf_forward, log_softmax
 
 # Per family the routing rules of the HF reference: Qwen2-MoE softmax-gather without renormalisation (and a dense
 # middle layer: stacks [0], [1], [2]); Qwen3-MoE renormalised over the k; DeepSeek-V2 group-limited, scaled, a dense

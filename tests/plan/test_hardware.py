@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cisjax.plan import hardware
-from tests.helpers import fresh_process_json
+from tests.support.programs import fresh_process_json
 
 
 @pytest.mark.parametrize(

@@ -511,7 +511,7 @@ def test_params_per_chip_counts_the_expert_stacks(mesh_shape):
     import flax.nnx as nnx
 
     from cisjax.models import hf_io
-    from tests.helpers import SHARDABLE_QWEN2_MOE
+    from tests.support.hf import SHARDABLE_QWEN2_MOE
 
     hf = dict(SHARDABLE_QWEN2_MOE)
     mcfg = hf_io.model_config(hf, dtype="bfloat16", param_dtype="float32")

@@ -9,7 +9,7 @@ import pytest
 
 from cisjax.rollout import protos
 from cisjax.rollout.client import RolloutClient, RolloutError
-from tests.rollout import serverutil
+from tests.support import servers
 
 
 class SlowInfo(protos.load().rollout_pb2_grpc.RolloutServicer):
@@ -27,7 +27,7 @@ class SlowInfo(protos.load().rollout_pb2_grpc.RolloutServicer):
 @pytest.fixture
 def slow_server():
     pb = protos.load()
-    port = serverutil.free_port()
+    port = servers.free_port()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 1)])
     servicer = SlowInfo(pb, delay_s=1.0)
     pb.rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
@@ -118,7 +118,7 @@ class Restarted(protos.load().rollout_pb2_grpc.RolloutServicer):
 def restarted():
     def start(hold: int):
         pb = protos.load()
-        port = serverutil.free_port()
+        port = servers.free_port()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = Restarted(pb, hold)
         pb.rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)

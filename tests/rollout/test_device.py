@@ -167,7 +167,8 @@ def test_transformers_engine_on_its_device(tiny_hf_dir, device):
     logprobs are the rescoring's, a GPU samples the CPU's tokens, and a weight update is copied in place."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from tests.helpers import SERVER_QWEN2_MOE, engine_params
+    from tests.support.engines import engine_params
+    from tests.support.hf import SERVER_QWEN2_MOE
 
     model_dir = tiny_hf_dir("qwen2_moe", **SERVER_QWEN2_MOE)
     share = 0.3 if device == "cuda" else None

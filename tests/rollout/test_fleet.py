@@ -1,4 +1,5 @@
-"""RolloutFleet: dispatch (least-loaded, groups whole) and faults with fake replicas; then on the real vLLM engine."""
+"""RolloutFleet: dispatch (least-loaded, groups whole) and faults with fake replicas; a replica killed and restarted on
+two fake-engine servers; then on the real vLLM engine."""
 
 import os
 import threading
@@ -244,10 +245,101 @@ def test_streamed_update_reaches_every_replica_once_read():
         assert sorted(r.got) == sorted(f"t{i}" for i in range(10)) and r.got["t7"].tolist() == [7, 7, 7]
 
 
-# ----------------------------------------------------------------------------- the real vLLM engine, two replicas
-
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8], [40, 41], [7, 7, 7], [13, 80, 2, 61], [22], [64, 3, 90]]
 STOPS = [5, 9, 11]  # samples end at different lengths: a stream is mid-way when its first sample arrives
+
+
+# ----------------------------------------------------------------------------- the fake engine, two replicas
+
+
+@pytest.fixture(scope="module")
+def fake_embedded(tmp_path_factory):
+    """Two embedded replicas of the fake engine (service.connect with replicas=2, as `cisjax train` starts them, their
+    watchdogs on) and the RolloutFleet over them; the model dir and the export root."""
+    from cisjax.rollout import service
+    from tests.support.servers import fake_model_dir
+
+    root = tmp_path_factory.mktemp("fake_fleet")
+    model_dir = fake_model_dir(root / "model", vocab_size=97, max_len=512)
+    servers, fleet = service.connect(
+        "",
+        replicas=2,
+        model_dir=model_dir,
+        export_root=root / "exports",
+        log_path=root / "rollout_server.log",
+        backend="fake",
+        timeout_s=30,
+        retry_s=30,
+        startup_s=30,
+        replica_cpus="none",
+    )
+    yield servers, fleet, model_dir, root / "exports"
+    fleet.close()
+    assert servers.stop() == 0
+
+
+def _kill_on_first_sample(monkeypatch, fleet, replica: int, victim) -> threading.Event:
+    """kill -9 `victim` as the first sample of its replica's next Generate stream arrives: the rest is lost mid-way.
+    The event is set once it was killed."""
+    stub = fleet.replicas[replica].client.stub
+    first, Generate = threading.Event(), stub.Generate
+
+    def killing(request, **kw):
+        for response in Generate(request, **kw):
+            if not first.is_set():
+                first.set()
+                victim.kill()
+            yield response
+
+    monkeypatch.setattr(stub, "Generate", killing)
+    return first
+
+
+def test_fake_replica_killed_mid_stream_work_resent_then_restarted_and_rejoins(fake_embedded, monkeypatch):
+    """The fleet restart on real server processes, fast: replica 1 is killed (kill -9) as its first sample arrives;
+    its prompts are resent to replica 0 and the call returns what one server gives. Its watchdog restarts it on
+    version 0; the fleet's next call sends it the current version (a directory) before any work, and it serves
+    again."""
+    import shutil
+
+    servers, fleet, model_dir, exports = fake_embedded
+    victim = servers.servers[1]
+    v = fleet.expected_version + 1
+    path = shutil.copytree(model_dir, exports / f"v{v:06d}")
+    assert fleet.update_weights(str(path), version=v) == v  # a directory: what a restarted replica is sent
+    restarts = victim.restarts
+    before = fleet.metrics()
+    # 4 x 400 tokens a prompt (about 40 ms each on the fake engine): the victim's stream is mid-way at its first sample
+    params = SamplingParams(n=4, max_new_tokens=400, seed=5)
+    killed = _kill_on_first_sample(monkeypatch, fleet, 1, victim)
+    got = fleet.generate(PROMPTS, params)
+    assert killed.is_set()
+    m = fleet.metrics()
+    assert m["rollout/replica1/failures"] == before["rollout/replica1/failures"] + 1
+    assert m["rollout/replica1/in_rotation"] == 0
+    with _one(servers.servers[0].target) as single:
+        ref = single.generate(PROMPTS, params)
+    for what in ("response_ids", "logprobs", "versions", "sample_index", "prompt_index", "finish_reason"):
+        assert _flat(got, what) == _flat(ref, what), what
+    assert all(s.versions == [v] * 400 for per in got for s in per)
+
+    victim.wait_ready()  # the watchdog started it again: on the model's own weights
+    with _one(victim.target) as c:
+        assert c.info()["version"] == 0
+    calls = _recorded(monkeypatch, fleet)
+    monkeypatch.setattr(fleet, "probe_s", 0.0)  # probed at this call (not a second after the last probe: a run's pace)
+    again = fleet.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=6))
+    with _one(victim.target) as c:
+        assert c.info()["version"] == v
+    assert calls[1], "the restarted replica got no work"
+    assert all(s.versions == [v] * len(s.response_ids) for per in again for s in per)
+    m = fleet.metrics()
+    assert victim.restarts == restarts + 1 and m["rollout/replica1/restarts"] == restarts + 1
+    assert m["rollout/replica1/rejoins"] == before["rollout/replica1/rejoins"] + 1
+    assert m["rollout/replica1/in_rotation"] == 1 and m["rollout/replica1/version"] == v
+
+
+# ----------------------------------------------------------------------------- the real vLLM engine, two replicas
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +350,7 @@ def embedded(tmp_path_factory, tiny_hf_dir):
     if os.environ.get("CISJAX_SKIP_VLLM") == "1":
         pytest.skip("CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")
     from cisjax.rollout import service
-    from tests.helpers import VLLM_QWEN2_MOE
+    from tests.support.hf import VLLM_QWEN2_MOE
 
     model_dir = tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE)
     root = tmp_path_factory.mktemp("fleet")
@@ -477,11 +569,11 @@ def test_killed_replica_work_resent_and_it_rejoins_on_current_weights(embedded, 
 
 @pytest.fixture(scope="module")
 def trainer(tiny_hf_dir):
-    """The publisher's trainer side (tests.train.publishutil.load_trainer) on the embedded replicas' model."""
-    from tests.helpers import VLLM_QWEN2_MOE
-    from tests.train import publishutil
+    """The publisher's trainer side (tests.train.publishing.load_trainer) on the embedded replicas' model."""
+    from tests.support import publishing
+    from tests.support.hf import VLLM_QWEN2_MOE
 
-    return publishutil.load_trainer(tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE))
+    return publishing.load_trainer(tiny_hf_dir("qwen2_moe", **VLLM_QWEN2_MOE))
 
 
 def _wait_restarted(server, restarts: int, timeout_s: float = 60.0) -> None:
@@ -503,7 +595,7 @@ def test_replica_failing_its_canary_is_excluded_reported_restarted_and_rejoins(e
     (RolloutFleet._run_check): it comes back on its initial weights and, the last update having been streamed (nothing
     to re-send), stays out: no generate call reaches it. The next, honest publish reaches it, its canary passes and it
     rejoins."""
-    from tests.train.publishutil import changed, old_tensors, publisher, stale_of
+    from tests.support.publishing import changed, old_tensors, publisher, stale_of
 
     servers, fleet, _, exports = embedded
     victim, stale_replica = servers.servers[1], fleet.replicas[1].client
@@ -574,7 +666,7 @@ def test_delta_publishing_a_killed_replica_gets_the_full_set(embedded, trainer):
     changed elements; replica 1 killed (its watchdog restarts it on the initial weights) keeps no base, refuses the
     next delta and is sent the full set: its canary passes and it scores exactly as replica 0."""
     from cisjax.models import hf_io
-    from tests.train.publishutil import changed, publisher
+    from tests.support.publishing import changed, publisher
 
     servers, fleet, _, exports = embedded
     victim = servers.servers[1]

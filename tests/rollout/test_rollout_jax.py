@@ -13,8 +13,9 @@ from cisjax.engines import transformers_backend
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient, RolloutError
 from cisjax.rollout.params import SamplingParams
-from tests.helpers import SERVER_QWEN2_MOE, engine_params
-from tests.rollout import serverutil, xla
+from tests.support import engines, servers
+from tests.support.engines import engine_params
+from tests.support.hf import SERVER_QWEN2_MOE
 
 pytestmark = pytest.mark.slow  # a server subprocess
 
@@ -30,10 +31,10 @@ def dirs(tmp_path_factory, tiny_hf_dir):
 @pytest.fixture(scope="module")
 def client(dirs):
     model_dir, export_root = dirs
-    port = serverutil.free_port()
-    # on a serving mesh over the 8 CPU devices the test processes have (tests/xla_flags.py): weights, activations and
+    port = servers.free_port()
+    # on a serving mesh over the 8 CPU devices the test processes have (tests/support/xla_flags.py): weights, activations and
     # KV cache sharded as the trainer's; the greedy parity below holds there
-    proc = serverutil.start(
+    proc = servers.start(
         "jax",
         model_dir,
         port,
@@ -43,12 +44,12 @@ def client(dirs):
     )
     target = f"127.0.0.1:{port}"
     try:
-        serverutil.wait_serving(proc, target, timeout=180.0)
-        assert "sharded over the mesh {'data': 2, 'fsdp': 4," in serverutil.output(proc)
+        servers.wait_serving(proc, target, timeout=180.0)
+        assert "sharded over the mesh {'data': 2, 'fsdp': 4," in servers.output(proc)
         with RolloutClient(target, retry_s=10) as c:
             yield c
     finally:
-        assert serverutil.stop(proc) == 0, serverutil.output(proc)
+        assert servers.stop(proc) == 0, servers.output(proc)
 
 
 def _greedy_against_reference(client, model_dir):
@@ -90,10 +91,10 @@ def test_sampled_logprobs_equal_cisjax_score_and_seeds_reproduce(client, dirs, t
         assert s.finish_reason in ("stop", "length") and len(s.top_ids) == len(s.response_ids)
         if s.finish_reason == "stop":
             assert s.response_ids[-1] in (5, 9) and not {5, 9} & set(s.response_ids[:-1])
-    ref = xla.rescore(dirs[0], xla.items_of(samples), tmp_path, temperature=0.7)
+    ref = engines.rescore(dirs[0], engines.items_of(samples), tmp_path, temperature=0.7)
     for s, r in zip(flat, ref):
         np.testing.assert_allclose(s.logprobs, r["logprobs"], atol=1e-4)
-    scored = client.score(xla.items_of(samples), temperature=0.7)
+    scored = client.score(engines.items_of(samples), temperature=0.7)
     for s, g in zip(flat, scored):
         np.testing.assert_allclose(g["logprobs"], s.logprobs, atol=1e-4)
 

@@ -16,8 +16,8 @@ from cisjax.commands.generate import add_args as generate_add_args
 from cisjax.commands.generate import run as generate_run
 from cisjax.rollout.client import RolloutClient, RolloutError
 from cisjax.rollout.params import SamplingParams
-from tests.helpers import SERVER_QWEN2_MOE, hf_forward, tiny_hf_config
-from tests.rollout import serverutil, xla
+from tests.support import engines, servers
+from tests.support.hf import SERVER_QWEN2_MOE, hf_forward, tiny_hf_config
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): server subprocesses
 
@@ -28,20 +28,20 @@ assert TINY["vocab_size"] == VOCAB
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
 
 
-_free_port = serverutil.free_port
+_free_port = servers.free_port
 
 
 def _start(model_dir, port, export_root=None, token=None, host="127.0.0.1"):
-    return serverutil.start(
+    return servers.start(
         "transformers", model_dir, port, export_root=export_root, token=token, host=host, env={"OMP_NUM_THREADS": "1"}
     )
 
 
 def _wait(proc, target):
-    serverutil.wait_serving(proc, target, timeout=300.0)
+    servers.wait_serving(proc, target, timeout=300.0)
 
 
-_stop = serverutil.stop
+_stop = servers.stop
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def client(server):
         yield c
 
 
-rescore, _items = xla.rescore, xla.items_of
+rescore, _items = engines.rescore, engines.items_of
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -158,7 +158,7 @@ def test_routing_matches_cisjax(client, dirs):
     samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
     items = _items(samples)
     scored = client.score(items, routing=True)
-    refs = xla.routing(model_dir, items)
+    refs = engines.routing(model_dir, items)
     flat = [s for per in samples for s in per]
 
     def hf_prompt(prompt_ids):  # the HF routers' sorted top-k at positions 0 .. P-2: [P - 1, layers, k]
@@ -166,15 +166,15 @@ def test_routing_matches_cisjax(client, dirs):
 
     for i, (s, sc, ref) in enumerate(zip(flat, scored, refs)):
         assert ref.shape == (len(s.response_ids), 2, 2)
-        xla.assert_routing_matches(s.routing, ref, f"generate {i}")
-        xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
+        engines.assert_routing_matches(s.routing, ref, f"generate {i}")
+        engines.assert_routing_matches(sc["routing"], ref, f"score {i}")
         ref_prompt = hf_prompt(s.prompt_ids)
         for where, got in (("generate", s.prompt_routing), ("score", sc["prompt_routing"])):
             assert got.dtype == np.uint8 and got.shape == (len(s.prompt_ids) - 1, 2, 2)  # 8 experts: one byte an id
-            xla.assert_routing_matches(got, ref_prompt, f"{where} {i} prompt")
+            engines.assert_routing_matches(got, ref_prompt, f"{where} {i} prompt")
     empty = client.score([([1, 2], [])], routing=True)[0]
     assert empty["routing"].shape == (0, 2, 2)
-    xla.assert_routing_matches(empty["prompt_routing"], hf_prompt([1, 2]), "score without a response")
+    engines.assert_routing_matches(empty["prompt_routing"], hf_prompt([1, 2]), "score without a response")
 
 
 def test_score_matches_cisjax_score(client, dirs, tmp_path):

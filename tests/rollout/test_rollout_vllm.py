@@ -15,8 +15,8 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 
 from cisjax.rollout.client import RolloutClient, RolloutError  # noqa: E402
 from cisjax.rollout.params import SamplingParams  # noqa: E402
-from tests.helpers import VLLM_QWEN2_MOE, tiny_hf_config  # noqa: E402
-from tests.rollout import serverutil, xla  # noqa: E402
+from tests.support import engines, servers  # noqa: E402
+from tests.support.hf import VLLM_QWEN2_MOE, tiny_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -28,19 +28,19 @@ PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
 Q_ATOL = 1e-4  # |log q_vllm - log q_cisjax| (fp32 engines, different kernels)
 
 
-_free_port = serverutil.free_port
+_free_port = servers.free_port
 
 
 def _start(model_dir, port, export_root=None):
-    return serverutil.start("vllm", model_dir, port, export_root=export_root)  # launch sets the vLLM environment
+    return servers.start("vllm", model_dir, port, export_root=export_root)  # launch sets the vLLM environment
 
 
 def _wait(proc, target):
-    serverutil.wait_serving(proc, target, timeout=300.0, poll=0.5)
+    servers.wait_serving(proc, target, timeout=300.0, poll=0.5)
 
 
 def _stop(proc):
-    return serverutil.stop(proc, timeout=60)
+    return servers.stop(proc, timeout=60)
 
 
 class _Server:
@@ -73,7 +73,7 @@ def client(server):
         yield c
 
 
-rescore, _items = xla.rescore, xla.items_of
+rescore, _items = engines.rescore, engines.items_of
 
 
 def _filtered(full_ids, full_lps, top_k, top_p):

@@ -14,9 +14,9 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 
 from cisjax.rollout.client import RolloutClient, RolloutError  # noqa: E402
 from cisjax.rollout.params import SamplingParams  # noqa: E402
-from tests.helpers import VLLM_QWEN2_MOE  # noqa: E402
-from tests.rollout import xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import PROMPTS, TINY, _Server  # noqa: E402
+from tests.support import engines  # noqa: E402
+from tests.support.hf import VLLM_QWEN2_MOE  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -105,7 +105,7 @@ def test_routing_matches_cisjax(client, dirs):
     samples = client.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=7, seed=11, return_routing=True))
     items = [(s.prompt_ids, s.response_ids) for per in samples for s in per]
     scored = client.score(items, routing=True, logprobs=2)
-    *refs, (ref_alone, _) = xla.routing_of_positions(model_dir, items + [(PROMPTS[2], [])])
+    *refs, (ref_alone, _) = engines.routing_of_positions(model_dir, items + [(PROMPTS[2], [])])
     layers_k = (TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
     assert TINY["num_experts"] <= 256
     for i, (s, sc, (ref_prompt, ref)) in enumerate(zip([s for per in samples for s in per], scored, refs)):
@@ -113,15 +113,15 @@ def test_routing_matches_cisjax(client, dirs):
         assert s.prompt_routing.shape == sc["prompt_routing"].shape == (len(s.prompt_ids) - 1, *layers_k)
         for ids in (s.routing, s.prompt_routing, sc["routing"], sc["prompt_routing"]):
             assert ids.dtype == np.uint8  # <= 256 experts: one byte an id
-        xla.assert_routing_matches(s.routing, ref, f"generate {i}")
-        xla.assert_routing_matches(sc["routing"], ref, f"score {i}")
-        xla.assert_routing_matches(s.prompt_routing, ref_prompt, f"generate {i} prompt")
+        engines.assert_routing_matches(s.routing, ref, f"generate {i}")
+        engines.assert_routing_matches(sc["routing"], ref, f"score {i}")
+        engines.assert_routing_matches(s.prompt_routing, ref_prompt, f"generate {i} prompt")
         # the same prompt positions on the same weights: Generate's prefill routes as Score's, id for id
         np.testing.assert_array_equal(s.prompt_routing, sc["prompt_routing"], err_msg=f"sequence {i}")
     # an empty response: the prompt's positions alone; a one-token prompt: no position at all
     alone, one = client.score([(PROMPTS[2], []), ([7], [])], routing=True)
     assert alone["routing"].shape == one["routing"].shape == one["prompt_routing"].shape == (0, *layers_k)
-    xla.assert_routing_matches(alone["prompt_routing"], ref_alone, "score without a response")
+    engines.assert_routing_matches(alone["prompt_routing"], ref_alone, "score without a response")
     plain = client.score(items, logprobs=2)
     for r, q in zip(plain, scored):  # capture changes nothing (batched vs alone: last-bit differences only)
         np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
@@ -166,7 +166,7 @@ def test_routing_calls_are_batched_and_equal_to_alone(client, dirs):
     assert max(starts) < min(ends), "the routing calls of one request ran one after another"
 
     layers_k = (TINY["num_hidden_layers"], TINY["num_experts_per_tok"])
-    refs = xla.routing_of_positions(model_dir, [(s.prompt_ids, s.response_ids) for s in flat])
+    refs = engines.routing_of_positions(model_dir, [(s.prompt_ids, s.response_ids) for s in flat])
     for i, prompt in enumerate(prompts):
         alone = _generate_alone(client, prompt, i, params)
         for s, a in zip(together[i], alone):
@@ -179,8 +179,8 @@ def test_routing_calls_are_batched_and_equal_to_alone(client, dirs):
             np.testing.assert_array_equal(s.routing, a.routing, err_msg=where)
     for n, (s, (ref_prompt, ref)) in enumerate(zip(flat, refs)):
         where = f"prompt {s.prompt_index} sample {s.sample_index}"
-        xla.assert_routing_matches(s.prompt_routing, ref_prompt, where + " prompt")
-        xla.assert_routing_matches(s.routing, ref, where)
+        engines.assert_routing_matches(s.prompt_routing, ref_prompt, where + " prompt")
+        engines.assert_routing_matches(s.routing, ref, where)
         if (
             n % 3 == 1
         ):  # a sample of each prompt scored alone: a call, a routing phase and an empty prefix cache of its own

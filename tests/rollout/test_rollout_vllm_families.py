@@ -34,10 +34,10 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 from cisjax import export as ex  # noqa: E402
 from cisjax.rollout.client import RolloutClient, RolloutError  # noqa: E402
 from cisjax.rollout.params import SamplingParams  # noqa: E402
-from tests.helpers import save_tiny_hf  # noqa: E402
-from tests.rollout import serverutil, xla  # noqa: E402
 from tests.rollout.test_rollout_vllm import TINY as QWEN2_MOE  # noqa: E402
 from tests.rollout.test_rollout_vllm import _items, _perturbed
+from tests.support import engines, servers  # noqa: E402
+from tests.support.hf import save_tiny_hf  # noqa: E402
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): the real vLLM engine
 
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB = 97
 # Both sides compute in fp32 with different kernels: the measured disagreement is ~1e-6 (prefill and
 # decode). 1e-4 leaves ~30x margin and still catches any real modelling difference: at this init
-# (initializer_range 0.1, tests/helpers.py) a wrong rope, softmax scale or routing detail moves
+# (initializer_range 0.1, tests/support/hf.py) a wrong rope, softmax scale or routing detail moves
 # logprobs by 1e-2 .. 1.
 Q_ATOL = 1e-4
 RELOAD_ATOL = 1e-6  # the same engine on the same weights, reloaded vs at start
@@ -141,13 +141,13 @@ def report_log_k():
 
 class _Server:
     def __init__(self, model_dir, export_root=None, dtype="float32"):
-        port = serverutil.free_port()
+        port = servers.free_port()
         self.target = f"127.0.0.1:{port}"
-        self.proc = serverutil.start("vllm", model_dir, port, export_root=export_root, dtype=dtype)
-        serverutil.wait_serving(self.proc, self.target, timeout=300.0, poll=0.5)
+        self.proc = servers.start("vllm", model_dir, port, export_root=export_root, dtype=dtype)
+        servers.wait_serving(self.proc, self.target, timeout=300.0, poll=0.5)
 
     def stop(self):
-        return serverutil.stop(self.proc, timeout=60)
+        return servers.stop(self.proc, timeout=60)
 
 
 class Family:
@@ -189,7 +189,7 @@ def client(family):
         yield c
 
 
-rescore = xla.rescore
+rescore = engines.rescore
 
 
 def _flat(samples):

@@ -6,17 +6,17 @@ import subprocess
 
 import pytest
 
-from tests.train import looputil
+from tests.support import processes, runs
 
 pytestmark = pytest.mark.slow  # train runs
 
 
 def _sweep(prepared, out, cache, *extra):
     cmd = [
-        *looputil.cisjax_command(),
+        *processes.cisjax_command(),
         "sweep",
         "--config",
-        str(looputil.DEMO_CONFIG),
+        str(runs.DEMO_CONFIG),
         "--arms",
         "cis,none",
         "--seeds",
@@ -43,7 +43,7 @@ def _sweep(prepared, out, cache, *extra):
         "--config.eval.max_new_tokens=12",
         *extra,
     ]
-    return subprocess.run(cmd, env=looputil.subprocess_env(cache), capture_output=True, text=True, timeout=1500)
+    return subprocess.run(cmd, env=processes.subprocess_env(cache), capture_output=True, text=True, timeout=1500)
 
 
 def test_two_arms_run_summarise_and_resume(prepared, jax_cache, tmp_path):
@@ -58,7 +58,7 @@ def test_two_arms_run_summarise_and_resume(prepared, jax_cache, tmp_path):
 
     done = _sweep(prepared, out, cache, "--config.run.steps=2")
     assert done.returncode == 0, done.stdout + done.stderr
-    first = {arm: looputil.metrics(out / arm / "seed0") for arm in ("cis", "none")}
+    first = {arm: runs.metrics(out / arm / "seed0") for arm in ("cis", "none")}
     assert {arm: [r["step"] for r in rows] for arm, rows in first.items()} == {"cis": [0, 1], "none": [0, 1]}
     md = (out / "sweep.md").read_text()
     assert "| cis | 1 (1) |" in md and "| none | 1 (1) |" in md and (out / "sweep.png").is_file()
@@ -70,7 +70,7 @@ def test_two_arms_run_summarise_and_resume(prepared, jax_cache, tmp_path):
     more = _sweep(prepared, out, cache, "--config.run.steps=3")
     assert more.returncode == 0, more.stdout + more.stderr
     for arm, rows in first.items():
-        now = looputil.metrics(out / arm / "seed0")
+        now = runs.metrics(out / arm / "seed0")
         assert [r["step"] for r in now] == [0, 1, 2]
         assert now[:2] == rows
     again = _sweep(prepared, out, cache, "--config.run.steps=3")  # all finished: nothing runs
@@ -81,10 +81,10 @@ def test_bad_arm_fails_before_anything_runs(tmp_path):
     out = tmp_path / "sweep"
     r = subprocess.run(
         [
-            *looputil.cisjax_command(),
+            *processes.cisjax_command(),
             "sweep",
             "--config",
-            str(looputil.DEMO_CONFIG),
+            str(runs.DEMO_CONFIG),
             "--arms",
             "cis,bogus",
             "--out",
@@ -93,7 +93,7 @@ def test_bad_arm_fails_before_anything_runs(tmp_path):
             "--config.model.path=/nonexistent",
             "--config.data.source=/nonexistent",
         ],
-        env=looputil.subprocess_env(tmp_path / "cache"),
+        env=processes.subprocess_env(tmp_path / "cache"),
         capture_output=True,
         text=True,
         timeout=300,
@@ -106,7 +106,7 @@ def test_a_token_override_is_refused_before_anything_is_written(tmp_path, capsys
     from cisjax import cli
 
     out = tmp_path / "sweep"
-    argv = ["sweep", "--config", str(looputil.DEMO_CONFIG), "--arms", "cis", "--out", str(out)]
+    argv = ["sweep", "--config", str(runs.DEMO_CONFIG), "--arms", "cis", "--out", str(out)]
     assert cli.main([*argv, "--config.rollout.token=s3cret"]) == 2
     err = capsys.readouterr().err
     assert "CISJAX_ROLLOUT_TOKEN" in err and "s3cret" not in err

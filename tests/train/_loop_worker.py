@@ -3,7 +3,7 @@
 import os
 import sys
 
-from tests import xla_flags
+from tests.support import xla_flags
 
 
 def config(prepared: str, run_dir: str, steps: int):

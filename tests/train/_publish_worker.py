@@ -5,8 +5,8 @@ Process 0 holds a fake rollout client (no server); both processes publish and mu
 import os
 import sys
 
-from tests import xla_flags
-from tests.helpers import spec_of
+from tests.support import xla_flags
+from tests.support.runs import spec_of
 
 # 4 CPU devices per process (and the suite's compile flags), gloo collectives between the processes; set before jax
 # is imported.

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from tests import xla_flags
+from tests.support import xla_flags
 
 # 4 CPU devices per process (and the suite's compile flags), gloo collectives between the processes; set before jax
 # is imported.
@@ -21,16 +21,16 @@ def main(port: str, process_id: str, mesh_name: str, out: str) -> int:
     import numpy as np
 
     from cisjax import sharding
-    from tests.train import steputil
+    from tests.support import steps
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-    mesh = sharding.make_mesh(steputil.MESHES[mesh_name])
+    mesh = sharding.make_mesh(steps.MESHES[mesh_name])
     # the mesh really spans both processes
     assert {d.process_index for d in mesh.devices.flat} == {0, 1}
-    res = steputil.run_steps(steputil.make_cfg(), mesh, steps=2)
+    res = steps.run_steps(steps.make_cfg(), mesh, steps=2)
     losses = np.array([m["loss"] for m in res["metrics"]])
     grad_norms = np.array([m["grad_norm"] for m in res["metrics"]])
-    params = steputil.flat_params(res["state"].params)  # collective: the whole params on both processes
+    params = steps.flat_params(res["state"].params)  # collective: the whole params on both processes
     np.savez(out, prox=res["prox"], losses=losses, grad_norms=grad_norms, sums=res["sums"], params=params)
     jax.distributed.shutdown()
     return 0

@@ -9,14 +9,14 @@ from cisjax import sharding
 from cisjax.plan.programs import BATCH_DTYPES
 from cisjax.records import TrainBatch
 from cisjax.train import build
-from tests.helpers import spec_of
-from tests.train import steputil
+from tests.support import steps
+from tests.support.runs import spec_of
 
 MESH = {"fsdp": 2, "tensor": 2, "expert": 2}
 
 
 def _spec():
-    return spec_of(steputil.make_cfg())
+    return spec_of(steps.make_cfg())
 
 
 def _leaves(state):
@@ -26,8 +26,8 @@ def _leaves(state):
 def test_abstract_params_are_the_random_runs_shapes_and_shardings_and_allocate_nothing():
     mesh = sharding.make_mesh(MESH)
     spec = _spec()
-    real = build.build_run(spec, params="random", hf=steputil.TINY_HF, mesh=mesh)
-    abstract = build.build_run(spec, params="abstract", hf=steputil.TINY_HF, mesh=mesh)
+    real = build.build_run(spec, params="random", hf=steps.TINY_HF, mesh=mesh)
+    abstract = build.build_run(spec, params="abstract", hf=steps.TINY_HF, mesh=mesh)
     assert jax.tree.structure(real.state) == jax.tree.structure(abstract.state)
     for x, a in zip(_leaves(real.state), _leaves(abstract.state), strict=True):
         assert isinstance(a, jax.ShapeDtypeStruct) and isinstance(x, jax.Array)
@@ -45,7 +45,7 @@ def test_abstract_params_are_the_random_runs_shapes_and_shardings_and_allocate_n
 def test_random_params_follow_the_seed():
     mesh = sharding.make_mesh(MESH)
     spec = _spec()
-    a, b, c = (build.build_run(spec, params="random", hf=steputil.TINY_HF, mesh=mesh, seed=s) for s in (0, 0, 1))
+    a, b, c = (build.build_run(spec, params="random", hf=steps.TINY_HF, mesh=mesh, seed=s) for s in (0, 0, 1))
     pa, pb, pc = (jax.tree.leaves(r.state.params) for r in (a, b, c))
     assert all(np.array_equal(x, y) for x, y in zip(pa, pb, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(pa, pc, strict=True))
@@ -53,4 +53,4 @@ def test_random_params_follow_the_seed():
 
 def test_unknown_params_source_is_refused():
     with pytest.raises(ValueError, match="params='disk'"):
-        build.build_run(_spec(), params="disk", hf=steputil.TINY_HF)
+        build.build_run(_spec(), params="disk", hf=steps.TINY_HF)

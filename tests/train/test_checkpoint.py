@@ -28,7 +28,8 @@ from cisjax.train import checkpoint as ckpt_lib
 from cisjax.train import state as state_lib
 from cisjax.train.checkpoint import Checkpointer, CheckpointError, abstract_state, target_shardings
 from cisjax.train.state import TrainState
-from tests.helpers import SHARDABLE_QWEN2_MOE, spec_of
+from tests.support.hf import SHARDABLE_QWEN2_MOE
+from tests.support.runs import spec_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -376,17 +377,17 @@ def test_resume_reproduces_the_next_step_bitwise(tmp_path):
     """k real GRPO steps (cisjax.train.step) on a tiny MoE -> async save -> the uninterrupted run takes step k+1
     (donating the state orbax was handed) -> restore -> step k+1 again: loss, metrics and state bitwise equal."""
     from cisjax.train import step as step_lib
-    from tests.train import steputil
+    from tests.support import steps
 
-    cfg = steputil.make_cfg()
+    cfg = steps.make_cfg()
     mesh = _mesh({"fsdp": 8})
-    graphdef, tx, rules, state = steputil.build(cfg, mesh)
-    batch = steputil.host_batch(m=1)
+    graphdef, tx, rules, state = steps.build(cfg, mesh)
+    batch = steps.host_batch(m=1)
     prox = step_lib.make_rescore(graphdef, spec_of(cfg).step, mesh, rules)(
         state.params, sharding.place(batch, mesh, rules, sharding.BATCH_AXES)
     )
     placed = sharding.place(
-        steputil.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules, sharding.BATCH_AXES
+        steps.with_logprobs(batch, np.asarray(jax.device_get(prox))), mesh, rules, sharding.BATCH_AXES
     )
     train_step = step_lib.make_train_step(graphdef, tx, spec_of(cfg).step, mesh, rules, state_lib.shardings(state))
 

@@ -18,12 +18,12 @@ import vllm  # noqa: E402,F401  (a broken or missing install must fail the suite
 from cisjax import config as config_lib  # noqa: E402
 from cisjax.rollout import engine_env
 from cisjax.train import loop  # noqa: E402
-from tests.train import looputil  # noqa: E402
+from tests.support import processes, runs  # noqa: E402
 
 # `cisjax train` on the real vLLM engine: `slow` (not in the fast tier, make test-fast), test by test; the config check
 # starts nothing and stays in it.
 
-REPO = str(looputil.REPO)
+REPO = str(processes.REPO)
 
 
 def _cfg(prepared, run_dir, **overrides):
@@ -53,7 +53,7 @@ def _cfg(prepared, run_dir, **overrides):
 @pytest.fixture(scope="module", autouse=True)
 def shared_compiles(jax_cache):
     """The module's runs share their compiled programs through the session's persistent cache, as runs of `cisjax
-    train` in the subprocess tests do (looputil.subprocess_env): a resumed run, and a run with the same shapes,
+    train` in the subprocess tests do (processes.subprocess_env): a resumed run, and a run with the same shapes,
     compile nothing again. Off again after the module: the rest of the suite compiles as before."""
     before = {
         k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
@@ -73,7 +73,7 @@ def vllm_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
-_metrics = looputil.metrics
+_metrics = runs.metrics
 
 
 def _checkpoint_counters(prepared, run_dir) -> dict:

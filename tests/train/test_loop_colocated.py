@@ -10,9 +10,9 @@ from cisjax import config as config_lib
 from cisjax import errors
 from cisjax.rl import rewards
 from cisjax.train import loop, services, validate
-from tests.train import looputil
+from tests.support import processes, runs
 
-REPO = str(looputil.REPO)
+REPO = str(processes.REPO)
 
 
 def _cfg(prepared, run_dir, *extra):
@@ -54,12 +54,12 @@ def test_colocated_run_publishes_in_memory(prepared, tmp_path, caplog, monkeypat
 
     class Pool(rewards.RewardPool):  # rewards that vary: the params change at every step
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, fn="tests.train.looputil:parity_reward", **kwargs)
+            super().__init__(*args, fn="tests.support.runs:parity_reward", **kwargs)
 
     monkeypatch.setattr(services, "RewardPool", Pool)
     run_dir = tmp_path / "run"
     loop.train(_cfg(prepared, run_dir))
-    rows = looputil.metrics(run_dir)
+    rows = runs.metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # swapped in memory; the last step alone exported (the trained model)
     assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["LATEST", "v000003"]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.train import steputil as U
+from tests.support import steps as U
 
 
 def _bf16_master(**train):

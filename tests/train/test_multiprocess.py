@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cisjax.rollout.launch import free_port
-from tests.train import steputil as U
+from tests.support import steps as U
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): two jax.distributed processes
 

@@ -11,7 +11,7 @@ import pytest
 from cisjax import config as config_lib
 from cisjax import errors, sharding
 from cisjax.train import checkpoint, offload, optim, validate
-from tests.train import steputil as U
+from tests.support import steps as U
 
 MESH = "data2_fsdp2_tensor2"  # data, fsdp and tensor axes at once: the layers' slices are sharded
 

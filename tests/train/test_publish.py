@@ -12,10 +12,10 @@ from cisjax.models import hf_io
 from cisjax.rollout import launch
 from cisjax.rollout.client import RolloutClient
 from cisjax.train.publish import CanaryError, Publisher
-from tests.helpers import VLLM_QWEN2_MOE, spec_of, tiny_hf_config
-from tests.rollout import serverutil
-from tests.train import publishutil
-from tests.train.publishutil import changed, old_tensors, publish_cfg, publisher, stale_of
+from tests.support import publishing, servers
+from tests.support.hf import VLLM_QWEN2_MOE, tiny_hf_config
+from tests.support.publishing import changed, old_tensors, publish_cfg, publisher, stale_of
+from tests.support.runs import spec_of
 
 pytestmark = pytest.mark.slow  # not in the fast tier (make test-fast): rollout servers on both engines
 
@@ -26,13 +26,13 @@ EXPERTS_DOWN = "model.layers.*.mlp.experts.*.down_proj.weight"
 
 class _Server:
     def __init__(self, backend, model_dir, export_root, env, timeout):
-        port = serverutil.free_port()
-        self.proc = serverutil.start(backend, model_dir, port, export_root=export_root, env=env)
+        port = servers.free_port()
+        self.proc = servers.start(backend, model_dir, port, export_root=export_root, env=env)
         self.target = f"127.0.0.1:{port}"
-        serverutil.wait_serving(self.proc, self.target, timeout=timeout, poll=0.5)
+        servers.wait_serving(self.proc, self.target, timeout=timeout, poll=0.5)
 
     def stop(self):
-        return serverutil.stop(self.proc, timeout=60)
+        return servers.stop(self.proc, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,8 @@ def vllm_server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
-    """publishutil.load_trainer: the default config with a small canary, the tiny model on a 2-device fsdp mesh."""
-    return publishutil.load_trainer(model_dir)
+    """publishing.load_trainer: the default config with a small canary, the tiny model on a 2-device fsdp mesh."""
+    return publishing.load_trainer(model_dir)
 
 
 def _next_version(client):

@@ -17,8 +17,8 @@ from cisjax.records import TrainBatch
 from cisjax.train import optim
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
-from tests.helpers import spec_of
-from tests.train import steputil as U
+from tests.support import steps as U
+from tests.support.runs import spec_of
 
 METRIC_KEYS = (
     "loss",

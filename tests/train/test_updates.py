@@ -11,8 +11,8 @@ from cisjax import sharding
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
 from cisjax.train import updates
-from tests.train import steputil as U
-from tests.train.steputil import spec_of
+from tests.support import steps as U
+from tests.support.runs import spec_of
 
 
 def test_split_takes_consecutive_micro_batches():

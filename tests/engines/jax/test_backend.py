@@ -5,7 +5,7 @@ import dataclasses
 import threading
 
 from cisjax.engines.jax.backend import Backend
-from tests.helpers import engine_params
+from tests.support.engines import engine_params
 
 BASE = engine_params(n=2, max_new_tokens=6, seed=4)
 REQUESTS = [

@@ -13,7 +13,7 @@ from cisjax.engines.jax.colocated import Colocated
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutError
 from cisjax.rollout.params import SamplingParams
-from tests.helpers import engine_params
+from tests.support.engines import engine_params
 
 PROMPTS = [[1, 2, 3, 4], [50, 7], [96, 0, 33, 12, 5, 8]]
 GREEDY = SamplingParams(n=2, greedy=True, max_new_tokens=6, return_routing=True)

@@ -11,8 +11,9 @@ import pytest
 from cisjax.engines import transformers_backend
 from cisjax.engines.jax.engine import Engine, Request, bucket
 from cisjax.models import hf_io
-from tests.helpers import TINY_FAMILIES, engine_params, log_softmax
 from tests.models import parity
+from tests.support.engines import engine_params
+from tests.support.hf import TINY_FAMILIES, log_softmax
 
 GREEDY = engine_params(seed=0, greedy=True, return_routing=True)
 PROMPTS = [[5, 17, 3, 88, 41, 2, 9], [60, 7, 33]]

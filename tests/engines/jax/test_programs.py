@@ -10,7 +10,8 @@ import pytest
 from cisjax import sharding
 from cisjax.engines.jax import programs
 from cisjax.models import hf_io
-from tests.helpers import fresh_process_json, jaxpr_dots, tiny_hf_config
+from tests.support.hf import tiny_hf_config
+from tests.support.programs import fresh_process_json, jaxpr_dots
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "deepseek_v2"])  # K and V; MLA's latent, rotary key
@@ -59,7 +60,8 @@ def test_a_gpu_decode_step_copies_no_layer_of_the_cache_or_the_experts():
         from cisjax.models import hf_io
         from cisjax.plan import hardware
         from cisjax.engines.jax import programs
-        from tests.helpers import loop_moves, tiny_hf_config
+        from tests.support.hf import tiny_hf_config
+        from tests.support.programs import loop_moves
 
         mesh = sharding.make_mesh({"fsdp": 1}, hardware.target("h100x1").devices())
         hf = tiny_hf_config("qwen2_moe", hidden_size=64, num_key_value_heads=4, moe_intermediate_size=64)

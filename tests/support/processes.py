@@ -1,8 +1,8 @@
-"""Shared set-up of the `cisjax train` tests: the demo's data and model, metrics, the trainer as a subprocess."""
+"""Processes a test starts and watches: the trainer's environment and command, a command in its own session, the tree of
+processes it starts, bounded waits that show the log's tail when they fail."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,37 +10,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_CONFIG = REPO / "configs" / "demo_cpu.py"
-
-
-def prepare(out) -> Path:
-    """The demo's task and tiny MoE, not warmed up (fast): 64 held-out problems in `out/data`, the model in `out/model`."""
-    from cisjax import demo
-
-    out = Path(out)
-    assert demo.prepare(out, seed=0, warmup_steps=0, heldout=64, eval_size=0, log=lambda *_: None) == 0
-    return out
-
-
-def metrics(run_dir) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def reference_reward(text: str, reference: str) -> float:
-    """A reward fn for the pool that math-verify judges 1.0 whatever the (untrained) model wrote: the reference
-    against itself. A run scored with it has reward_mean 1 on every step unless the pool lost a score."""
-    from cisjax.answers import verify
-
-    return verify(f"\\boxed{{{reference}}}", reference)
-
-
-def parity_reward(text: str, reference: str) -> float:
-    """A reward fn that varies within a group whatever the (untrained) model wrote: 1.0 for a text of even length.
-    A run scored with it updates its params at every step (GRPO's advantages are not all zero)."""
-    return float(len(text) % 2 == 0)
 
 
 def subprocess_env(cache_dir) -> dict:
@@ -185,47 +154,8 @@ def wait_children(
     return found()
 
 
-def start_until_first_step(
-    argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300
-) -> tuple[subprocess.Popen, Tree]:
-    """start(argv) and wait until the run's metrics.jsonl has a step: (the process, its Tree); the process group is
-    killed when the wait fails."""
-    import signal
-
-    proc = start(argv, log_path, env)
-    tree = Tree(proc.pid)
-    try:
-        wait_for(
-            proc, lambda: metrics(run_dir), timeout_s=timeout_s, tree=tree, what="the first step", log_path=log_path
-        )
-    except BaseException:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc, tree
-
-
 def tail(path, lines: int = 40) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except (OSError, TypeError):
         return "(no log)"
-
-
-def main(argv: list[str]) -> int:
-    """`python -m tests.train.looputil train ARGS`: `cisjax ARGS` with the reward pool scoring with
-    reference_reward (the rest of the loop unchanged)."""
-    from cisjax import cli
-    from cisjax.rl import rewards
-
-    class Pool(rewards.RewardPool):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("fn", f"{__spec__.name}:reference_reward")
-            super().__init__(*args, **kwargs)
-
-    rewards.RewardPool = Pool
-    return cli.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.helpers import spec_of
+from tests.support.runs import spec_of
 
 
 def load_trainer(model_dir) -> dict:

@@ -15,7 +15,8 @@ from cisjax.records import TrainBatch
 from cisjax.train import optim
 from cisjax.train import state as state_lib
 from cisjax.train import step as step_lib
-from tests.helpers import MESHES, SHARDABLE_QWEN2_MOE, spec_of  # noqa: F401 (MESHES: used by the tests through this module)
+from tests.support.hf import MESHES, SHARDABLE_QWEN2_MOE  # noqa: F401 (MESHES: used by the tests through this module)
+from tests.support.runs import spec_of
 
 TINY_HF = SHARDABLE_QWEN2_MOE
 

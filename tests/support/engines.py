@@ -1,4 +1,5 @@
-"""cisjax's own (XLA) side of the rollout tests: `cisjax score` logprobs and routing of sequences, the reference the engines are checked against."""
+"""The engines' tests' own: sampling parameters for an engine called directly, and cisjax's (XLA) side the engines are
+checked against (`cisjax score` logprobs and the routing of sequences)."""
 
 import json
 import time
@@ -7,7 +8,26 @@ import numpy as np
 
 from cisjax import cli
 from cisjax.models import hf_io
+from cisjax.rollout.params import SamplingParams
 from tests.models import parity
+
+
+def engine_params(**overrides):
+    """cisjax.rollout.params.SamplingParams for a backend or engine called directly: one sample of 8 new tokens at
+    temperature 1 (no top-k, top-p, stop tokens, seed, top logprobs or routing), with `overrides`."""
+    base = dict(
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=8,
+        stop_token_ids=frozenset(),
+        seed=None,
+        greedy=False,
+        logprobs=0,
+        return_routing=False,
+    )
+    return SamplingParams(**{**base, **overrides})
 
 
 def routing_of_positions(model_dir, items) -> list:

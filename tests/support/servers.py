@@ -1,8 +1,11 @@
-"""Rollout-server subprocesses for tests (cisjax.rollout.launch's), their output captured: start, wait until serving, stop."""
+"""Rollout servers for tests: subprocesses (cisjax.rollout.launch's) with their output captured (start, wait until
+serving, stop), and a model directory for the fake engine."""
 
 import collections
+import json
 import threading
 import time
+from pathlib import Path
 
 from cisjax.rollout import launch
 from cisjax.rollout.client import RolloutClient
@@ -77,3 +80,17 @@ def wait_serving(proc, target, timeout: float, poll: float = 0.2) -> None:
 def stop(proc, timeout: float = 30) -> int:
     """SIGTERM (graceful shutdown), SIGKILL after `timeout`; the exit code."""
     return launch.stop(proc, timeout)
+
+
+def fake_model_dir(path, vocab_size: int = 97, max_len: int = 256, *, tensors: dict | None = None) -> str:
+    """A model directory for the fake engine (`--backend fake`): an HF config.json, and `tensors` ({name: ndarray}) as
+    its model.safetensors when given (the fake engine reads only their names: a streamed update must bring them all)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=vocab_size, max_position_embeddings=max_len)
+    (path / "config.json").write_text(json.dumps(config))
+    if tensors:
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
