@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype of activations/matmuls: bfloat16 | float32 | float16
     c.model.param_dtype = "float32"  # storage dtype of the parameters: float32 master weights | bfloat16 (updates stochastically rounded)
     c.model.router_dtype = "float32"  # router logits + softmax; fp32 as the HF reference
-    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's devices: tiled on CPU, gmm (megablox) on TPU, mgpu (JAX's Mosaic GPU kernels) on a GPU of compute capability 9.x, triton on other GPUs) | tiled | gmm | triton | mgpu | ragged | dense
+    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's devices: tiled on CPU, gmm (megablox) on TPU, mgpu (JAX's Mosaic GPU kernels) on a GPU of compute capability 9.x, triton on other GPUs) | tiled | gmm | triton | mgpu | mgpu_ws (cisjax's warp-specialized Hopper kernels) | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
     c.model.attention_impl = "auto"  # attention core of full-sequence passes (step, rescoring, score): auto (by the mesh's platform: splash on TPU; triton on GPU in bf16/fp16, einsum in fp32; einsum on CPU) | einsum (the L x L scores whole: the reference) | splash | triton
     c.model.remat = "none"  # what the backward pass keeps of each decoder layer, the rest recomputed: none (all) | minimal (matmul outputs without a batch dim) | full (the layer's input only)
@@ -184,7 +184,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.tls_cert = ""  # mutual TLS: this trainer's client certificate (PEM; with tls_key)
     c.rollout.tls_key = ""  # its private key (PEM)
     c.rollout.tls_server_name = ""  # the name the servers' certificates carry, when not the host in rollout.server
-    c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers | jax (cisjax's own sampler)
+    c.rollout.backend = "vllm"  # embedded server's engine: vllm | transformers | jax (cisjax's own sampler) | fake
+    # (fake: no model, seeded random tokens: to test a setup or the loop's plumbing, not to train; publish.canary.every=0)
     c.rollout.dtype = "bfloat16"  # embedded server's engine dtype: bfloat16 | float32
     # colocated: the JAX sampler (backend jax) in the trainer's process, on the trainer's mesh; each publish swaps the
     # params into it in memory (cast to rollout.dtype; nothing streamed, publish.mode and delta unused; the last step
@@ -197,7 +198,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature (p is computed at the same temperature: logprobs.temperature)
     # truncated sampling is corrected by mask replay: the engine returns each token's sampling support and p is
     # renormalised over it (docs/training.md); it needs top_k in [1, 1024] and an engine that returns the support
-    # (jax, transformers; vllm not yet, refused with a q-weighted correction.method)
+    # (jax, transformers, fake; vllm not yet, refused with a q-weighted correction.method)
     c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
     c.rollout.top_k = 0  # top-k sampling (0 = off)
     c.rollout.max_new_tokens = 1024  # generated tokens per sample at most

@@ -173,12 +173,17 @@ def spawn(name: str, plan: dict, deadline: float, kill_at: float, tmp: Path) -> 
 # ----------------------------------------------------------------------------- the plan
 
 
+# Impls measured beside the default until a GPU run has shown which is faster: cisjax's warp-specialized Hopper
+# kernels (issue 47's "mgpu_ws") beside JAX's ("mgpu"), which "auto" picks on compute capability 9.x
+CANDIDATES = {"mgpu": ("mgpu_ws",)}
+
+
 def _impls(kind: str, env: dict, which: str) -> list[str]:
-    """The MoE impls a section measures: the default ("auto"'s pick) alone, or ("all") every impl the platform runs,
-    the default first and the E/k-fold dense one last."""
+    """The MoE impls a section measures: the default ("auto"'s pick) and its CANDIDATES, or ("all") every impl the
+    platform runs, the default first and the E/k-fold dense one last."""
     default = env.get("moe_default", "auto")
     if which == "default":
-        return [default]
+        return [default, *CANDIDATES.get(default, ())]
     impls = gpu_exact.impls_to_check(tuple(env.get("moe_impls", ("auto",))), default)
     on_gpu = env.get("backend", "cpu") != "cpu"
     impls = [i for i in impls if not (on_gpu and i in TPU_ONLY[kind])]
@@ -242,7 +247,10 @@ def plans(section: str, size: str, env: dict, sections: dict, impls: str = "defa
         # --impls all: measured on an H200 on 2026-11-30, docs/results.md; 117 s of a 222 s section), the other impls
         with_options = impls == "all" or size == "small"
         options = [[f"{first}+{o}", *tokens[0]] for o in gpu_parts.STATE_OPTIONS] if with_options else []
-        combos = [[first, *t] for t in tokens] + options + [[i, *tokens[0]] for i in others]
+        # a candidate at 8 x 2,048 tokens (issue 47's MFU shape), any other impl at the first shape
+        candidates = CANDIDATES.get(first, ())
+        combos = [[first, *t] for t in tokens] + options
+        combos += [[i, *(tokens[1] if i in candidates else tokens[0])] for i in others]
         return [dict(base, combos=combos, trace_dir=dirs.get("trace_dir"))]
     if section == "torch_step":
         combos = [["fastest", *tokens[0]], ["fastest", *tokens[1]]]

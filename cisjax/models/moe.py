@@ -17,7 +17,7 @@ from cisjax.models.moe_tiled import choose_tile, tiled_ffn, tiled_rows
 from cisjax.models.moe_tpu import megablox_swiglu
 from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted
 
-IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "ragged", "dense")
+IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "mgpu_ws", "ragged", "dense")
 MGPU_MIN_ROWS = 64  # the Hopper kernels' smallest row tile (moe_hopper.blocks): "auto" takes "triton" below it
 # MoE's expert weights: a GPU decode hands them over as stacked.LayerOf (transformer.run_stack_cached), which the
 # Triton grouped matmuls read in place; every other impl slices its layer out
@@ -63,7 +63,8 @@ def _ragged_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
 
 def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
     """Sort the assignments by expert (routing.sort_by_expert), run swiglu(rows, wg, wu, wo, group sizes) on the sorted
-    rows, un-sort and sum each token's k outputs, weighted (routing.through_sorted: gathers both ways)."""
+    rows (every one in a group), un-sort and sum each token's k outputs, weighted (routing.through_sorted: gathers
+    both ways)."""
     order_R, sizes_E = sort_by_expert(ids_NxK, wg_ExDxF.shape[0])
     return through_sorted(lambda xs_RxD: swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E), x_NxD, order_R, w_NxK)
 
@@ -105,17 +106,17 @@ def _masked_rows(swiglu, xs_BxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E):
     return jnp.where(valid_Bx1, ys_BxD, 0)
 
 
-def _check_mgpu(interpret: bool) -> None:
-    """Refuse "mgpu" where its kernels cannot run: a GPU of another compute capability than 9.x, or off a GPU unless
-    tests enabled the interpreter (moe_hopper.INTERPRET)."""
+def _check_mgpu(impl: str, interpret: bool) -> None:
+    """Refuse "mgpu" / "mgpu_ws" where their kernels cannot run: a GPU of another compute capability than 9.x, or off
+    a GPU unless tests enabled the interpreter (moe_hopper.INTERPRET)."""
     if interpret and not moe_hopper.INTERPRET:
         raise errors.UserError(
-            "moe impl 'mgpu' runs on NVIDIA GPUs of compute capability 9.x (Hopper); here use 'tiled'"
+            f"moe impl {impl!r} runs on NVIDIA GPUs of compute capability 9.x (Hopper); here use 'tiled'"
         )
     capability = None if interpret else moe_hopper.compute_capability()
     if capability is not None and capability[0] != 9:
         raise errors.UserError(
-            f"moe impl 'mgpu' needs compute capability 9.x (Hopper), this GPU has {capability}: use 'triton'"
+            f"moe impl {impl!r} needs compute capability 9.x (Hopper), this GPU has {capability}: use 'triton'"
         )
 
 
@@ -137,7 +138,8 @@ def moe_ffn(
     moe_tiled.py), "gmm" (megablox's TPU kernels on each device's rows; Pallas's interpreter off TPU, for tests),
     "triton" (gpu_grouped.py's Triton grouped matmuls on each device's rows; Pallas's interpreter off GPU, for tests),
     "mgpu" (moe_hopper.py: JAX's Mosaic GPU kernels for compute capability 9.x, on each device's rows; Mosaic GPU's
-    interpreter off GPU, for tests), "ragged" (XLA's ragged_dot), "dense" (every expert on every token: the
+    interpreter off GPU, for tests), "mgpu_ws" (the same with cisjax's warp-specialized persistent kernels,
+    ragged_ws.py), "ragged" (XLA's ragged_dot), "dense" (every expert on every token: the
     reference), "auto" (default_impl). On an active mesh whose rules split E (the "expert" logical axis) over mesh
     axes of size > 1, every impl but dense runs expert-parallel (expert_parallel.py: tokens travel to the chips that
     hold their experts); dense is left to GSPMD.
@@ -166,24 +168,33 @@ def moe_ffn(
         if platform in sharding.GPU_PLATFORMS:
             raise errors.UserError("moe impl 'gmm' is megablox's TPU kernel; on GPU use 'mgpu' or 'triton'")
         swiglu = functools.partial(megablox_swiglu, interpret=platform != "tpu")  # the interpreter: CPU tests
-    if impl in ("triton", "mgpu"):
+    if impl in ("triton", "mgpu", "mgpu_ws"):
         if platform == "tpu":
             raise errors.UserError(f"moe impl {impl!r} is a GPU kernel; on TPU use 'gmm'")
         interpret = platform not in sharding.GPU_PLATFORMS  # the interpreter: CPU tests
-        if impl == "mgpu":
-            _check_mgpu(interpret)
-        swiglu = functools.partial(triton_swiglu if impl == "triton" else moe_hopper.mgpu_swiglu, interpret=interpret)
+        if impl == "triton":
+            swiglu = functools.partial(triton_swiglu, interpret=interpret)
+        else:
+            _check_mgpu(impl, interpret)
+            kernels = "ws" if impl == "mgpu_ws" else "jax"
+            swiglu = functools.partial(moe_hopper.mgpu_swiglu, interpret=interpret, kernels=kernels)
     ep = expert_parallel.plan(wg_ExDxF.shape, k)
     if ep is not None:
         rows_fn = {
             "gmm": lambda *a: _masked_rows(swiglu, *a),
             "triton": lambda *a: _masked_rows(swiglu, *a),
             "mgpu": lambda *a: _masked_rows(swiglu, *a),
+            "mgpu_ws": lambda *a: _masked_rows(swiglu, *a),
             "ragged": _ragged_swiglu,  # rows past the groups come out zero
             "tiled": functools.partial(tiled_rows, tile=tile or choose_tile(n * k // ep["ep"], e // ep["ep"])),
         }[impl]
         return expert_parallel.ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
-    if impl in ("gmm", "triton", "mgpu"):
+    if impl in ("gmm", "triton", "mgpu", "mgpu_ws"):
+        if impl in (
+            "mgpu",
+            "mgpu_ws",
+        ):  # every sorted row in a group (routing.sort_by_expert): no validity select needed
+            swiglu = functools.partial(swiglu, full_groups=True)
         return _on_each_device(
             functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
         )

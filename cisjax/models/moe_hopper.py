@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import sharding
+from cisjax.models import ragged_ws
 from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.padding import pad_axes, round_up
 
@@ -127,19 +127,6 @@ def _sms() -> int | None:
     return None if ctx is None else getattr(ctx[0].devices.flat[0], "core_count", None)
 
 
-@contextlib.contextmanager
-def _interpreted(interpret: bool):
-    """Trace the kernels in Mosaic GPU's interpreter (CPU tests) when `interpret`."""
-    if not interpret:
-        yield
-        return
-    # jax keeps the interpreter's switch private
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode  # lazy: tests
-
-    with force_gpu_interpret_mode(InterpretGPUParams()):
-        yield
-
-
 def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool, config: Blocks | None = None):
     """out[r] = lhs[r] @ rhs[group(r)], rhs [G, K, N] (transpose_rhs: given [G, N, K], multiplied transposed), on
     JAX's Hopper kernel with `config` (None: `blocks`' choice). Rows, K and N are padded with zeros to whole blocks
@@ -153,7 +140,7 @@ def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, interpret: bool, c
     lhs_PxK = pad_axes(lhs_RxK, {0: rp, 1: kp})
     rhs = pad_axes(rhs, {1: np_, 2: kp} if transpose_rhs else {1: kp, 2: np_})
     kernel, _ = _kernels()
-    with _interpreted(interpret):
+    with ragged_ws.interpreted(interpret):
         out_PxN = kernel(lhs_PxK, rhs, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **dataclasses.asdict(b))
     return out_PxN[:r, :n]
 
@@ -169,7 +156,7 @@ def transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, interpret: bool, sms: int |
     b = config or blocks("transposed", r, g, k, n)
     rp, kp, np_ = round_up(r, b.block_k), round_up(k, b.block_m), round_up(n, b.block_n)
     _, transposed = _kernels()
-    with _interpreted(interpret):
+    with ragged_ws.interpreted(interpret):
         out_GxKxN = _seeing(transposed, INTERPRET_SMS if interpret else sms)(
             pad_axes(x_RxK, {0: rp, 1: kp}),
             pad_axes(dy_RxN, {0: rp, 1: np_}),
@@ -187,7 +174,11 @@ def gmm(x_RxK, w_GxKxN, sizes_G, interpret: bool = False, sms: int | None = None
     unwritten (out and dx) and must hold finite values (x and the cotangent: see transposed_ragged_dot).
     interpret: Mosaic GPU's interpreter (CPU tests); on a GPU of compute capability 9.x the kernels. sms: the GPU's
     SM count, which sizes the weight-gradient kernel's grid (_sms; None: the kernel asks JAX's default device)."""
-    return ragged_dot(x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, interpret=interpret)
+    out_RxN = ragged_dot(x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, interpret=interpret)
+    # XLA's GPU compiler (jax 0.11) moves a custom call whose output a dynamic-update-slice stores (a scan's residual:
+    # a layer stack without remat) into that store and, where the output is read elsewhere too, launches the kernel a
+    # second time for those readers (openxla/xla#45799); behind the barrier the store sees no kernel to move
+    return jax.lax.optimization_barrier(out_RxN)
 
 
 def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
@@ -204,7 +195,9 @@ def _gmm_bwd(interpret, sms, res, dout_RxN):
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def mgpu_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
+def mgpu_swiglu(
+    xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool, full_groups: bool = False, kernels: str = "jax"
+):
     """SwiGLU experts on expert-sorted rows with the Hopper grouped matmuls (moe_ffn's "mgpu"), in the rows' dtype
     (the weights are cast to it: the kernels take one dtype). The rows are padded once to a multiple of ROW_ALIGN
     (zeros in no group), so no kernel call pads them again. The gate and up rows past the groups (that padding, an
@@ -212,19 +205,33 @@ def mgpu_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool):
     them, so neither they nor their cotangents (the select's: zero) can carry a NaN into a weight gradient. Output
     rows past the groups are unspecified (moe_ffn masks them).
 
+    kernels: "jax" (JAX's Mosaic GPU kernels: moe_ffn's "mgpu") or "ws" (ragged_ws's warp-specialized ones:
+    "mgpu_ws").
+
+    full_groups: the caller knows every row is in a group (sum(sizes) = rows: moe_ffn's dispatch without an
+    expert-parallel buffer, routing.sort_by_expert); with rows a multiple of ROW_ALIGN no row is then left unwritten
+    and the selects are skipped (under a layer scan they would also store their [rows, F] mask for the backward).
+
     float32 runs gpu_grouped.triton_swiglu instead: wgmma multiplies float32 in TF32 and the Mosaic kernels take no
     precision, while an fp32 program must compute in full fp32 (cisjax.runtime.matmul_precision); the Triton kernels
-    multiply at HIGHEST."""
+    multiply at HIGHEST (their weight gradient loads only its groups' rows, masked: no select there to skip)."""
     if jnp.dtype(xs_RxD.dtype) not in KERNEL_DTYPES:
         return triton_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret)
     r = xs_RxD.shape[0]
     p = round_up(max(r, 1), ROW_ALIGN)
     xs_PxD = pad_axes(xs_RxD, {0: p})
     wg_ExDxF, wu_ExDxF, wo_ExFxD = (w.astype(xs_RxD.dtype) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
-    valid_Px1 = (jnp.arange(p) < jnp.sum(sizes_E))[:, None]
     sms = _sms()
-    g_PxF, u_PxF = (jnp.where(valid_Px1, gmm(xs_PxD, w, sizes_E, interpret, sms), 0) for w in (wg_ExDxF, wu_ExDxF))
-    return gmm(jax.nn.silu(g_PxF) * u_PxF, wo_ExFxD, sizes_E, interpret, sms)[:r]
+    if (
+        kernels == "ws"
+    ):  # its grid is sized here: the SMs the mesh's GPU has (the interpreter's few), else JAX's device's
+        sms = INTERPRET_SMS if interpret else sms or jax.devices()[0].core_count
+    grouped = {"jax": gmm, "ws": ragged_ws.gmm}[kernels]
+    g_PxF, u_PxF = (grouped(xs_PxD, w, sizes_E, interpret, sms) for w in (wg_ExDxF, wu_ExDxF))
+    if not (full_groups and p == r):
+        valid_Px1 = (jnp.arange(p) < jnp.sum(sizes_E))[:, None]
+        g_PxF, u_PxF = (jnp.where(valid_Px1, a, 0) for a in (g_PxF, u_PxF))
+    return grouped(jax.nn.silu(g_PxF) * u_PxF, wo_ExFxD, sizes_E, interpret, sms)[:r]
 
 
 def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:

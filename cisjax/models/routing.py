@@ -61,7 +61,8 @@ def replay_weights(
 
 def sort_by_expert(ids_NxK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(order_R, sizes_E): the R = N*K (token, slot) assignments sorted by expert (stable: token order within a
-    group), and each expert's group size."""
+    group), and each expert's group size. With every id in [0, E) (route's top-k; a replayed id outside it gets a NaN
+    weight from replay_weights) every assignment is in a group: sum(sizes) = R."""
     flat_ids_R = ids_NxK.reshape(-1)
     order_R = jnp.argsort(flat_ids_R, stable=True).astype(jnp.int32)
     return order_R, jnp.bincount(flat_ids_R, length=num_experts).astype(jnp.int32)
@@ -94,32 +95,51 @@ def _sorted_rows_bwd(k, inv_R, dxs_RxD):
 sorted_rows.defvjp(_sorted_rows_fwd, _sorted_rows_bwd)
 
 
+def _slots(ys_RxD: jax.Array, inv_R: jax.Array, k: int) -> jax.Array:
+    """[N, k, D]: ys[inv[n * k + j]] at (n, j), each assignment's sorted row in (token, slot) order (a gather, which
+    combine's passes fuse into their arithmetic: never stored)."""
+    return ys_RxD[inv_R].reshape(-1, k, ys_RxD.shape[1])
+
+
 @jax.custom_vjp
-def unsorted_rows(ys_RxD: jax.Array, order_R: jax.Array, inv_R: jax.Array) -> jax.Array:
-    """y[order[r]] = ys[r]: the sorted rows back in (token, slot) order, as a gather by the inverse permutation; its
-    gradient the gather by order. Neither direction scatters."""
-    return ys_RxD[inv_R]
+def combine(ys_RxD: jax.Array, w_NxK: jax.Array, order_R: jax.Array, inv_R: jax.Array) -> jax.Array:
+    """y[n] = sum_j w[n, j] * ys[inv[n * k + j]]: the sorted rows back at their tokens and each token's k of them
+    summed with its weights, in one pass (a gather by the inverse permutation read inside the sum), in fp32 in slot
+    order, rounded once. Its gradient, also gathers only, one pass each: the rows' dys[r] = w[a] * dy[a // k] (a =
+    order[r]) and the weights' dw[n, j] = <ys[inv[n * k + j]], dy[n]> (fp32). It keeps ys itself for the backward, not
+    the un-sorted [N, k, D] copy (which autodiff of a gather and an einsum would keep: stored, under a scan)."""
+    k = w_NxK.shape[1]
+    y_NxKxD = _slots(ys_RxD, inv_R, k).astype(jnp.float32)
+    w_NxK1 = w_NxK.astype(jnp.float32)[:, :, None]
+    y_NxD = y_NxKxD[:, 0] * w_NxK1[:, 0]
+    for j in range(1, k):  # in slot order: no reduction whose order the compiler picks
+        y_NxD = y_NxD + y_NxKxD[:, j] * w_NxK1[:, j]
+    return y_NxD.astype(jnp.result_type(ys_RxD, w_NxK))
 
 
-def _unsorted_rows_fwd(ys_RxD, order_R, inv_R):
-    return unsorted_rows(ys_RxD, order_R, inv_R), order_R
+def _combine_fwd(ys_RxD, w_NxK, order_R, inv_R):
+    return combine(ys_RxD, w_NxK, order_R, inv_R), (ys_RxD, w_NxK, order_R, inv_R)
 
 
-def _unsorted_rows_bwd(order_R, dy_RxD):
-    return dy_RxD[order_R], None, None
+def _combine_bwd(res, dy_NxD):
+    ys_RxD, w_NxK, order_R, inv_R = res
+    k = w_NxK.shape[1]
+    dy32_NxD = dy_NxD.astype(jnp.float32)
+    w_R = w_NxK.reshape(-1)[order_R].astype(jnp.float32)
+    dys_RxD = dy32_NxD[order_R // k] * w_R[:, None]
+    dw_NxK = jnp.sum(_slots(ys_RxD, inv_R, k).astype(jnp.float32) * dy32_NxD[:, None], axis=-1)
+    return dys_RxD.astype(ys_RxD.dtype), dw_NxK.astype(w_NxK.dtype), None, None
 
 
-unsorted_rows.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)
+combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def through_sorted(fn, x_NxD: jax.Array, order_R: jax.Array, w_NxK: jax.Array) -> jax.Array:
     """sum_k w[n, k] * fn(xs)[slot (n, k)]: each token's row once per assignment (k per token) in `order` (sorted
     by expert: sort_by_expert), fn on those sorted rows ([R, D] -> [R, D], the experts and any exchange between),
-    the rows back in (token, slot) order and each token's k outputs summed with its routing weights. The rows move
-    by gathers both ways, forward and backward (sorted_rows / unsorted_rows)."""
-    n, d = x_NxD.shape
+    then each token's k outputs gathered back and summed with its routing weights (combine). The rows move by gathers
+    both ways, forward and backward (sorted_rows / combine)."""
     k = w_NxK.shape[1]
     inv_R = inverse_permutation(order_R)
     ys_RxD = fn(sorted_rows(x_NxD, order_R, inv_R, k))
-    y_RxD = unsorted_rows(ys_RxD, order_R, inv_R)
-    return jnp.einsum("nkd,nk->nd", y_RxD.reshape(n, k, d), w_NxK)
+    return combine(ys_RxD, w_NxK, order_R, inv_R)

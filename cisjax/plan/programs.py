@@ -311,7 +311,9 @@ class StepPrograms:
         """Per chip, the FLOPs of the Hopper (Mosaic GPU) grouped matmuls when the layer runs them
         (moe_hopper.kernel_flops, an upper bound); 0 for every other dispatch, whose kernels carry their estimates or
         which XLA counts itself. Each device takes its batch shard's rows in all the groups; F splits over the rest."""
-        if self.moe_impl != "mgpu" or jnp.dtype(self.mcfg.dtype) == jnp.float32:  # float32 runs the Triton kernels
+        if (
+            self.moe_impl not in ("mgpu", "mgpu_ws") or jnp.dtype(self.mcfg.dtype) == jnp.float32
+        ):  # float32 runs the Triton kernels
             return 0.0
         _, groups, d, f = moe_.wg_ExDxF.shape
         batch_shards = sharding.axis_multiple(self.mesh, self.rules, "batch")

@@ -18,7 +18,7 @@ import pytest
 from cisjax.bench import gpu_budget, gpu_check, gpu_exact, gpu_parts, mfu, torch_step
 from cisjax.models import attention, moe
 from cisjax.plan import hardware
-from tests import xla_flags
+from tests.support import xla_flags
 from tests.test_launchers import REPO
 
 # The launcher's sections in three calls (--only), one test each, which pytest-xdist spreads over its workers: one call
@@ -208,19 +208,24 @@ def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a
     default = gpu_check.plans("train_step", "full", H200, {})
     first = list(gpu_parts.STEP_TOKENS["full"][0])
     shapes = [["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
-    assert len(default) == 1 and default[0]["combos"] == shapes  # the optimizer state's options only when asked
+    candidate = ["mgpu_ws", *gpu_parts.STEP_TOKENS["full"][1]]  # beside the default until a GPU run has ranked them
+    assert len(default) == 1 and default[0]["combos"] == [*shapes, candidate]  # the state's options only when asked
     every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
     options = [["mgpu+bf16moments", *first], ["mgpu+offload", *first], ["mgpu+bf16sum", *first]]
     assert every[: len(shapes) + 3] == shapes + options
-    assert [c[0] for c in every[len(shapes) + 3 :]] == ["tiled", "triton", "ragged", "dense"]
+    assert [c[0] for c in every[len(shapes) + 3 :]] == ["tiled", "triton", "mgpu_ws", "ragged", "dense"]
     layer = gpu_check.plans("moe_layer", "full", H200, {})
-    assert len(layer) == 1 and len(layer[0]["units"]) == 6  # three shapes at 8,192 and at 16,384 tokens
-    assert {u[1] for u in layer[0]["units"]} == {"mgpu"} and {u[2] for u in layer[0]["units"]} == {8192, 16384}
+    assert len(layer) == 1 and len(layer[0]["units"]) == 12  # three shapes at 8,192 and at 16,384 tokens, two impls
+    assert {u[1] for u in layer[0]["units"]} == {"mgpu", "mgpu_ws"} and {u[2] for u in layer[0]["units"]} == {
+        8192,
+        16384,
+    }
     units = gpu_check.plans("moe_layer", "full", H200, {}, impls="all")[0]["units"]
-    assert "gmm" not in {u[1] for u in units} and [u[1] for u in units[:5]] == [
+    assert "gmm" not in {u[1] for u in units} and [u[1] for u in units[:6]] == [
         "mgpu",
         "tiled",
         "triton",
+        "mgpu_ws",
         "ragged",
         "dense",
     ]

@@ -1,5 +1,6 @@
 """Mosaic GPU's interpreter made to run JAX's Hopper grouped matmuls on CPU, for tests: what it lacks (jax 0.10.2)."""
 
+import contextlib
 import inspect
 
 import jax
@@ -8,6 +9,7 @@ from jax._src.interpreters import mlir
 from jax._src.pallas.mosaic_gpu import core as mgpu_core
 from jax._src.pallas.mosaic_gpu import helpers as mgpu_helpers
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 from jax._src.state.types import TransposeTransform
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -102,3 +104,11 @@ def enable(monkeypatch) -> None:
         monkeypatch.setattr(gpu_callbacks, "wgmma", _wgmma)
     monkeypatch.setattr(plgpu, "planar_snake", _planar_snake)
     monkeypatch.setattr(moe_hopper, "INTERPRET", True)
+
+
+@contextlib.contextmanager
+def interpreted(**params):
+    """Trace the Mosaic GPU kernels called inside in the interpreter with InterpretGPUParams(**params), e.g.
+    detect_races=True (then gpu_callbacks.get_races().races_found says whether two threads raced)."""
+    with force_gpu_interpret_mode(InterpretGPUParams(**params)):
+        yield

@@ -1,6 +1,7 @@
 """cisjax.models.moe_hopper: JAX's Hopper grouped matmuls, run in Mosaic GPU's interpreter (values, dx and dW vs a
 float64 reference, ragged and empty groups, padded shapes), the block table, the float32 fallback, auto by device."""
 
+import contextlib
 import functools
 import inspect
 
@@ -12,9 +13,9 @@ from jax.extend import core as jex_core
 
 from cisjax import errors, sharding
 from cisjax.models import moe, moe_hopper
-from tests.helpers import fresh_process_json
 from tests.models import mgpu_interpret
 from tests.models.test_moe import _ids_cycle, _problem, _run, ref_moe
+from tests.support.programs import fresh_process_json
 
 BF16_U = 2.0**-8  # bf16's unit roundoff: the kernels accumulate in fp32 and round each output once
 
@@ -118,14 +119,16 @@ def test_masked_rows_past_the_groups(monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=what)
 
 
-def test_moe_ffn_mgpu_bf16_close_to_float64(monkeypatch):
-    """moe_ffn's "mgpu" in bf16 (the Mosaic GPU kernels, interpreted) as close to the float64 loop as the other impls
-    are (tests/models/test_moe.py's bf16 bound), routing weights and all; unused experts get exactly zero."""
+@pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])
+def test_moe_ffn_mgpu_bf16_close_to_float64(impl, monkeypatch):
+    """moe_ffn's "mgpu" and "mgpu_ws" in bf16 (JAX's Mosaic GPU kernels or cisjax's warp-specialized ones,
+    interpreted) as close to the float64 loop as the other impls are (tests/models/test_moe.py's bf16 bound),
+    routing weights and all; unused experts get exactly zero."""
     mgpu_interpret.enable(monkeypatch)
     x, wg, wu, wo, ids, w, ct = _problem(40, 8, 6, 5, _ids_cycle(40, 2, [0, 1, 2, 3]))  # expert 4 unused
     y_ref, grads_ref = ref_moe(x, wg, wu, wo, ids, w, ct)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wo, w, ct)]
-    y, grads = _run("mgpu", None, *bf[:4], ids, *bf[4:])
+    y, grads = _run(impl, None, *bf[:4], ids, *bf[4:])
     assert y.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
     for a, ref, what in zip((y, *grads), (y_ref, *grads_ref), ("y", "dx", "dwg", "dwu", "dwo", "dw")):
         a = np.asarray(a, np.float32)
@@ -218,6 +221,45 @@ def test_paper_shapes_need_no_padding_of_the_weights(monkeypatch):
     assert ("transposed", (r, d), (r, f), False, 128, 128, 64, 1) in calls  # their weight gradient
 
 
+def _gate_up_selects(n, d, f, e, k, mesh=None):
+    """select_n equations with a float [..., F] output in the jaxpr of moe_ffn(impl="mgpu")'s forward and backward
+    for n tokens (the gate/up validity selects of mgpu_swiglu and their transposes), on `mesh` (expert-parallel where
+    its rules split E) or none."""
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n, d), (e, d, f), (e, d, f), (e, f, d), (n, k))]
+    ids = jax.ShapeDtypeStruct((n, k), jnp.int32)
+
+    def loss(x, wg, wu, wo, w, ids):
+        with sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            return jnp.sum(moe.moe_ffn(x, wg, wu, wo, ids, w, impl="mgpu").astype(jnp.float32))
+
+    def selects(jaxpr):
+        for eqn in jaxpr.eqns:
+            out = eqn.outvars[0].aval
+            yield (
+                eqn.primitive.name == "select_n" and jnp.issubdtype(out.dtype, jnp.floating) and out.shape[-1:] == (f,)
+            )
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                yield from selects(sub)
+
+    return sum(selects(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args, ids).jaxpr))
+
+
+def test_validity_selects_only_where_rows_can_be_unwritten(monkeypatch):
+    """mgpu_swiglu's gate/up selects (a pass over [rows, F] each, forward and backward; under a layer scan without
+    remat a stored [rows, F] mask too) only where the kernels can leave rows unwritten: moe_ffn's dispatch without
+    expert parallelism, every sorted row in a group and the rows whole blocks of ROW_ALIGN, has none; rows padded up
+    to a block, or an expert-parallel receive buffer (groups ending before it does), keep them."""
+    monkeypatch.setattr(moe_hopper, "_kernels", lambda: _recording_kernels([]))  # traced, never run
+    monkeypatch.setattr(moe_hopper, "_seeing", lambda fn, sms: fn)
+    monkeypatch.setattr(moe_hopper, "INTERPRET", True)
+    d, f, e, k = 64, 96, 8, 2  # F apart from D: the expert-parallel masks on [rows, D] are not counted
+    assert _gate_up_selects(128, d, f, e, k) == 0  # 256 rows: 2 x ROW_ALIGN
+    assert _gate_up_selects(100, d, f, e, k) >= 2  # 200 rows padded to 256: 56 in no group
+    assert _gate_up_selects(128, d, f, e, k, sharding.make_mesh({"expert": 8})) >= 2
+    # rows split over 8 devices, E not: each device's 64 tokens x 2 fill one block
+    assert _gate_up_selects(512, d, f, e, k, sharding.make_mesh({"fsdp": 8})) == 0
+
+
 def test_kernel_signatures_are_the_ones_called():
     """The keyword arguments moe_hopper passes, and the module global `jax` its grid-size rebinding replaces (the same
     in jax 0.10.2, 0.11.0 and 0.11.1's sources: a jax where they change fails here, not on a GPU)."""
@@ -286,6 +328,51 @@ def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
     )
     assert out["a100x1"] == "triton" and out["h100x1"] == "mgpu"
     assert out["hlo_mosaic_calls"] == 9  # 3 grouped matmuls: forward, input gradient, weight gradient
+
+
+@pytest.mark.slow
+def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy():
+    """Two MoE layers in one lax.scan without remat (the model's stack), forward and backward, compiled for a
+    deviceless H100: one layer's 9 kernel calls, each launched once (XLA's dynamic-slice fusion would launch a kernel
+    a second time where its output is both stored as the scan's residual and read in the body: gmm's optimization
+    barrier), and no [N, k, D] array outside a fusion (the combine keeps the sorted rows: no un-sorted copy stored
+    per layer). In a fresh process: the plugin."""
+    out = fresh_process_json(
+        """
+        import json, re
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from cisjax import sharding
+        from cisjax.models import moe
+        from cisjax.plan import hardware
+
+        mesh = sharding.make_mesh({"fsdp": 1}, hardware.target("h100x1").devices())
+        n, d, f, e, k, layers = 256, 128, 192, 4, 2, 2
+        spec = NamedSharding(mesh, P())
+        shapes = [((n, d), jnp.bfloat16), ((layers, e, d, f), jnp.bfloat16), ((layers, e, d, f), jnp.bfloat16),
+                  ((layers, e, f, d), jnp.bfloat16), ((layers, n, k), jnp.int32), ((layers, n, k), jnp.bfloat16)]
+        args = [jax.ShapeDtypeStruct(s, t, sharding=spec) for s, t in shapes]
+
+        def loss(x, wg, wu, wo, ids, w):
+            def body(h, p):
+                with sharding.use_mesh(mesh):
+                    return moe.moe_ffn(h, *p), None
+
+            y, _ = jax.lax.scan(body, x, (wg, wu, wo, ids, w))
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 5))).lower(*args).compile().as_text()
+        fused, comp, stored = set(re.findall(r"calls=%?([\\w.\\-]+)", hlo)), None, []
+        for line in hlo.splitlines():
+            if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+                comp = re.match(r"(?:ENTRY )?%?([\\w.\\-]+)", line)[1]
+            elif comp not in fused and (m := re.match(r"\\s*(?:ROOT )?%?[\\w.\\-]+ = (\\(.*?\\)|\\S+) ", line)):
+                stored += re.findall(r"\\w+\\[(?:\\d+,)?256,2,128\\]", m[1])
+        print(json.dumps({"mosaic_calls": hlo.count('custom_call_target="mosaic_gpu'), "unsorted": stored}))
+        """
+    )
+    assert out["mosaic_calls"] == 9
+    assert out["unsorted"] == []
 
 
 def test_kernel_flops_by_hand():

@@ -84,9 +84,8 @@ def test_inverse_permutation_by_hand():
     assert order[inv].tolist() == list(range(6)) and inv.dtype == jnp.int32
 
 
-def test_rows_into_and_out_of_the_sorted_order_by_hand():
-    """xs[r] = x[order[r] // 2]; un-sorting puts row r back at order[r]. Gradients: a token's row collects the
-    cotangents of its two assignments (summed); the un-sort's cotangent goes back where the row came from."""
+def test_rows_into_the_sorted_order_by_hand():
+    """xs[r] = x[order[r] // 2]. Gradient: a token's row collects the cotangents of its two assignments (summed)."""
     order = jnp.asarray(ORDER, jnp.int32)
     inv = routing.inverse_permutation(order)
     x = jnp.asarray([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
@@ -97,12 +96,50 @@ def test_rows_into_and_out_of_the_sorted_order_by_hand():
     c = jnp.arange(1.0, 7.0)[:, None] * jnp.ones((1, 2))
     dx = jax.grad(lambda x: jnp.sum(routing.sorted_rows(x, order, inv, 2) * c))(x)
     assert dx.tolist() == [[4, 4], [6, 6], [11, 11]]
-    ys = jnp.arange(6.0)[:, None] * jnp.asarray([[1.0, -1.0]])  # sorted row r holds (r, -r)
-    y = routing.unsorted_rows(ys, order, inv)
-    assert y[:, 0].tolist() == [2, 0, 1, 3, 4, 5]  # assignment a gets the sorted row at inv[a]
-    assert routing.unsorted_rows(xs, order, inv).tolist() == np.repeat(np.asarray(x), 2, axis=0).tolist()
-    dys = jax.grad(lambda ys: jnp.sum(routing.unsorted_rows(ys, order, inv) * c))(ys)
-    assert dys[:, 0].tolist() == [2, 3, 1, 4, 5, 6]  # sorted row r gets c[order[r]] = order[r] + 1
+
+
+def test_combine_by_hand():
+    """y[n] = sum_j w[n, j] * ys[inv[2n + j]]: assignment a's output is the sorted row at inv[a] (sorted row r holds
+    (r, -r); inv = [2, 0, 1, 3, 4, 5]). Gradients: sorted row r gets w[order[r]] * dy[order[r] // 2]; w[n, j] gets
+    <ys[inv[2n + j]], dy[n]>."""
+    order = jnp.asarray(ORDER, jnp.int32)
+    inv = routing.inverse_permutation(order)
+    ys = jnp.arange(6.0)[:, None] * jnp.asarray([[1.0, -1.0]])
+    w = jnp.asarray([[1.0, 0.5], [0.25, 1.0], [2.0, -1.0]])
+    y = routing.combine(ys, w, order, inv)
+    # token 0: 1 * 2 + 0.5 * 0; token 1: 0.25 * 1 + 1 * 3; token 2: 2 * 4 - 1 * 5
+    assert y[:, 0].tolist() == [2.0, 3.25, 3.0] and (y[:, 1] == -y[:, 0]).all()
+    dy = jnp.asarray([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    dys, dw = jax.grad(lambda ys, w: jnp.sum(routing.combine(ys, w, order, inv) * dy), argnums=(0, 1))(ys, w)
+    # sorted row r holds assignment order[r] = [1, 2, 0, 3, 4, 5][r]: token order[r] // 2, weight w.flat[order[r]]
+    assert dys.tolist() == [[0.5, 0], [0, 0.5], [1, 0], [0, 2], [2, 2], [-1, -1]]
+    # <(r, -r), dy[n]> at r = inv[2n + j]: token 0 (2, 0); token 1 (-2, -6); token 2 (0, 0)
+    assert dw.tolist() == [[2, 0], [-2, -6], [0, 0]]
+
+
+def test_combine_sums_in_fp32_in_slot_order():
+    """bf16 rows and weights: each token's k products summed in fp32 and rounded once (1 + 2^-8 + 2^-8 = 1 + 2^-7, one
+    bf16 unit above 1; bf16 adds would round each tie back to 1)."""
+    order = jnp.asarray([0, 1, 2], jnp.int32)
+    inv = routing.inverse_permutation(order)
+    ys = jnp.asarray([[1.0], [2.0**-8], [2.0**-8]], jnp.bfloat16)
+    w = jnp.ones((1, 3), jnp.bfloat16)
+    y = routing.combine(ys, w, order, inv)
+    assert y.dtype == jnp.bfloat16 and float(y[0, 0]) == 1.0 + 2.0**-7
+    dw = jax.grad(lambda w: jnp.sum(routing.combine(ys, w, order, inv).astype(jnp.float32)))(w)
+    assert dw.dtype == jnp.bfloat16 and dw.tolist() == [[1.0, 2.0**-8, 2.0**-8]]
+
+
+def test_through_sorted_keeps_the_sorted_rows_not_an_unsorted_copy():
+    """The backward of the combine reads the experts' sorted output itself: no residual of [N, k, D] (the un-sorted
+    copy autodiff of a gather and an einsum would keep, which a layer scan without remat stores per layer)."""
+    n, k, d = 6, 3, 8
+    order = jnp.asarray(np.random.default_rng(0).permutation(n * k), jnp.int32)
+    x = jnp.ones((n, d))
+    w = jnp.ones((n, k))
+    _, vjp = jax.vjp(lambda x, w: routing.through_sorted(lambda xs: 2.0 * xs, x, order, w), x, w)
+    shapes = [leaf.shape for leaf in jax.tree.leaves(vjp)]
+    assert [s for s in shapes if np.prod(s) == n * k * d] == [(n * k, d)], shapes  # the sorted rows, once
 
 
 def test_through_sorted_by_hand():
