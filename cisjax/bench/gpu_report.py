@@ -180,6 +180,9 @@ def summary(res: dict) -> dict:
             speedup_over_rule={
                 k: (c.get("best") or {}).get("speedup_over_rule") for k, c in tune.get("calls", {}).items()
             },
+            ws_speedup_over_rule={
+                k: (c.get("best_ws") or {}).get("speedup_over_rule") for k, c in tune.get("calls", {}).items()
+            },
             blocks_entries=tune.get("table", []),
         )
     return out
@@ -247,7 +250,7 @@ def _step_rows(steps: dict):
 def _tune_rows(tune: dict):
     for key, c in tune.get("calls", {}).items():
         rule = c["candidates"][0] if c["candidates"] else {}
-        best = c.get("best") or {}
+        best, ws = c.get("best") or {}, c.get("best_ws") or {}
         tried = [r for r in c["candidates"] if r.get("status") != "skipped"]
         yield (
             f"{key} ({c['rows_in_groups']:,} rows, {c['groups']} groups)",
@@ -258,6 +261,7 @@ def _tune_rows(tune: dict):
             _num(best.get("ms"), ".3f"),
             _num(best.get("tflops"), ".0f"),
             _num(best.get("speedup_over_rule"), ".2f"),
+            f"{ws['tflops']:.0f} ({ws['speedup_over_rule']:.2f}x)" if ws else "-",
             f"{len(tried)} / {sum(r.get('status') == 'error' for r in tried)} / {sum(r.get('agrees') is False for r in tried)}",
         )
 
@@ -351,8 +355,12 @@ def show(res: dict) -> None:
         if tune.get("skipped"):
             console.print(f"[yellow]tune: skipped[/] {escape(tune['skipped'])}")
         else:
-            cols = ("call", "rule", "rule ms", "TF/s", "best", "best ms", "TF/s", "x rule", "tried / errors / disagree")
-            note = "blocks: (block_m, block_n, block_k, stages, grid_block_n); bf16; moe_hopper.BLOCKS entries below"
+            cols = ("call", "rule", "rule ms", "TF/s", "best", "best ms", "TF/s", "x rule", "mgpu_ws TF/s")
+            cols += ("tried / errors / disagree",)
+            note = (
+                "blocks: (block_m, block_n, block_k, stages, grid_block_n); mgpu_ws: the best of ragged_ws's tiles "
+                "(the JSON's best_ws) and its speed-up over the rule; bf16; moe_hopper.BLOCKS entries below"
+            )
             console.print(harness.table("Hopper grouped-matmul block sweep", cols, list(_tune_rows(tune)), note))
             for line in tune.get("table", []):
                 console.print(escape(line), soft_wrap=True)

@@ -1,5 +1,5 @@
 """The GPU check's block sweep: each Mosaic GPU grouped-matmul call of the MoE layer table's shapes timed per block
-configuration, the best per (kernel, K, N) printed as moe_hopper.BLOCKS entries."""
+configuration, JAX's kernels' best per (kernel, K, N) printed as moe_hopper.BLOCKS entries, ragged_ws's beside."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax.bench import gpu_parts
-from cisjax.models import moe_hopper
+from cisjax.models import moe_hopper, ragged_ws
 from cisjax.models.moe_hopper import Blocks
 from cisjax.models.padding import round_up
+from cisjax.models.ragged_ws import Tiles
 
 # Candidates per kernel after the rule's own choice (moe_hopper.blocks, measured first: the baseline every other is
 # timed and checked against): one knob of the measured configuration at a time, then a few pairs. Drawn from the
@@ -49,6 +50,14 @@ CANDIDATES = {
     ),
 }
 CANDIDATES["ragged_dot_t"] = CANDIDATES["ragged_dot"]
+# The same calls on cisjax's warp-specialized kernels (moe_impl "mgpu_ws", ragged_ws.py), timed right after the rule
+# and checked against its output: the defaults (ragged_ws.tiles_for), 64-row tasks, 64-column warpgroup halves with 4
+# stages (fits: 160 KiB), 2 stages (every even K step count chains). Each compiles for sm_90a at the paper shapes.
+WS_CANDIDATES = {
+    "ragged_dot": (Tiles(), Tiles(block_m=64), Tiles(block_n=64, stages=4), Tiles(stages=2)),
+    "transposed": (Tiles(), Tiles(block_m=64), Tiles(block_n=64, stages=4)),
+}
+WS_CANDIDATES["ragged_dot_t"] = WS_CANDIDATES["ragged_dot"]
 # Calls per timing round and rounds (the median round counts): rounds of back-to-back calls, so the host's dispatch
 # overlaps the device's work and a sub-millisecond kernel is timed, not the launch.
 CALLS = {"full": 20, "small": 1}
@@ -126,11 +135,19 @@ def _operands(c: Call, dtype, seed: int):
     return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(c.sizes, jnp.int32)
 
 
-def program(c: Call, config: Blocks, interpret: bool):
-    """The call on moe_hopper's padded kernels with `config`, jitted: f(lhs, rhs, sizes) -> the output (rows past
-    the groups zeroed: the kernels leave them unwritten)."""
+def program(c: Call, config: Blocks | Tiles, interpret: bool):
+    """The call on moe_hopper's padded kernels with `config` (ragged_ws's for a Tiles), jitted: f(lhs, rhs, sizes)
+    -> the output (rows past the groups zeroed: the kernels leave them unwritten)."""
 
     def f(lhs, rhs, sizes):
+        if isinstance(config, Tiles):
+            sms = moe_hopper.INTERPRET_SMS if interpret else jax.devices()[0].core_count
+            with ragged_ws.interpreted(interpret):
+                if c.kernel == "transposed":
+                    return ragged_ws.transposed_ragged_dot(lhs, rhs, sizes, sms=sms, tiles=config)
+                kw = dict(transpose_rhs=c.kernel == "ragged_dot_t", sms=sms, tiles=config)
+                out = ragged_ws.ragged_dot(lhs, rhs, sizes, **kw)
+            return jnp.where((jnp.arange(out.shape[0]) < jnp.sum(sizes))[:, None], out, 0)
         if c.kernel == "transposed":
             return moe_hopper.transposed_ragged_dot(lhs, rhs, sizes, interpret=interpret, sms=None, config=config)
         out = moe_hopper.ragged_dot(
@@ -141,10 +158,11 @@ def program(c: Call, config: Blocks, interpret: bool):
     return jax.jit(f)
 
 
-def measure(c: Call, config: Blocks, operands, size: str, interpret: bool) -> tuple[dict, jax.Array | None]:
+def measure(c: Call, config: Blocks | Tiles, operands, size: str, interpret: bool) -> tuple[dict, jax.Array | None]:
     """One candidate: (its row, its output). Compile time, then ROUNDS rounds of CALLS back-to-back calls: ms per
-    call (the median round), TFLOP/s. A configuration that fails to compile or run is a row with its error."""
-    row = dict(blocks=dataclasses.astuple(config))
+    call (the median round), TFLOP/s. A configuration that fails to compile or run is a row with its error. Its
+    `kernels`: "jax" (moe_hopper's Blocks) or "ws" (ragged_ws's Tiles)."""
+    row = dict(blocks=dataclasses.astuple(config), kernels="ws" if isinstance(config, Tiles) else "jax")
     try:
         t0 = time.perf_counter()
         compiled = program(c, config, interpret).lower(*operands).compile()
@@ -201,7 +219,7 @@ def run(size: str, deadline: float, save, interpret: bool | None = None) -> dict
     for i, c in enumerate(todo):
         rule = moe_hopper.blocks(c.kernel, c.rows, len(c.sizes), c.k, c.n)
         ops = _operands(c, jnp.bfloat16, seed=i)
-        queue = [rule] + [b for b in CANDIDATES[c.kernel] if b != rule]
+        queue = [rule, *WS_CANDIDATES[c.kernel]] + [b for b in CANDIDATES[c.kernel] if b != rule]
         state[c.key] = dict(call=c, ops=ops, queue=queue, ref=None)
         res["calls"][c.key] = dict(
             kernel=c.kernel, k=c.k, n=c.n, rows=c.rows, groups=len(c.sizes), rows_in_groups=sum(c.sizes),
@@ -254,15 +272,19 @@ def apply_blocks(tuned: dict[str, list[int]]) -> None:
 
 
 def _conclude(res: dict) -> None:
-    """Each call's best agreeing candidate so far, its speed-up over the rule, and the BLOCKS lines."""
+    """Each call's best agreeing candidate so far of JAX's kernels (`best`) and of ragged_ws's (`best_ws`), each's
+    speed-up over the rule (JAX's kernels with moe_hopper.blocks' choice), and the BLOCKS lines (JAX's kernels)."""
     res["table"] = []
     for entry in res["calls"].values():
         ok = [r for r in entry["candidates"] if r.get("status") == "ok" and r.get("agrees", True)]
         rule = entry["candidates"][0] if entry["candidates"] else {}
         if not ok or rule.get("status") != "ok":
-            entry["best"] = None
+            entry["best"] = entry["best_ws"] = None
             continue
-        best = min(ok, key=lambda r: r["ms"])
+        ws = [r for r in ok if r.get("kernels") == "ws"]
+        best_ws = min(ws, key=lambda r: r["ms"]) if ws else None
+        entry["best_ws"] = best_ws and dict(best_ws, speedup_over_rule=rule["ms"] / best_ws["ms"])
+        best = min((r for r in ok if r.get("kernels") != "ws"), key=lambda r: r["ms"])
         entry["best"] = dict(best, speedup_over_rule=rule["ms"] / best["ms"])
         if best["blocks"] != rule["blocks"]:
             res["table"].append(table_line(entry, best, rule, res["device_kind"]))

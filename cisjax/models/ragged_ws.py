@@ -27,6 +27,9 @@ class Tiles:
     block_n: int = 128  # columns per compute warpgroup
     block_k: int = 64  # the contraction step (128 bytes of bf16: the swizzle)
     stages: int = 3  # pipeline stages in shared memory (4 with 128 x 128 tiles: 256 KiB, over the H100's 227)
+    # the forward's and input gradient's pipelines chained across a CTA's tasks (the memory warpgroup loads the next
+    # task's first steps during this one's epilogue), where the K steps are a multiple of `stages` (JAX's condition)
+    chain: bool = True
 
     def __post_init__(self):
         if self.block_m & (self.block_m - 1) or self.block_m < 64:
@@ -67,9 +70,10 @@ def row_tasks(sizes_G: jax.Array, rows: int, block_m: int) -> jax.Array:
     return jnp.where(real_T[:, None], jnp.stack([g_T, load_T, lo_T - load_T, hi_T - lo_T], axis=1), 0)
 
 
-def _kernel(tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool, n: int):
+def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool, n: int):
     """The kernel body: each CTA (one memory and two compute warpgroups) walks its share of the (row task, N tile)
-    pairs; per pair, one warp-specialized pipeline over K and an epilogue that stores the task's rows."""
+    pairs of the num_gmem[0] row tasks with rows; per pair, one warp-specialized pipeline over K and an epilogue that
+    stores the task's rows. Chained (tiles.chain): a CTA's first pipeline starts its stages, its last drains them."""
     # Mosaic GPU locates its runtime library (the CUDA plugin's) when first imported: after cisjax plan adds the plugin
     from jax.experimental.pallas import mosaic_gpu as plgpu  # lazy: mosaic_gpu
 
@@ -77,14 +81,15 @@ def _kernel(tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose
     cta_n = COMPUTE_WGS * bn
     k = lhs_gmem.shape[1]
     n_tiles = -(-n // cta_n)
-    num_tasks = tasks_gmem.shape[0]
     transforms = _transforms(plgpu, lhs_gmem.dtype, bk)
+    chain = tiles.chain and (k // bk) % tiles.stages == 0
     rhs_block, rhs_index = ((cta_n, bk), lambda kk: (0, kk)) if transpose_rhs else ((bk, cta_n), lambda kk: (kk, 0))
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k // bk,),
+            pipeline_state=state,
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
@@ -108,7 +113,7 @@ def _kernel(tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose
     def _scope(allocations, out_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((num_tasks * n_tiles,), collective_axes="cluster_grid")
+        @plgpu.nd_loop((num_gmem[0] * n_tiles,), collective_axes="cluster_grid")
         def _tasks(info: plgpu.NDLoopInfo):
             (lin,) = info.index
             task, j = lin // n_tiles, lin % n_tiles
@@ -139,11 +144,16 @@ def _kernel(tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose
                 rhs_gmem.at[group, pl.ds(n0, cta_n), :] if transpose_rhs else rhs_gmem.at[group, :, pl.ds(n0, cta_n)]
             )
 
-            @pl.when(count > 0)
-            def _run():
-                pipeline(mma, _epilogue(plgpu, out_smem, wg, store))(
-                    lhs_gmem.at[pl.ds(load, bm), :], rhs_g, allocations=allocations
-                )
+            refs = (lhs_gmem.at[pl.ds(load, bm), :], rhs_g)
+            context = _epilogue(plgpu, out_smem, wg, store)
+            if not chain:
+                pipeline(mma, context)(*refs, allocations=allocations)
+                return
+            first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+            chained = plgpu.PipelinePipeline  # START fills the stages, STEADY goes on, STOP drains them
+            state = jnp.where(first, chained.START, jnp.where(last, chained.STOP, chained.STEADY))
+            pl.when(first & last)(lambda: pipeline(mma, context)(*refs, allocations=allocations))  # one task: alone
+            pl.when(~(first & last))(lambda: pipeline(mma, context, state)(*refs, allocations=allocations))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -219,10 +229,11 @@ def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, sms: int, tiles: T
     lhs_PxK = pad_axes(lhs_RxK, {0: rp, 1: kp})
     rhs = pad_axes(rhs, {1: np_, 2: kp} if transpose_rhs else {1: kp, 2: np_})
     tasks_Tx4 = row_tasks(sizes_G, rp, bm)
+    num_1 = jnp.sum(tasks_Tx4[:, 3] > 0, keepdims=True, dtype=jnp.int32)  # the row tasks with rows: the first ones
     from jax.experimental.pallas import mosaic_gpu as plgpu  # lazy: mosaic_gpu (see _kernel)
 
     body = functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs, n=np_)
-    return _launch(plgpu, body, (rp, np_), lhs_RxK.dtype, sms)(tasks_Tx4, lhs_PxK, rhs)[:r, :n]
+    return _launch(plgpu, body, (rp, np_), lhs_RxK.dtype, sms)(num_1, tasks_Tx4, lhs_PxK, rhs)[:r, :n]
 
 
 def group_blocks(sizes_G: jax.Array, block_k: int) -> jax.Array:

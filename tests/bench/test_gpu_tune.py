@@ -13,6 +13,7 @@ import pytest
 from cisjax.bench import gpu_check, gpu_parts, gpu_report, gpu_tune
 from cisjax.models import moe_hopper
 from cisjax.models.moe_hopper import Blocks
+from cisjax.models.ragged_ws import Tiles
 from tests.models import mgpu_interpret
 
 # one toy layer shape (E, k, F) at hidden 64, 128 tokens: 256 sorted rows in 4 groups
@@ -53,30 +54,30 @@ def test_off_a_hopper_gpu_the_sweep_says_so():
 
 
 def test_sweep_in_the_interpreter(monkeypatch):
-    """Two candidates after the rule per kernel: one the kernel takes (it agrees with the rule's output) and one it
-    refuses (no pipeline stage: the kernels need more stages than they delay a buffer's release), recorded as an error; the best is the fastest agreeing one
-    and a BLOCKS line names it when it is not the rule's."""
+    """After the rule per kernel: one configuration of ragged_ws's kernels, then two of JAX's, one the kernel takes
+    (it agrees with the rule's output) and one it refuses (no pipeline stage: the kernels need more stages than they
+    delay a buffer's release), recorded as an error; the best of JAX's is the fastest agreeing one and a BLOCKS line
+    names it when it is not the rule's; ragged_ws's agrees with the rule and is reported beside (best_ws)."""
     mgpu_interpret.enable(monkeypatch)
     monkeypatch.setitem(gpu_parts.MOE_LAYER, "small", TOY)
     bad = Blocks(64, 64, 64, 0, 1)
-    monkeypatch.setattr(
-        gpu_tune,
-        "CANDIDATES",
-        {k: (Blocks(64, 64, 64, 2, 1), bad) for k in ("ragged_dot", "ragged_dot_t", "transposed")},
-    )
+    kernels = ("ragged_dot", "ragged_dot_t", "transposed")
+    monkeypatch.setattr(gpu_tune, "CANDIDATES", {k: (Blocks(64, 64, 64, 2, 1), bad) for k in kernels})
+    monkeypatch.setattr(gpu_tune, "WS_CANDIDATES", {k: (Tiles(64, 64, 64, 2),) for k in kernels})
     saved = []
     res = gpu_tune.run("small", time.time() + 3600, saved.append)
-    assert saved and saved[-1] is res and len(saved) == 3  # saved after each round: the rule, then two candidates
+    assert saved and saved[-1] is res and len(saved) == 4  # saved after each round: the rule, then three candidates
     assert list(res["calls"]) == [c.key for c in gpu_tune.calls("small")] and len(res["calls"]) == 6
     lines = []
     for key, c in res["calls"].items():
-        rule, good, refused = c["candidates"]
-        assert tuple(rule["blocks"]) == tuple(c["rule"])
+        rule, ws, good, refused = c["candidates"]
+        assert tuple(rule["blocks"]) == tuple(c["rule"]) and rule["kernels"] == "jax" and ws["kernels"] == "ws"
         assert rule["status"] == "ok" and rule["max_rel_to_rule"] == 0.0 and rule["ms"] > 0 and rule["tflops"] > 0
+        assert ws["status"] == "ok" and ws["agrees"] and ws["max_rel_to_rule"] <= gpu_tune.AGREE, (key, ws)
         assert good["status"] == "ok" and good["agrees"] and good["max_rel_to_rule"] <= gpu_tune.AGREE, (key, good)
         assert refused["status"] == "error" and refused["error"], (key, refused)
         best = c["best"]
-        assert best["ms"] == min(rule["ms"], good["ms"])
+        assert best["ms"] == min(rule["ms"], good["ms"]) and c["best_ws"]["ms"] == ws["ms"]
         assert best["speedup_over_rule"] == pytest.approx(rule["ms"] / best["ms"])
         if list(best["blocks"]) != list(rule["blocks"]):
             kernel, k, n = c["kernel"], c["k"], c["n"]
@@ -142,6 +143,7 @@ def test_report_shows_a_sweep(capsys):
                 rows_in_groups=32768, groups=60, rule=[128, 128, 64, 4, 2],
                 candidates=[dict(blocks=[128, 128, 64, 4, 2], status="ok", ms=0.45, tflops=421.0, agrees=True)],
                 best=dict(blocks=[128, 128, 64, 4, 2], ms=0.45, tflops=421.0, speedup_over_rule=1.0),
+                best_ws=dict(blocks=[128, 128, 64, 3, True], ms=0.36, tflops=526.0, speedup_over_rule=1.25),
             )
         },
         table=[],
@@ -149,9 +151,11 @@ def test_report_shows_a_sweep(capsys):
     res = dict(size="full", seconds=1.0, budget_s=300, env={}, sections=dict(tune=tune))
     res["summary"] = gpu_report.summary(res)
     assert res["summary"]["tune"]["speedup_over_rule"] == {"ragged_dot 2048x1408": 1.0}
+    assert res["summary"]["tune"]["ws_speedup_over_rule"] == {"ragged_dot 2048x1408": 1.25}
     gpu_report.show(res)
     shown = capsys.readouterr().out
     assert "block sweep" in shown and "ragged_dot 2048x1408" in shown and "421" in shown and "1.00" in shown
+    assert "526 (1.25x)" in shown
 
 
 def test_agreement_measure_by_hand():

@@ -219,3 +219,30 @@ def test_paper_shapes_compile_for_sm90a_within_shared_memory():
     four = out.pop("4 stages")
     assert len(out) == 18 and all(v == "ok" for v in out.values()), out
     assert "shared memory" in four
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "transposed_rhs"])
+def test_chained_pipelines_compute_what_separate_ones_do(transpose_rhs, monkeypatch):
+    """A CTA's tasks with their pipelines chained (the next task's first K steps loaded during this one's epilogue)
+    give bit for bit the unchained kernel's output (the same accumulation order): 6 K steps in stages of 2 and 3 (a
+    chain of START, STEADY and STOP pipelines on each of the 2 CTAs) and of 4 (not a divisor: unchained)."""
+    mgpu_interpret.enable(monkeypatch)
+    sizes = [60, 0, 90, 7, 70]
+    r, k, n = sum(sizes), 384, 128
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (r, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n), jnp.bfloat16)
+    outs = {}
+    for stages, chain in ((2, False), (2, True), (3, True), (4, True)):
+        tiles = ragged_ws.Tiles(block_m=64, block_n=64, block_k=64, stages=stages, chain=chain)
+        gpu_callbacks.reset_gpu_interpret_mode_state()
+        with mgpu_interpret.interpreted(detect_races=True):
+            outs[stages, chain] = np.asarray(
+                ragged_ws.ragged_dot(x, w, jnp.array(sizes), transpose_rhs=transpose_rhs, sms=2, tiles=tiles)
+            )
+        assert not gpu_callbacks.get_races().races_found
+    want, _ = _ref(x, w, sizes, transpose_rhs)
+    base = outs.pop((2, False))
+    assert np.max(np.abs(base.astype(np.float64) - want) / (BF16_U * np.abs(want) + 1e-6 * np.abs(want).max())) <= 1
+    for key, out in outs.items():
+        np.testing.assert_array_equal(out, base, err_msg=f"stages, chain = {key}")
