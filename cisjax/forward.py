@@ -59,7 +59,7 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
     over the support, log p(target) - log sum_{v in S} p(v), and support_logmass_N the subtracted log mass. Refuses
     a model whose compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
     temperature, top_k = float(temperature), int(top_k)
-    rules = dict(rules)
+    rules = sharding.freeze(rules)  # the caller's table (a run's spec.rules is already frozen)
     chunk = chunk_tokens(chunk_size, mesh, rules)
 
     def forward(

@@ -57,7 +57,7 @@ class ScoreSpec:
     the logprob chunk and the packing (score.row_tokens, score.rows)."""
 
     mesh: tuple[tuple[str, int], ...]  # mesh axis -> size (config mesh.*)
-    rules: tuple[tuple[str, object], ...]  # logical name -> mesh axes (config sharding.rules.*)
+    rules: sharding.FrozenRules  # logical name -> mesh axes: config sharding.rules.* resolved, once
     router_dtype: str
     moe_impl: str
     moe_tile: int | None  # None: the dispatch's own tile
@@ -70,7 +70,7 @@ class ScoreSpec:
     def from_config(cls, cfg: ml_collections.ConfigDict) -> ScoreSpec:
         return cls(
             mesh=tuple(cfg.mesh.to_dict().items()),
-            rules=tuple(cfg.sharding.rules.to_dict().items()),
+            rules=sharding.rules_from_config(cfg.sharding.rules.to_dict()),
             router_dtype=cfg.model.router_dtype,
             moe_impl=cfg.model.moe_impl,
             moe_tile=int(cfg.model.moe_tile) or None,  # as runtime.model_runtime reads it
@@ -88,17 +88,16 @@ class Loaded:
     model: nnx.Module
     config: object  # the model's cisjax config (hf_io.model_config): vocab_size, dtype, ...
     mesh: jax.sharding.Mesh
-    rules: dict
+    rules: sharding.FrozenRules  # the spec's own table
 
 
 def load_for_scoring(model_dir: str | Path, dtype: str, spec: ScoreSpec) -> Loaded:
     """The HF model in `model_dir` with parameters and compute in `dtype`, sharded over the spec's mesh."""
-    rules = sharding.rules_from_config(dict(spec.rules))
     mesh = sharding.make_mesh(dict(spec.mesh))
     model, model_cfg, _ = hf_io.load(
         model_dir,
         mesh=mesh,
-        rules=rules,
+        rules=spec.rules,
         dtype=dtype,
         param_dtype=dtype,
         router_dtype=spec.router_dtype,
@@ -106,7 +105,7 @@ def load_for_scoring(model_dir: str | Path, dtype: str, spec: ScoreSpec) -> Load
         moe_tile=spec.moe_tile,
         attention_impl=spec.attention_impl,
     )
-    return Loaded(model, model_cfg, mesh, rules)
+    return Loaded(model, model_cfg, mesh, spec.rules)
 
 
 class Scorer:

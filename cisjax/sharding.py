@@ -44,8 +44,40 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
 
 
-def rules_from_config(overrides: Mapping | None = None) -> dict:
-    """The default table with per-entry overrides (e.g. from `config.sharding.rules`)."""
+class FrozenRules(Mapping):
+    """A resolved logical-axis table, frozen: immutable, hashable (a jit or cache key as it is), equal to any mapping
+    with the same entries. rules_from_config makes the one table of a run, where its spec is built; every stage that
+    shards takes that value, so the rules are resolved once."""
+
+    __slots__ = ("_table", "_hash")
+
+    def __init__(self, table: Mapping | Sequence = ()):
+        items = table.items() if isinstance(table, Mapping) else table
+        self._table = {str(k): tuple(v) if isinstance(v, list) else v for k, v in items}
+        self._hash = hash(frozenset(self._table.items()))
+
+    def __getitem__(self, name: str):
+        return self._table[name]
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and self._table == dict(other.items())
+
+    def __repr__(self) -> str:
+        return f"FrozenRules({self._table!r})"
+
+
+def rules_from_config(overrides: Mapping | None = None) -> FrozenRules:
+    """The default table with per-entry overrides (e.g. from `config.sharding.rules`), checked and frozen. Called where
+    a spec is built (train.spec, score.ScoreSpec), not by the stages (tests/test_structure.py)."""
     rules = dict(DEFAULT_RULES)
     for name, target in (overrides or {}).items():
         if isinstance(target, list):
@@ -62,7 +94,11 @@ def rules_from_config(overrides: Mapping | None = None) -> dict:
                 )
         if len(set(axes)) != len(axes):
             raise errors.UserError(f"sharding rule {name!r} -> {target!r} names a mesh axis twice")
-    return rules
+    return FrozenRules(rules)
+
+
+# What a library call given no rules shards by (hf_io.load, the JAX sampler, checkpoint.target_shardings).
+DEFAULT_TABLE = FrozenRules(DEFAULT_RULES)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -168,9 +204,9 @@ def place(tree, mesh: Mesh, rules: Rules, axes: Sequence[str | None] = ("batch",
     return jax.tree.map(one, tree)
 
 
-def freeze(rules: Rules) -> tuple:
-    """A hashable copy of a rules table (a jit / cache key)."""
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in dict(rules).items()))
+def freeze(rules: Rules) -> FrozenRules:
+    """A rules table as a FrozenRules (a jit / cache key): the table itself when it is one."""
+    return rules if isinstance(rules, FrozenRules) else FrozenRules(rules)
 
 
 # --- activation constraints: model code calls `constrain(x, ("batch", "length", "act_embed"))`.
@@ -182,14 +218,13 @@ _CTX = jax.make_user_context(default_value=None)
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Rules | None = None):
     """Make `constrain` active (inside jit traces) for this mesh and rules table."""
-    with _CTX((mesh, freeze(rules if rules is not None else dict(DEFAULT_RULES)))):
+    with _CTX((mesh, freeze(rules if rules is not None else DEFAULT_TABLE))):
         yield mesh
 
 
-def active() -> tuple[Mesh, dict] | None:
+def active() -> tuple[Mesh, FrozenRules] | None:
     """The (mesh, rules table) that use_mesh made active, or None."""
-    ctx = _CTX.value
-    return None if ctx is None else (ctx[0], dict(ctx[1]))
+    return _CTX.value
 
 
 GPU_PLATFORMS = ("gpu", "cuda")  # a GPU machine's devices, and cisjax plan's deviceless CUDA targets
@@ -216,7 +251,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     if ctx is None:
         return x
     mesh, rules = ctx
-    return jax.lax.with_sharding_constraint(x, named_sharding(axes, dict(rules), mesh, x.shape))
+    return jax.lax.with_sharding_constraint(x, named_sharding(axes, rules, mesh, x.shape))
 
 
 def param_shardings(abstract_state, mesh: Mesh, rules: Rules):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from cisjax import cli, config, rows
+from cisjax import cli, config, rows, sharding
 from cisjax import score as score_lib
 from tests.support.hf import SERVER_QWEN2_MOE, hf_forward, log_softmax
 
@@ -165,13 +165,16 @@ def test_score_spec_reads_the_config():
     spec = score_lib.ScoreSpec.from_config(config.load(None, ["--config.score.rows=3", "--config.model.moe_tile=0"]))
     assert spec.rows == 3 and spec.moe_tile is None
     assert score_lib.ScoreSpec.from_config(config.load(None, ["--config.model.moe_tile=256"])).moe_tile == 256
+    # the rules resolved here, once: a frozen table (load_for_scoring and the scorer take it as it is)
+    spec = score_lib.ScoreSpec.from_config(config.load(None, ["--config.sharding.rules.embed=none"]))
+    assert isinstance(spec.rules, sharding.FrozenRules) and spec.rules == sharding.rules_from_config({"embed": None})
 
 
 def test_timed_pass_equals_score_items(model_dir):
     """Scorer.run_timed (the observatory's passes over the same rows) gives score_items' results, and its seconds."""
     spec = score_lib.ScoreSpec.from_config(config.load(None, ["--config.score.row_tokens=32", "--config.score.rows=2"]))
     loaded = score_lib.load_for_scoring(model_dir, "float32", spec)
-    assert loaded.config.vocab_size == VOCAB
+    assert loaded.config.vocab_size == VOCAB and loaded.rules is spec.rules
     items = [rows.Seq(it["prompt_ids"], it["response_ids"]) for it in _items(seed=3, n=5)]
     kw = dict(temperature=1.0, chunk_size=spec.chunk_size, row_tokens=spec.row_tokens, rows_per_call=spec.rows)
     want = score_lib.score_items(loaded.model, items, loaded.mesh, loaded.rules, progress=False, **kw)

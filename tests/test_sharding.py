@@ -124,6 +124,20 @@ def test_rules_from_config_overrides():
     assert rules["heads"] == "tensor"  # untouched entries keep the default
 
 
+def test_resolved_rules_are_one_frozen_value():
+    """rules_from_config's table is immutable and hashable (a jit or cache key as it is), equal to the same entries
+    in any mapping and order; freeze keeps it as it is, and use_mesh makes that very table active."""
+    rules = sharding.rules_from_config({"embed": None})
+    assert isinstance(rules, sharding.FrozenRules) and sharding.freeze(rules) is rules
+    with pytest.raises(TypeError):
+        rules["embed"] = "fsdp"
+    same = sharding.freeze(dict(reversed(list(dict(rules).items()))))
+    assert same == rules == dict(rules) and hash(same) == hash(rules) and len({rules, same}) == 1
+    assert rules != sharding.DEFAULT_TABLE and sharding.DEFAULT_TABLE == sharding.rules_from_config()
+    with sharding.use_mesh(sharding.make_mesh({"fsdp": 8}), rules):
+        assert sharding.active()[1] is rules
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

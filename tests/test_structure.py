@@ -228,3 +228,60 @@ def test_circles_by_hand():
     graph = dict(a={"b"}, b={"c"}, c={"a"}, d={"a"}, e={"f"}, f={"e"}, g={"g"})
     assert _circles(graph) == [["a", "b", "c"], ["e", "f"]]
     assert _circles(dict(a={"b"}, b={"c"})) == []
+
+
+# Where the logical-axis rules are resolved from the config (sharding.rules_from_config): where a spec is built, once
+# per run. Every stage that shards takes the spec's frozen table (TrainSpec.rules, ScoreSpec.rules) or a library
+# default (sharding.DEFAULT_TABLE), never the config's rules again.
+RESOLVES_RULES = {
+    "cisjax.train.spec:from_config",  # TrainSpec.rules: the run's one table (build, plan, publish, the engine)
+    "cisjax.train.validate:_mesh",  # the field's check (its error names sharding.rules); the value is the spec's
+    "cisjax.score:ScoreSpec.from_config",  # ScoreSpec.rules: `cisjax score`'s and `cisjax mismatch`'s table
+}
+
+
+def _rules_resolved(module: str, path: Path) -> list[str]:
+    """`module:function` (and line) of every reference to rules_from_config in `path`: a call, the function passed
+    on, or an import of it under another name."""
+    found = []
+
+    def visit(node, scope: tuple[str, ...]):
+        for child in ast.iter_child_nodes(node):
+            name = None
+            if isinstance(child, ast.Name) and child.id == "rules_from_config":
+                name = child.id
+            elif isinstance(child, ast.Attribute) and child.attr == "rules_from_config":
+                name = child.attr
+            elif isinstance(child, ast.ImportFrom):
+                name = next((a.name for a in child.names if a.name == "rules_from_config" and a.asname), None)
+            if name:
+                found.append((f"{module}:{'.'.join(scope)}", child.lineno))
+            inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            visit(child, scope + (child.name,) if inner else scope)
+
+    visit(_tree(path), ())
+    return [f"{where} (line {line})" for where, line in found]
+
+
+def test_the_rules_are_resolved_only_where_a_spec_is_built():
+    found = [hit for m, p in MODULES.items() for hit in _rules_resolved(m, p)]
+    stray = [hit for hit in found if hit.split(" (")[0] not in RESOLVES_RULES]
+    assert not stray, "sharding.rules_from_config outside a spec's building (take the spec's rules):\n" + "\n".join(
+        stray
+    )
+    assert {hit.split(" (")[0] for hit in found} == RESOLVES_RULES  # each allowed place still resolves them
+
+
+@pytest.mark.parametrize(
+    "source, where",
+    [
+        ("from cisjax import sharding\ndef load(rules):\n    return sharding.rules_from_config(rules)\n", "m:load"),
+        ("from cisjax.sharding import rules_from_config as r\n", "m:"),
+        ("from cisjax.sharding import rules_from_config\nclass A:\n    x = max(rules_from_config)\n", "m:A"),
+        ("from cisjax.sharding import rules_from_config\n", None),
+    ],
+)
+def test_the_rules_check_catches_a_stage_resolving_them(tmp_path, source, where):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert [hit.split(" (")[0] for hit in _rules_resolved("m", path)] == ([where] if where else [])

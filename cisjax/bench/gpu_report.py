@@ -247,6 +247,14 @@ def _step_rows(steps: dict):
         )
 
 
+TUNE_COLUMNS = ("call", "rule", "rule ms", "TF/s", "best", "best ms", "TF/s", "x rule", "mgpu_ws TF/s")
+TUNE_COLUMNS += ("tried / errors / disagree",)
+TUNE_NOTE = (
+    "blocks: (block_m, block_n, block_k, stages, grid_block_n); mgpu_ws: the best of ragged_ws's tiles (the JSON's "
+    "best_ws) and its speed-up over the rule; bf16; moe_hopper.BLOCKS entries below"
+)
+
+
 def _tune_rows(tune: dict):
     for key, c in tune.get("calls", {}).items():
         rule = c["candidates"][0] if c["candidates"] else {}
@@ -355,13 +363,8 @@ def show(res: dict) -> None:
         if tune.get("skipped"):
             console.print(f"[yellow]tune: skipped[/] {escape(tune['skipped'])}")
         else:
-            cols = ("call", "rule", "rule ms", "TF/s", "best", "best ms", "TF/s", "x rule", "mgpu_ws TF/s")
-            cols += ("tried / errors / disagree",)
-            note = (
-                "blocks: (block_m, block_n, block_k, stages, grid_block_n); mgpu_ws: the best of ragged_ws's tiles "
-                "(the JSON's best_ws) and its speed-up over the rule; bf16; moe_hopper.BLOCKS entries below"
-            )
-            console.print(harness.table("Hopper grouped-matmul block sweep", cols, list(_tune_rows(tune)), note))
+            rows = list(_tune_rows(tune))
+            console.print(harness.table("Hopper grouped-matmul block sweep", TUNE_COLUMNS, rows, TUNE_NOTE))
             for line in tune.get("table", []):
                 console.print(escape(line), soft_wrap=True)
     if "moe_layer" in secs:

@@ -234,7 +234,7 @@ def _build(size: str) -> dict:
     return dict(
         size=size,
         mesh=sharding.make_mesh({"fsdp": -1}, jax.devices()[:1]),
-        rules=sharding.rules_from_config(),
+        rules=sharding.DEFAULT_TABLE,
         params=params,
         params_bf16=params_bf16,
         graphdef_train=graphdef_train,

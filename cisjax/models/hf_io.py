@@ -169,11 +169,13 @@ def load(
     model_dir: str | os.PathLike,
     *,
     mesh: jax.sharding.Mesh | None = None,
-    rules: Mapping | None = None,
+    rules: sharding.FrozenRules = sharding.DEFAULT_TABLE,
     **runtime,
 ):
     """Load an HF model directory into a cisjax model, each tensor streamed straight into its
-    target sharding (each device reads only its own slice from the memory-mapped files).
+    target sharding (each device reads only its own slice from the memory-mapped files): with a
+    `mesh`, each parameter sharded by its logical axes through `rules`, the resolved table (a
+    run's spec.rules; default sharding.DEFAULT_TABLE); without, on the first device.
 
     Returns (model, cfg, hf_config_dict). Raises CheckpointError naming the tensor/field on an
     unknown architecture, a missing tensor or a shape that disagrees with the config.
@@ -187,7 +189,6 @@ def load(
         family_module(hf).WEIGHTS, {p: tuple(v.shape) for p, v in flat.items()}, transformer.layer_runs(cfg)
     )
     if mesh is not None:
-        rules = sharding.rules_from_config(rules)
         shardings = _flat(sharding.param_shardings(abstract, mesh, rules))
     else:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])

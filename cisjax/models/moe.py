@@ -18,6 +18,8 @@ from cisjax.models.moe_tpu import megablox_swiglu
 from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "mgpu_ws", "ragged", "dense")
+# the Hopper impls and moe_hopper.mgpu_swiglu's kernels for each: JAX's Mosaic GPU kernels, cisjax's ragged_ws.py
+HOPPER_KERNELS = {"mgpu": "jax", "mgpu_ws": "ws"}
 MGPU_MIN_ROWS = 64  # the Hopper kernels' smallest row tile (moe_hopper.blocks): "auto" takes "triton" below it
 # MoE's expert weights: a GPU decode hands them over as stacked.LayerOf (transformer.run_stack_cached), which the
 # Triton grouped matmuls read in place; every other impl slices its layer out
@@ -172,28 +174,22 @@ def moe_ffn(
         if platform == "tpu":
             raise errors.UserError(f"moe impl {impl!r} is a GPU kernel; on TPU use 'gmm'")
         interpret = platform not in sharding.GPU_PLATFORMS  # the interpreter: CPU tests
-        if impl == "triton":
-            swiglu = functools.partial(triton_swiglu, interpret=interpret)
-        else:
+        swiglu = functools.partial(triton_swiglu, interpret=interpret)
+        if impl != "triton":
             _check_mgpu(impl, interpret)
-            kernels = "ws" if impl == "mgpu_ws" else "jax"
-            swiglu = functools.partial(moe_hopper.mgpu_swiglu, interpret=interpret, kernels=kernels)
+            swiglu = functools.partial(moe_hopper.mgpu_swiglu, interpret=interpret, kernels=HOPPER_KERNELS[impl])
     ep = expert_parallel.plan(wg_ExDxF.shape, k)
     if ep is not None:
         rows_fn = {
             "gmm": lambda *a: _masked_rows(swiglu, *a),
             "triton": lambda *a: _masked_rows(swiglu, *a),
-            "mgpu": lambda *a: _masked_rows(swiglu, *a),
-            "mgpu_ws": lambda *a: _masked_rows(swiglu, *a),
+            **{hopper: lambda *a: _masked_rows(swiglu, *a) for hopper in HOPPER_KERNELS},
             "ragged": _ragged_swiglu,  # rows past the groups come out zero
             "tiled": functools.partial(tiled_rows, tile=tile or choose_tile(n * k // ep["ep"], e // ep["ep"])),
         }[impl]
         return expert_parallel.ffn(ep, rows_fn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
     if impl in ("gmm", "triton", "mgpu", "mgpu_ws"):
-        if impl in (
-            "mgpu",
-            "mgpu_ws",
-        ):  # every sorted row in a group (routing.sort_by_expert): no validity select needed
+        if impl in HOPPER_KERNELS:  # every sorted row in a group (routing.sort_by_expert): no validity select needed
             swiglu = functools.partial(swiglu, full_groups=True)
         return _on_each_device(
             functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK

@@ -101,12 +101,9 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
             compute_context=compute_context,
         )
 
-    def ignore(*_, **__):
-        return None
-
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+        allocations=pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
         out_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn), out_gmem.dtype),
         collective_axes="wg",
     )
@@ -122,22 +119,16 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
             n0, wg_n0, stores = _n_tile(j, wg, bn, n)
 
             def store(smem_ref):
-                @pl.when(stores)
-                def _store():
-                    # the task's rows, count of them from offset: TMA copies of 2^i rows, one per set bit of count
-                    start = offset
-                    for bit in reversed(range(bm.bit_length())):
-                        copy = functools.partial(_copy_rows, plgpu, smem_ref, out_gmem, start, 1 << bit)
-                        pl.when(count & (1 << bit) != 0)(lambda copy=copy: copy(load, wg_n0, bn))
-                        start = start + (count & (1 << bit))
+                pl.when(stores)(
+                    lambda: _store_rows(plgpu, smem_ref, out_gmem.at[:, pl.ds(wg_n0, bn)], load, offset, count)
+                )
 
             def mma(_, lhs_smem, rhs_smem, acc_ref):
                 if transpose_rhs:
                     rhs = rhs_smem.at[pl.ds(wg * bn, bn), :].transpose((1, 0))
                 else:
                     rhs = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                plgpu.wgmma(acc_ref, lhs_smem, rhs)
-                plgpu.wgmma_wait(0)
+                pl.when(stores)(lambda: _mma(plgpu, acc_ref, lhs_smem, rhs))  # an overlap's columns: not again
                 return acc_ref
 
             rhs_g = (
@@ -158,6 +149,10 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _ignore(*_, **__) -> None:
+    """A pipeline body or compute context that does nothing: a pipeline's allocations do not depend on them."""
+
+
 def _transforms(plgpu, dtype, minor: int) -> tuple:
     """Shared-memory tiling and swizzle of a block whose minor dimension holds `minor` elements of dtype."""
     swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
@@ -165,8 +160,9 @@ def _transforms(plgpu, dtype, minor: int) -> tuple:
 
 
 def _n_tile(j, wg, bn: int, n: int):
-    """(the CTA's first column, this warpgroup's, whether it stores) of N tile j of 2 bn columns: the last tile ends
-    at N and overlaps the one before by bn columns when N is an odd number of bn; its first warpgroup stores none."""
+    """(the CTA's first column, this warpgroup's, whether it computes and stores) of N tile j of 2 bn columns: the
+    last tile ends at N and overlaps the one before by bn columns when N is an odd number of bn; its first
+    warpgroup then multiplies nothing (its accumulator stays 0) and stores nothing."""
     n0 = jnp.minimum(j * COMPUTE_WGS * bn, n - COMPUTE_WGS * bn)
     wg_n0 = n0 + wg * bn
     return n0, wg_n0, wg_n0 >= j * COMPUTE_WGS * bn
@@ -205,9 +201,24 @@ def _epilogue(plgpu, out_smem, wg, store):
     return context
 
 
-def _copy_rows(plgpu, smem_ref, gmem_ref, start, rows: int, load, col, cols: int):
-    """TMA-copy `rows` rows of smem_ref from `start` to gmem_ref's rows load + start on, columns col to col + cols."""
-    plgpu.copy_smem_to_gmem(smem_ref.at[pl.ds(start, rows)], gmem_ref.at[pl.ds(load + start, rows), pl.ds(col, cols)])
+def _mma(plgpu, acc_ref, a_smem, b_smem) -> None:
+    """acc += a @ b on the tensor cores, waited for (the pipeline may refill a and b's slot once the body returns)."""
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    plgpu.wgmma_wait(0)
+
+
+def _store_rows(plgpu, smem_ref, gmem_ref, load, offset, count) -> None:
+    """Store smem_ref's rows offset to offset + count into gmem_ref's rows load + offset on: a TMA copy of 2^i rows
+    per set bit i of count (a copy's shape is static, the count is not), largest first."""
+    start = offset
+    for bit in reversed(range(smem_ref.shape[0].bit_length())):
+        rows = 1 << bit
+
+        def copy(start=start, rows=rows):
+            plgpu.copy_smem_to_gmem(smem_ref.at[pl.ds(start, rows)], gmem_ref.at[pl.ds(load + start, rows)])
+
+        pl.when(count & rows != 0)(copy)
+        start = start + (count & rows)
 
 
 def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, sms: int, tiles: Tiles = Tiles()) -> jax.Array:
@@ -274,14 +285,11 @@ def _wgrad_kernel(groups_gmem, x_gmem, dy_gmem, out_gmem, *, tiles: Tiles):
             compute_context=compute_context,
         )
 
-    def ignore(*_, **__):
-        return None
-
     steps0 = groups_gmem[0, 3]  # any traced length: the allocations do not depend on it
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(ignore, ignore, steps0).get_allocations(x_gmem, dy_gmem),
+        allocations=pipeline(_ignore, _ignore, steps0).get_allocations(x_gmem, dy_gmem),
         out_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn), out_gmem.dtype),
         collective_axes="wg",
     )
@@ -305,7 +313,7 @@ def _wgrad_kernel(groups_gmem, x_gmem, dy_gmem, out_gmem, *, tiles: Tiles):
                 (s,) = idx
                 dy_half = dy_smem.at[:, pl.ds(wg * bn, bn)]
 
-                @pl.when((s == 0) | (s == steps - 1))
+                @pl.when(((s == 0) | (s == steps - 1)) & stores)
                 def _mask():
                     rows = (first + s) * bk + plgpu.layout_cast(
                         lax.broadcasted_iota(jnp.int32, (bk, bn), 0), plgpu.Layout.WGMMA
@@ -313,8 +321,7 @@ def _wgrad_kernel(groups_gmem, x_gmem, dy_gmem, out_gmem, *, tiles: Tiles):
                     dy_half[...] = jnp.where((rows >= start) & (rows < end), dy_half[...], 0)
                     plgpu.commit_smem()
 
-                plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_half)
-                plgpu.wgmma_wait(0)
+                pl.when(stores)(lambda: _mma(plgpu, acc_ref, x_smem.transpose((1, 0)), dy_half))
                 return acc_ref
 
             rows = pl.ds(pl.multiple_of(first * bk, bk), x_gmem.shape[0])  # past the buffer: never read
@@ -396,3 +403,25 @@ def _gmm_bwd(interpret, sms, res, dout_RxN):
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:
+    """An upper bound of the FLOPs the warp-specialized kernels compute for one SwiGLU over `assignments` sorted
+    rows in `groups` groups, hidden d, expert width f (cisjax plan: a Mosaic GPU kernel carries no cost estimate).
+    Forward and input gradient: max_tasks tasks of block_m rows (tiles_for) over N rounded up to whole block_n (a
+    last pair's overlap is not computed again); the weight gradient: each group's rows from a multiple of block_k
+    to one (at most one step more per group) over K and N in whole tiles."""
+    t = tiles_for(assignments, groups)
+    rp = max(round_up(assignments, ROW_ALIGN), t.block_m)
+    rows = max_tasks(rp, groups, t.block_m) * t.block_m
+
+    def cols(n: int) -> int:
+        return max(round_up(n, t.block_n), COMPUTE_WGS * t.block_n)
+
+    forward = 2.0 * rows * d * cols(f) * 2 + 2.0 * rows * f * cols(d)  # gate and up, down
+    if not backward:
+        return forward
+    dx = 2.0 * rows * f * cols(d) * 2 + 2.0 * rows * d * cols(f)  # dx of gate and up (N = D), dh of down (N = F)
+    wrows = assignments + groups * t.block_k
+    dw = 2.0 * wrows * (round_up(d, 128) * cols(f) * 2 + round_up(f, 128) * cols(d))
+    return forward + dx + dw

@@ -20,7 +20,7 @@ from cisjax import forward as forward_lib
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.engines.jax import programs as sampler_programs
-from cisjax.models import attention, hf_io, moe, moe_hopper
+from cisjax.models import attention, hf_io, moe, moe_hopper, ragged_ws
 from cisjax.models.attention import Segments
 from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
@@ -170,7 +170,7 @@ class StepPrograms:
     def __init__(self, cfg, hf: dict, mesh):
         self.cfg, self.mesh = cfg, mesh
         self.spec = validate.check(cfg, inputs=False)  # the config's typed sections
-        self.rules = dict(self.spec.rules)  # the logical-axis table, resolved once (train.spec)
+        self.rules = self.spec.rules  # the logical-axis table, resolved once (train.spec)
         # the run the loop builds (train.build), on abstract params: its train step is the program compiled here
         self.run = build.build_run(self.spec, params="abstract", hf=hf, mesh=mesh)
         self.mcfg = hf_io.model_config(hf, **self.spec.runtime.model_kwargs())
@@ -309,16 +309,16 @@ class StepPrograms:
 
     def _moe_kernel_flops(self, moe_, rows: int, seq_len: int, backward: bool) -> float:
         """Per chip, the FLOPs of the Hopper (Mosaic GPU) grouped matmuls when the layer runs them
-        (moe_hopper.kernel_flops, an upper bound); 0 for every other dispatch, whose kernels carry their estimates or
-        which XLA counts itself. Each device takes its batch shard's rows in all the groups; F splits over the rest."""
-        if (
-            self.moe_impl not in ("mgpu", "mgpu_ws") or jnp.dtype(self.mcfg.dtype) == jnp.float32
-        ):  # float32 runs the Triton kernels
+        (moe_hopper.kernel_flops, or ragged_ws.kernel_flops for mgpu_ws: upper bounds); 0 for every other dispatch,
+        whose kernels carry their estimates or which XLA counts itself. Each device takes its batch shard's rows in
+        all the groups; F splits over the rest. float32 runs the Triton kernels."""
+        if self.moe_impl not in moe.HOPPER_KERNELS or jnp.dtype(self.mcfg.dtype) == jnp.float32:
             return 0.0
         _, groups, d, f = moe_.wg_ExDxF.shape
         batch_shards = sharding.axis_multiple(self.mesh, self.rules, "batch")
         assignments = rows * seq_len * moe_.k // batch_shards
-        flops = moe_hopper.kernel_flops(assignments, groups, d, f, backward=backward)
+        kernel_flops = ragged_ws.kernel_flops if self.moe_impl == "mgpu_ws" else moe_hopper.kernel_flops
+        flops = kernel_flops(assignments, groups, d, f, backward=backward)
         return flops * batch_shards / self.mesh.devices.size
 
     def _attention_kernel_flops(self, rows: int, seq_len: int, backward: bool) -> float:

@@ -28,7 +28,7 @@ class Run:
 
     spec: TrainSpec  # the config, validated and typed
     mesh: Any  # jax.sharding.Mesh
-    rules: dict  # logical axis -> mesh axes
+    rules: sharding.FrozenRules  # logical axis -> mesh axes: the spec's own table (spec.rules)
     graphdef: Any  # the model's nnx graph definition
     hf_config: dict  # the model's HF config.json (what an export writes)
     tx: Any  # the optax optimizer
@@ -63,7 +63,7 @@ def build_run(
     if params not in PARAMS:
         raise ValueError(f"params={params!r}: one of {PARAMS}")
     mesh = mesh if mesh is not None else sharding.make_mesh(dict(spec.mesh))
-    rules = dict(spec.rules)
+    rules = spec.rules
     tx = optim.make_optimizer(spec.step.optim)
     offload = spec.step.optim.offload_optimizer
     kwargs = spec.runtime.model_kwargs()

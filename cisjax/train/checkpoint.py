@@ -35,12 +35,11 @@ COMMIT_FILE = "commit_success.txt"
 # ----------------------------------------------------------------------------- targets
 
 
-def target_shardings(state, mesh: Mesh, rules: Mapping | None = None):
+def target_shardings(state, mesh: Mesh, rules: sharding_lib.FrozenRules = sharding_lib.DEFAULT_TABLE):
     """The sharding of every leaf of a train state (concrete or abstract) on `mesh`: each
     nnx.Variable (the params and the optimizer moments, which keep the params' `axes` metadata)
-    by its logical axes, every other leaf (counters, optimizer step counts) replicated.
-    Same tree structure as `state`."""
-    rules = sharding_lib.rules_from_config(rules)  # the default table, or it with these overrides
+    by its logical axes through `rules` (the resolved table: a run's spec.rules), every other leaf
+    (counters, optimizer step counts) replicated. Same tree structure as `state`."""
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(x):

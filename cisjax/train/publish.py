@@ -136,12 +136,14 @@ def canary_logprobs_fn(graphdef, spec: PublishSpec, mesh, rules):
 
 
 @functools.lru_cache(maxsize=8)
-def _canary_logprobs_fn(graphdef, mesh, rules: tuple, precision: str, chunk_size: int, dtype: str | None):
+def _canary_logprobs_fn(
+    graphdef, mesh, rules: sharding.FrozenRules, precision: str, chunk_size: int, dtype: str | None
+):
     # cached: the Publishers of one model share one compilation
     return forward.make_batch_logprobs(
         graphdef,
         mesh,
-        dict(rules),
+        rules,
         precision=precision,
         temperature=1.0,
         chunk_size=chunk_size,
@@ -185,7 +187,7 @@ class Publisher:
         colocated=None,
     ):
         self.graphdef, self.hf_config, self.spec, self.mesh = graphdef, dict(hf_config), spec, mesh
-        self.rules = sharding.rules_from_config(dict(rules) if rules is not None else None)
+        self.rules = rules  # the run's resolved table (spec.rules), as the params are sharded by it
         self.mode, self.dtype, self.keep = spec.mode, spec.dtype, int(spec.keep)
         self.is_writer = jax.process_index() == 0
         if self.is_writer and client is None:

@@ -126,7 +126,7 @@ class TrainSpec:
     tokenizer: str  # data.tokenizer or model.path
     runtime: runtime_lib.Runtime
     mesh: tuple  # mesh.* as (axis, size) pairs
-    rules: tuple  # sharding.rules frozen (sharding.freeze)
+    rules: sharding.FrozenRules  # sharding.rules resolved: the run's one table (build, plan, publish take it)
     replay: bool  # routing.replay = "rollout" (a dense model ignores it: Run.replay)
     step: StepSpec
     advantages: AdvantageSpec
@@ -196,7 +196,7 @@ def from_config(cfg) -> TrainSpec:
         tokenizer=tokenizer,
         runtime=runtime,
         mesh=tuple(cfg.mesh.to_dict().items()),
-        rules=sharding.freeze(sharding.rules_from_config(cfg.sharding.rules.to_dict())),
+        rules=sharding.rules_from_config(cfg.sharding.rules.to_dict()),
         replay=cfg.routing.replay == "rollout",
         step=step,
         advantages=section(AdvantageSpec, cfg.advantages),

@@ -246,3 +246,13 @@ def test_chained_pipelines_compute_what_separate_ones_do(transpose_rhs, monkeypa
     assert np.max(np.abs(base.astype(np.float64) - want) / (BF16_U * np.abs(want) + 1e-6 * np.abs(want).max())) <= 1
     for key, out in outs.items():
         np.testing.assert_array_equal(out, base, err_msg=f"stages, chain = {key}")
+
+
+def test_kernel_flops_by_hand():
+    # 1,000 rows in 4 groups: 128-row tasks, at most (1,000 + 7 x 4) // 128 + 4 = 12 of them (1,536 rows); N of 32
+    # and 64 each one pair of 128-column halves (256); the weight gradient's rows 1,000 + 4 x 64, K and N whole tiles
+    fwd = 2 * 1536 * 64 * 256 * 2 + 2 * 1536 * 32 * 256
+    assert ragged_ws.kernel_flops(1000, 4, 64, 32, backward=False) == fwd
+    dx = 2 * 1536 * 32 * 256 * 2 + 2 * 1536 * 64 * 256
+    dw = 2 * 1256 * (128 * 256 * 2 + 128 * 256)
+    assert ragged_ws.kernel_flops(1000, 4, 64, 32, backward=True) == fwd + dx + dw

@@ -8,7 +8,7 @@ import pytest
 from cisjax import sharding
 from cisjax.plan.programs import BATCH_DTYPES
 from cisjax.records import TrainBatch
-from cisjax.train import build
+from cisjax.train import build, publish
 from tests.support import steps
 from tests.support.runs import spec_of
 
@@ -35,11 +35,25 @@ def test_abstract_params_are_the_random_runs_shapes_and_shardings_and_allocate_n
     assert abstract.rows_multiple == real.rows_multiple and abstract.replay == real.replay
     # the abstract run's step compiles on abstract inputs: the program the planner reads
     b = 2 * real.rows_multiple
-    sh = sharding.batch_sharding(mesh, dict(spec.rules))
+    sh = sharding.batch_sharding(mesh, spec.rules)
     batch = TrainBatch(
         *(None if dt is None else jax.ShapeDtypeStruct((1, b, 16), dt, sharding=sh) for dt in BATCH_DTYPES)
     )
     assert abstract.train_step.jitted.lower(abstract.state, batch).compile() is not None
+
+
+def test_the_specs_rules_are_the_runs_and_its_publishers(tmp_path):
+    """The rules are resolved once, in the spec (a frozen table): the run and its publisher take that object itself,
+    and it shards as the config's table does."""
+    cfg = steps.make_cfg()
+    with cfg.unlocked():
+        cfg.sharding.rules.embed = "none"  # as --config.sharding.rules.embed=none
+    spec = spec_of(cfg)
+    assert isinstance(spec.rules, sharding.FrozenRules) and spec.rules["embed"] is None
+    assert spec.rules == sharding.rules_from_config({"embed": None}) and hash(spec.rules) is not None
+    run = build.build_run(spec, params="abstract", hf=steps.TINY_HF, mesh=sharding.make_mesh(MESH))
+    assert run.rules is spec.rules
+    assert publish.Publisher.for_run(run, client=object(), root=tmp_path).rules is spec.rules
 
 
 def test_random_params_follow_the_seed():

@@ -38,13 +38,22 @@ class Backend(backend_lib.Backend):
     update runs alone at its place in the order, so an update waits for the work before it and holds back the work
     after it (every token of a sample comes from one version).
 
-    `mesh` (with its logical `rules`): the weights, the activations and the KV cache sharded over it as the trainer
-    shards them (a serving mesh; the trainer's own in colocated mode). `runtime`: hf_io.load's model options (the
-    trainer's moe_impl, moe_tile, router_dtype, ...); dtype and param_dtype are always `dtype`."""
+    `mesh` (with its resolved logical `rules`, default sharding.DEFAULT_TABLE): the weights, the activations and the
+    KV cache sharded over it as the trainer shards them (a serving mesh; the trainer's own in colocated mode).
+    `runtime`: hf_io.load's model options (the trainer's moe_impl, moe_tile, router_dtype, ...); dtype and param_dtype
+    are always `dtype`."""
 
     engine = "jax"
 
-    def __init__(self, model_dir: str, *, dtype: str = "bfloat16", mesh=None, rules=None, runtime: dict | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "bfloat16",
+        mesh=None,
+        rules: sharding.FrozenRules = sharding.DEFAULT_TABLE,
+        runtime: dict | None = None,
+    ):
         self.model = str(model_dir)
         self.dtype = dtype
         self.mesh, self.rules = mesh, rules
@@ -163,7 +172,7 @@ class Backend(backend_lib.Backend):
         if (length, top_n) not in self.score_shapes:
             self.score_shapes.add((length, top_n))
             log.info("compiling score program %d: length %d, top_logprobs %d", len(self.score_shapes), length, top_n)
-        rules = sharding.freeze(self.sampler.rules) if self.mesh is not None else None  # a cache key
+        rules = self.sampler.rules  # frozen: a cache key (None without a mesh)
         lp_L, top_v, top_i, ids = _score_program(self.sampler.graphdef, top_n, self.mesh, rules)(
             self.sampler.params, jnp.asarray(tokens_1xL), jnp.int32(n), jnp.float32(temperature), jnp.asarray(targets_L)
         )

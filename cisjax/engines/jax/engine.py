@@ -80,8 +80,9 @@ class Engine:
     A run compiles a handful of programs per bucket (`compiled` counts them: prefill, a decode per width, the
     samples' entering and the narrowing).
     `params` may be swapped whole between calls (same structure): the compiled programs stay. With a `mesh` (and its
-    logical `rules`), the programs lay the activations and the KV cache out as the trainer does (params sharded as
-    hf_io.load places them on that mesh) and the row counts are multiples of the batch shards."""
+    resolved logical `rules`, default sharding.DEFAULT_TABLE), the programs lay the activations and the KV cache out as
+    the trainer does (params sharded as hf_io.load places them on that mesh) and the row counts are multiples of the
+    batch shards."""
 
     def __init__(
         self,
@@ -96,12 +97,12 @@ class Engine:
         width_step: int | None = None,
         decode_steps: int = DECODE_STEPS,
         mesh=None,
-        rules=None,
+        rules: sharding.FrozenRules = sharding.DEFAULT_TABLE,
     ):
         self.graphdef, self.params = graphdef, params
         self.max_len = max_len
         self.prompt_bucket, self.new_bucket = prompt_bucket, new_bucket
-        self.mesh, self.rules = mesh, (sharding.rules_from_config(rules) if mesh is not None else None)
+        self.mesh, self.rules = mesh, (rules if mesh is not None else None)
         self.batch_multiple = sharding.axis_multiple(mesh, self.rules, "batch") if mesh is not None else 1
         if min(max_rows, min_rows, decode_steps) < 1 or (width_step is not None and width_step < 0):
             raise ValueError(

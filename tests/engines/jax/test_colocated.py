@@ -24,14 +24,14 @@ def trainer(tiny_hf_dir):
     """(model dir, mesh, the trainer's params on it: fp32, sharded as `cisjax train` loads them)."""
     model_dir = tiny_hf_dir("qwen2_moe")
     mesh = sharding.make_mesh({"data": 2, "fsdp": -1})
-    model, _, _ = hf_io.load(model_dir, mesh=mesh, rules=None, dtype="float32", param_dtype="float32")
+    model, _, _ = hf_io.load(model_dir, mesh=mesh, rules=sharding.DEFAULT_TABLE, dtype="float32", param_dtype="float32")
     return model_dir, mesh, nnx.split(model, nnx.Param)[1]
 
 
 @pytest.fixture(scope="module")
 def colocated(trainer):
     model_dir, mesh, _ = trainer
-    engine = Colocated(model_dir, dtype="float32", mesh=mesh, rules=None)
+    engine = Colocated(model_dir, dtype="float32", mesh=mesh, rules=sharding.DEFAULT_TABLE)
     try:
         yield engine
     finally:
