@@ -331,12 +331,13 @@ def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
 
 
 @pytest.mark.slow
-def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy():
+@pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])
+def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy(impl):
     """Two MoE layers in one lax.scan without remat (the model's stack), forward and backward, compiled for a
     deviceless H100: one layer's 9 kernel calls, each launched once (XLA's dynamic-slice fusion would launch a kernel
     a second time where its output is both stored as the scan's residual and read in the body: gmm's optimization
     barrier), and no [N, k, D] array outside a fusion (the combine keeps the sorted rows: no un-sorted copy stored
-    per layer). In a fresh process: the plugin."""
+    per layer); JAX's kernels (mgpu) and cisjax's (mgpu_ws) alike. In a fresh process: the plugin."""
     out = fresh_process_json(
         """
         import json, re
@@ -356,7 +357,7 @@ def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy()
         def loss(x, wg, wu, wo, ids, w):
             def body(h, p):
                 with sharding.use_mesh(mesh):
-                    return moe.moe_ffn(h, *p), None
+                    return moe.moe_ffn(h, *p, impl=IMPL), None
 
             y, _ = jax.lax.scan(body, x, (wg, wu, wo, ids, w))
             return jnp.sum(jnp.square(y.astype(jnp.float32)))
@@ -369,7 +370,7 @@ def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy()
             elif comp not in fused and (m := re.match(r"\\s*(?:ROOT )?%?[\\w.\\-]+ = (\\(.*?\\)|\\S+) ", line)):
                 stored += re.findall(r"\\w+\\[(?:\\d+,)?256,2,128\\]", m[1])
         print(json.dumps({"mosaic_calls": hlo.count('custom_call_target="mosaic_gpu'), "unsorted": stored}))
-        """
+        """.replace("IMPL", repr(impl))
     )
     assert out["mosaic_calls"] == 9
     assert out["unsorted"] == []
