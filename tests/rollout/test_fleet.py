@@ -260,7 +260,7 @@ def fake_embedded(tmp_path_factory):
     from tests.support.servers import fake_model_dir
 
     root = tmp_path_factory.mktemp("fake_fleet")
-    model_dir = fake_model_dir(root / "model", vocab_size=97, max_len=512)
+    model_dir = fake_model_dir(root / "model", vocab_size=97, max_len=2048)
     servers, fleet = service.connect(
         "",
         replicas=2,
@@ -309,8 +309,10 @@ def test_fake_replica_killed_mid_stream_work_resent_then_restarted_and_rejoins(f
     assert fleet.update_weights(str(path), version=v) == v  # a directory: what a restarted replica is sent
     restarts = victim.restarts
     before = fleet.metrics()
-    # 4 x 400 tokens a prompt (about 40 ms each on the fake engine): the victim's stream is mid-way at its first sample
-    params = SamplingParams(n=4, max_new_tokens=400, seed=5)
+    # 8 x 2,000 tokens a prompt (the victim's share about 64,000 tokens, ~1.3 s on the fake engine): its stream is
+    # mid-way at its first sample even where the client reads that late (under a loaded CI, 400-token samples were
+    # all sent before the client read the first, and no failure came)
+    params = SamplingParams(n=8, max_new_tokens=2000, seed=5)
     killed = _kill_on_first_sample(monkeypatch, fleet, 1, victim)
     got = fleet.generate(PROMPTS, params)
     assert killed.is_set()
@@ -321,7 +323,7 @@ def test_fake_replica_killed_mid_stream_work_resent_then_restarted_and_rejoins(f
         ref = single.generate(PROMPTS, params)
     for what in ("response_ids", "logprobs", "versions", "sample_index", "prompt_index", "finish_reason"):
         assert _flat(got, what) == _flat(ref, what), what
-    assert all(s.versions == [v] * 400 for per in got for s in per)
+    assert all(s.versions == [v] * 2000 for per in got for s in per)
 
     victim.wait_ready()  # the watchdog started it again: on the model's own weights
     with _one(victim.target) as c:
