@@ -51,7 +51,7 @@ CANDIDATES = {
 }
 CANDIDATES["ragged_dot_t"] = CANDIDATES["ragged_dot"]
 # The same calls on cisjax's warp-specialized kernels (moe_impl "mgpu_ws", ragged_ws.py), timed right after the rule
-# and checked against its output: the defaults (ragged_ws.tiles_for), 64-row tasks, 64-column warpgroup halves with 4
+# and checked against its output: the defaults (ragged_ws.Tiles()), 64-row tasks, 64-column warpgroup halves with 4
 # stages (fits: 160 KiB), 2 stages (every even K step count chains). Each compiles for sm_90a at the paper shapes.
 WS_CANDIDATES = {
     "ragged_dot": (Tiles(), Tiles(block_m=64), Tiles(block_n=64, stages=4), Tiles(stages=2)),

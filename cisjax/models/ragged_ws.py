@@ -354,10 +354,21 @@ def transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, sms: int, tiles: Tiles = Ti
     return _launch(plgpu, body, (g, kp, np_), x_RxK.dtype, sms)(groups_Gx4, x_PxK, dy_PxN)[:, :k, :n]
 
 
-def tiles_for(rows: int, groups: int) -> Tiles:
-    """The forward's and input gradient's tiles for `rows` rows in `groups` groups: 128 rows a task where the groups
-    average 128 rows or more, else 64 (a group's last task computes block_m rows however few it stores)."""
-    return Tiles(block_m=128 if rows >= 128 * groups else 64)
+def _block_n(n: int) -> int:
+    """Columns per compute warpgroup for an N of n: 64 where one pair of 64 covers it (less padding), else 128."""
+    return 64 if n <= COMPUTE_WGS * 64 else 128
+
+
+def tiles_for(rows: int, groups: int, n: int) -> Tiles:
+    """The forward's and input gradient's tiles for `rows` rows in `groups` groups and an N of n: 128 rows a task
+    where the groups average 128 rows or more, else 64 (a group's last task computes block_m rows however few it
+    stores); _block_n's columns."""
+    return Tiles(block_m=128 if rows >= 128 * groups else 64, block_n=_block_n(n))
+
+
+def wgrad_tiles(k: int, n: int) -> Tiles:
+    """The weight gradient's tiles for a dW of [K, N]: K tiles of 128 where 128 divides K, else 64; _block_n's."""
+    return Tiles(block_m=128 if k % 128 == 0 else 64, block_n=_block_n(n))
 
 
 @contextlib.contextmanager
@@ -381,7 +392,12 @@ def gmm(x_RxK, w_GxKxN, sizes_G, interpret: bool, sms: int):
     finite in x (see transposed_ragged_dot). interpret: Mosaic GPU's interpreter; sms: the GPU's SM count."""
     with interpreted(interpret):
         out_RxN = ragged_dot(
-            x_RxK, w_GxKxN, sizes_G, transpose_rhs=False, sms=sms, tiles=tiles_for(x_RxK.shape[0], sizes_G.shape[0])
+            x_RxK,
+            w_GxKxN,
+            sizes_G,
+            transpose_rhs=False,
+            sms=sms,
+            tiles=tiles_for(x_RxK.shape[0], sizes_G.shape[0], w_GxKxN.shape[2]),
         )
     return jax.lax.optimization_barrier(out_RxN)  # as moe_hopper.gmm's: XLA would launch the kernel twice
 
@@ -392,13 +408,12 @@ def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
 
 def _gmm_bwd(interpret, sms, res, dout_RxN):
     x_RxK, w_GxKxN, sizes_G = res
-    tiles = tiles_for(x_RxK.shape[0], sizes_G.shape[0])
+    _, k, n = w_GxKxN.shape
+    dout_RxN = dout_RxN.astype(x_RxK.dtype)
+    tiles = tiles_for(x_RxK.shape[0], sizes_G.shape[0], k)  # the input gradient's N is W's K
     with interpreted(interpret):
-        dx_RxK = ragged_dot(dout_RxN.astype(x_RxK.dtype), w_GxKxN, sizes_G, transpose_rhs=True, sms=sms, tiles=tiles)
-        k = w_GxKxN.shape[1]
-        dw = transposed_ragged_dot(
-            x_RxK, dout_RxN.astype(x_RxK.dtype), sizes_G, sms=sms, tiles=Tiles(block_m=128 if k % 128 == 0 else 64)
-        )
+        dx_RxK = ragged_dot(dout_RxN, w_GxKxN, sizes_G, transpose_rhs=True, sms=sms, tiles=tiles)
+        dw = transposed_ragged_dot(x_RxK, dout_RxN, sizes_G, sms=sms, tiles=wgrad_tiles(k, n))
     return dx_RxK, dw.astype(w_GxKxN.dtype), None
 
 
@@ -407,21 +422,25 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:
     """An upper bound of the FLOPs the warp-specialized kernels compute for one SwiGLU over `assignments` sorted
-    rows in `groups` groups, hidden d, expert width f (cisjax plan: a Mosaic GPU kernel carries no cost estimate).
-    Forward and input gradient: max_tasks tasks of block_m rows (tiles_for) over N rounded up to whole block_n (a
-    last pair's overlap is not computed again); the weight gradient: each group's rows from a multiple of block_k
-    to one (at most one step more per group) over K and N in whole tiles."""
-    t = tiles_for(assignments, groups)
-    rp = max(round_up(assignments, ROW_ALIGN), t.block_m)
-    rows = max_tasks(rp, groups, t.block_m) * t.block_m
+    rows in `groups` groups, hidden d, expert width f (cisjax plan: a Mosaic GPU kernel carries no cost estimate),
+    with gmm's tiles. Forward and input gradient: max_tasks tasks of block_m rows over N rounded up to whole
+    block_n (a last pair's overlap is not computed again); the weight gradient: each group's rows from a multiple of
+    block_k to one (at most one step more per group) over K and N in whole tiles."""
 
-    def cols(n: int) -> int:
+    def cols(n: int, t: Tiles) -> int:
         return max(round_up(n, t.block_n), COMPUTE_WGS * t.block_n)
 
-    forward = 2.0 * rows * d * cols(f) * 2 + 2.0 * rows * f * cols(d)  # gate and up, down
+    def rows_x_k(k: int, n: int) -> float:  # a ragged_dot of K = k, N = n
+        t = tiles_for(assignments, groups, n)
+        rows = max_tasks(max(round_up(assignments, ROW_ALIGN), t.block_m), groups, t.block_m) * t.block_m
+        return 2.0 * rows * k * cols(n, t)
+
+    def wgrad(k: int, n: int) -> float:  # a transposed_ragged_dot of dW [K = k, N = n]
+        t = wgrad_tiles(k, n)
+        return 2.0 * (assignments + groups * t.block_k) * round_up(k, t.block_m) * cols(n, t)
+
+    forward = 2 * rows_x_k(d, f) + rows_x_k(f, d)  # gate and up, down
     if not backward:
         return forward
-    dx = 2.0 * rows * f * cols(d) * 2 + 2.0 * rows * d * cols(f)  # dx of gate and up (N = D), dh of down (N = F)
-    wrows = assignments + groups * t.block_k
-    dw = 2.0 * wrows * (round_up(d, 128) * cols(f) * 2 + round_up(f, 128) * cols(d))
-    return forward + dx + dw
+    dx = 2 * rows_x_k(f, d) + rows_x_k(d, f)  # dx of gate and up (N = D), dh of down (N = F)
+    return forward + dx + 2 * wgrad(d, f) + wgrad(f, d)

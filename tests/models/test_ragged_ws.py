@@ -132,8 +132,13 @@ def test_weight_gradient_matches_float64_and_empty_groups_are_zero(name, dtype, 
         assert worst <= 1, f"group {g}: {worst:.3g} x the bound"
 
 
-def test_tiles_for_few_rows_per_group():
-    assert ragged_ws.tiles_for(32768, 60).block_m == 128 and ragged_ws.tiles_for(1000, 60).block_m == 64
+def test_tiles_for_few_rows_per_group_and_narrow_n():
+    assert ragged_ws.tiles_for(32768, 60, 1408) == ragged_ws.Tiles(block_m=128, block_n=128)
+    assert ragged_ws.tiles_for(1000, 60, 2048) == ragged_ws.Tiles(block_m=64, block_n=128)
+    assert ragged_ws.tiles_for(1000, 4, 96).block_n == 64  # one pair of 64 covers N: half the padding of 128s
+    assert (
+        ragged_ws.wgrad_tiles(1408, 2048) == ragged_ws.Tiles(block_m=128) and ragged_ws.wgrad_tiles(96, 8).block_m == 64
+    )
 
 
 def test_gmm_values_and_both_gradients_match_float64(monkeypatch):
@@ -250,9 +255,10 @@ def test_chained_pipelines_compute_what_separate_ones_do(transpose_rhs, monkeypa
 
 def test_kernel_flops_by_hand():
     # 1,000 rows in 4 groups: 128-row tasks, at most (1,000 + 7 x 4) // 128 + 4 = 12 of them (1,536 rows); N of 32
-    # and 64 each one pair of 128-column halves (256); the weight gradient's rows 1,000 + 4 x 64, K and N whole tiles
-    fwd = 2 * 1536 * 64 * 256 * 2 + 2 * 1536 * 32 * 256
+    # and 64 each one pair of 64-column halves (128); the weight gradient's rows 1,000 + 4 x 64, K of 64 and 32 in
+    # tiles of 64, N in one pair of 64
+    fwd = 2 * (2 * 1536 * 64 * 128) + 2 * 1536 * 32 * 128
     assert ragged_ws.kernel_flops(1000, 4, 64, 32, backward=False) == fwd
-    dx = 2 * 1536 * 32 * 256 * 2 + 2 * 1536 * 64 * 256
-    dw = 2 * 1256 * (128 * 256 * 2 + 128 * 256)
+    dx = 2 * (2 * 1536 * 32 * 128) + 2 * 1536 * 64 * 128
+    dw = 3 * (2 * 1256 * 64 * 128)
     assert ragged_ws.kernel_flops(1000, 4, 64, 32, backward=True) == fwd + dx + dw
