@@ -34,7 +34,8 @@ def default_impl(
 
     TPU: "gmm", megablox's grouped-matmul kernels, forward and both gradients (XLA's ragged_dot lowers its weight
     gradient to masked dense work over every expert, E times the FLOPs; its row tile follows the rows per expert).
-    GPU: "mgpu" on compute capability 9.x (Hopper: JAX's Mosaic GPU kernels, moe_hopper.py), else "triton", cisjax's
+    GPU: "mgpu_ws" on compute capability 9.x (Hopper: cisjax's warp-specialized Mosaic GPU kernels, swiglu_ws.py;
+    "mgpu", JAX's, stays the fallback by name), else "triton", cisjax's
     grouped matmuls in Pallas's Triton backend (gpu_grouped.py); `capability` (major, minor) defaults to that of the
     traced program's devices (moe_hopper.compute_capability: the mesh's, never the host's), cisjax plan passes its
     target's. With `rows_per_expert` (a device's rows x k / E) under MGPU_MIN_ROWS, "triton" on Hopper too: a decode
@@ -45,7 +46,7 @@ def default_impl(
     if platform in sharding.GPU_PLATFORMS:
         capability = capability or moe_hopper.compute_capability()
         few = rows_per_expert is not None and rows_per_expert < MGPU_MIN_ROWS
-        return "mgpu" if capability is not None and capability[0] == 9 and not few else "triton"
+        return "mgpu_ws" if capability is not None and capability[0] == 9 and not few else "triton"
     return {"cpu": "tiled", "tpu": "gmm"}.get(platform, "ragged")
 
 
