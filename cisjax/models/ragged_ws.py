@@ -80,6 +80,8 @@ class Task(NamedTuple):
     count: jax.Array
     col: jax.Array  # the warpgroup's first column (of each accumulator's block_n)
     stores: jax.Array  # whether it multiplies and stores: not the first half of a last tile's overlap
+    index: jax.Array  # the row task's index in row_tasks
+    tile: jax.Array  # the N tile's index (of 2 block_n columns)
 
 
 class Store:
@@ -167,7 +169,7 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, *refs, tiles: Tiles, trans
             task_i, j = lin // n_tiles, lin % n_tiles
             group, load, offset, count = (tasks_gmem[task_i, c] for c in range(4))
             n0, wg_n0, stores = _n_tile(j, wg, bn, n)
-            task = Task(wg, pl.multiple_of(load, ROW_ALIGN), offset, count, wg_n0, stores)
+            task = Task(wg, pl.multiple_of(load, ROW_ALIGN), offset, count, wg_n0, stores, task_i, j)
 
             def mma(_, lhs_smem, *rhs_and_accs):
                 *rhs_smems, accs = rhs_and_accs

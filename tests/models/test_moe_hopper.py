@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals
 from jax.extend import core as jex_core
 
 from cisjax import errors, sharding
@@ -117,6 +118,28 @@ def test_masked_rows_past_the_groups(monkeypatch):
     assert not np.any(y[200:]) and not np.any(dx[200:]) and all(np.isfinite(g).all() for g in dws)
     for got, ref, what in ((y[:200], y_ref, "y"), (dx[:200], dx_ref, "dx"), *zip(dws, dw_ref, ("dwg", "dwu", "dwo"))):
         np.testing.assert_allclose(got, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=what)
+
+
+def test_mgpu_ws_keeps_the_sorted_rows_h_and_gu_and_nothing_of_the_combine(monkeypatch):
+    """What moe_ffn("mgpu_ws") keeps for its backward besides its arguments (what a layer scan without remat stores
+    per layer): the sorted rows [R, D], h [R, F] and gu [R, 2F]; not the experts' output (the routing weights'
+    gradient comes from the dh kernel: routing.combine would keep [R, D] more), not a [Wg | Wu] copy of the weights
+    (the backward makes it again), not g, u or silu(g) apart (mgpu keeps those)."""
+    mgpu_interpret.enable(monkeypatch)
+    n, d, f, e, k = 64, 128, 192, 4, 2
+    x, w = jnp.ones((n, d), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16)
+    wg, wo = jnp.ones((e, d, f), jnp.bfloat16), jnp.ones((e, f, d), jnp.bfloat16)
+    ids = jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32)
+
+    def kept(impl):
+        ffn = lambda x, wg, wu, wo, w: moe.moe_ffn(x, wg, wu, wo, ids, w, impl=impl)  # noqa: E731
+        return sorted(
+            a.shape for a, why in saved_residuals(ffn, x, wg, wg, wo, w) if "argument" not in why and a.ndim > 1
+        )
+
+    r = n * k  # 128: a multiple of moe_hopper.ROW_ALIGN, no padding
+    assert kept("mgpu_ws") == sorted([(r, d), (r, f), (r, 2 * f)])
+    assert len(kept("mgpu")) > 3
 
 
 @pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])

@@ -42,48 +42,72 @@ def _silu_parts(g):
     return s, g * s
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gate_up_and_down_grad_match_float64_without_races(dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "weighted"), [("bfloat16", False), ("bfloat16", True), ("float32", True)])
+def test_gate_up_and_down_grad_match_float64_without_races(dtype, weighted, monkeypatch):
     """gate_up: g = x Wg and u = x Wu (one launch, [Wg | Wu] side by side) into gu, h = silu(g) u of the rounded g
-    and u; rows past the groups unwritten (NaN in the interpreter). down_grad: dh = dout Wo^T in fp32 and
-    dg = dh u silu'(g), du = dh silu(g) from gu (NaN past the groups: loaded, never stored), each rounded once."""
+    and u (times each row's routing weight w where weighted); rows past the groups unwritten (NaN in the
+    interpreter). down_grad: dh' = dout Wo^T in fp32, dh = w dh' (weighted) and dg = dh u silu'(g), du = dh silu(g)
+    from gu, each rounded once, and (weighted) each row's weight gradient <dh', silu(g) u>; gu and w NaN past the
+    groups (loaded, never stored: the weight gradient is 0 there)."""
     mgpu_interpret.enable(monkeypatch)
-    kx, kw, ko, kd, kg = jax.random.split(jax.random.key(5), 5)
+    kx, kw, ko, kd, kg, kr = jax.random.split(jax.random.key(5), 6)
     x = jax.random.normal(kx, (R, D), dtype)
     wgu = jax.random.normal(kw, (len(SIZES), D, 2 * F), dtype) * 0.2
     wo = jax.random.normal(ko, (len(SIZES), F, D), dtype) * 0.2
     dout = jax.random.normal(kd, (R, D), dtype)
     gu_in = (jax.random.normal(kg, (R, 2 * F), dtype) * 2).at[M:].set(jnp.nan)
+    w_R = jax.random.uniform(kr, (R,), jnp.float32, 0.1, 1.0).at[M:].set(jnp.nan) if weighted else None
     sizes = jnp.array(SIZES, jnp.int32)
     gpu_callbacks.reset_gpu_interpret_mode_state()
     with mgpu_interpret.interpreted(detect_races=True):
-        h, gu = swiglu_ws.gate_up(x, wgu, sizes, sms=SMS, tiles=TILES)
-        dgu = swiglu_ws.down_grad(dout, wo, gu_in, sizes, sms=SMS, tiles=TILES)
+        h, gu = swiglu_ws.gate_up(x, wgu, sizes, w_R, sms=SMS, tiles=TILES)
+        dgu = swiglu_ws.down_grad(dout, wo, gu_in, sizes, w_R, sms=SMS, tiles=TILES)
     assert not gpu_callbacks.get_races().races_found
+    dgu, dw = dgu if weighted else (dgu, None)
     assert (h.shape, gu.shape, dgu.shape) == ((R, F), (R, 2 * F), (R, 2 * F)) and h.dtype == gu.dtype == x.dtype
     u = U[dtype]
+    w64 = np.asarray(w_R, np.float64)[:M, None] if weighted else np.ones((M, 1))
     xs, ws = _f64(x), _f64(wgu)
     want_gu = _per_group(lambda g, xg: xg @ ws[g], xs)
     scale = _per_group(lambda g, xg: np.abs(xg) @ np.abs(ws[g]), xs)
     _within("gu", _f64(gu)[:M], want_gu, u * np.abs(want_gu) + FP32_REL * scale)
     g, up = _f64(gu)[:M, :F], _f64(gu)[:M, F:]
-    want_h = _silu_parts(g)[1] * up
+    want_h = _silu_parts(g)[1] * up * w64
     _within("h", _f64(h)[:M], want_h, (u + FP32_REL) * np.abs(want_h) + 1e-30)
     assert np.all(np.isnan(_f64(h)[M:])) and np.all(np.isnan(_f64(gu)[M:]))  # unwritten: swiglu zeroes h's
 
     os_, ds = _f64(wo), _f64(dout)
-    dh = _per_group(lambda g, dg: dg @ os_[g].T, ds)
+    dh1 = _per_group(lambda g, dg: dg @ os_[g].T, ds)  # dh' (unweighted)
     mag = _per_group(lambda g, dg: np.abs(dg) @ np.abs(os_[g]).T, ds)
     g, up = _f64(gu_in)[:M, :F], _f64(gu_in)[:M, F:]
     s, silu = _silu_parts(g)
     dsilu = s + silu * (1 - s)
+    dh, mag_w = dh1 * w64, mag * w64
     # fp32's error: dh's accumulation (of its magnitude sum) and silu' = s + silu (1 - s) evaluated in fp32 (of its
     # terms' magnitude: it cancels near g = -1)
     for what, want, err, got in (
-        ("dg", dh * up * dsilu, mag * np.abs(up * dsilu) + np.abs(dh * up) * (s + np.abs(silu)), _f64(dgu)[:M, :F]),
-        ("du", dh * silu, mag * np.abs(silu), _f64(dgu)[:M, F:]),
+        ("dg", dh * up * dsilu, mag_w * np.abs(up * dsilu) + np.abs(dh * up) * (s + np.abs(silu)), _f64(dgu)[:M, :F]),
+        ("du", dh * silu, mag_w * np.abs(silu), _f64(dgu)[:M, F:]),
     ):
         _within(what, got, want, (u + FP32_REL) * np.abs(want) + FP32_REL * err + 1e-30)
+    if weighted:
+        assert dw.shape == (R,) and dw.dtype == jnp.float32
+        want_dw = np.sum(dh1 * silu * up, axis=1)
+        err = np.sum((mag + np.abs(dh1)) * np.abs(silu * up), axis=1)
+        _within("dw", np.asarray(dw, np.float64)[:M], want_dw, FP32_REL * err + 1e-30)
+        assert np.all(np.asarray(dw)[M:] == 0)
+
+
+def test_gathered_partials_by_hand():
+    # 10 rows, tasks of 4: task 0 loads row 0 and holds group 0's rows 0-2, task 1 loads 0 and holds group 1's row 3
+    # (offset 3), task 2 loads 4 and holds group 1's rows 4-7, task 3 holds none; two shares a task; rows 8-9 in none
+    tasks = jnp.array([[0, 0, 0, 3], [1, 0, 3, 1], [1, 4, 0, 4], [0, 0, 0, 0]], jnp.int32)
+    partials = jnp.arange(4 * 2 * 4, dtype=jnp.float32).reshape(4, 2, 4)  # [task, share, position]
+    got = np.asarray(swiglu_ws.gathered_partials(partials, tasks, 10))
+    p = np.asarray(partials)
+    want = [p[0, 0, i] + p[0, 1, i] for i in range(3)] + [p[1, 0, 3] + p[1, 1, 3]]
+    want += [p[2, 0, i] + p[2, 1, i] for i in range(4)] + [0.0, 0.0]
+    assert got.tolist() == want
 
 
 def test_swiglu_values_and_gradients_match_float64(monkeypatch):
@@ -102,7 +126,7 @@ def test_swiglu_values_and_gradients_match_float64(monkeypatch):
     with ragged_ws.interpreted(True):
         h, gu = swiglu_ws.gate_up(x, jnp.concatenate([wg, wu], axis=2), sizes, sms=SMS, tiles=tiles)
         dgu = swiglu_ws.down_grad(dout, wo, gu, sizes, sms=SMS, tiles=tiles)
-        out, vjp = jax.vjp(lambda *a: swiglu_ws.swiglu(*a, sizes, True, SMS, False), x, wg, wu, wo)
+        out, vjp = jax.vjp(lambda *a: swiglu_ws.swiglu(*a, sizes, None, True, SMS, False), x, wg, wu, wo)
     dx, dwg, dwu, dwo = vjp(dout)
     xs, hs, ds, dgus = _f64(x), _f64(h), _f64(dout), _f64(dgu)
     wgus, os_ = _f64(jnp.concatenate([wg, wu], axis=2)), _f64(wo)
@@ -133,7 +157,7 @@ def test_swiglu_refuses_unpadded_shapes():
     x = jnp.zeros((300, 128), jnp.bfloat16)
     w = jnp.zeros((2, 128, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="must be whole"):
-        swiglu_ws.swiglu(x, w, w, jnp.zeros((2, 192, 128), jnp.bfloat16), jnp.array([300, 0]), True, SMS, True)
+        swiglu_ws.swiglu(x, w, w, jnp.zeros((2, 192, 128), jnp.bfloat16), jnp.array([300, 0]), None, True, SMS, True)
     assert swiglu_ws.padded_width(100) == 128 and swiglu_ws.padded_width(1408) == 1408
 
 
@@ -150,7 +174,7 @@ def test_kernel_flops_by_hand():
 
 @pytest.mark.slow
 def test_paper_shapes_compile_for_sm90a_within_shared_memory():
-    """swiglu's forward and backward (its six kernel calls) compile for a deviceless H100 (sm_90a) at the three paper
+    """swiglu's forward and backward with routing weights (its six kernel calls) compile for a deviceless H100 (sm_90a) at the three paper
     shapes' MoE layers (8,192 tokens, hidden 2048), which Mosaic GPU refuses when a kernel exceeds the SM's shared
     memory: 4 stages of ragged_ws's default 128 x 2 x 128 tiles do (a check that can fail). In a fresh process: the
     CUDA plugin loads before Mosaic GPU."""
@@ -179,14 +203,16 @@ def test_paper_shapes_compile_for_sm90a_within_shared_memory():
             except Exception as e:  # noqa: BLE001 - the message is the result
                 return str(e)[:200]
 
-        def both(x, wg, wu, wo, sizes):
-            out, vjp = jax.vjp(lambda *a: swiglu_ws.swiglu(*a, sizes, False, 132, True), x, wg, wu, wo)
+        def both(x, wg, wu, wo, sizes, w):
+            out, vjp = jax.vjp(lambda x, wg, wu, wo, w: swiglu_ws.swiglu(x, wg, wu, wo, sizes, w, False, 132, True),
+                               x, wg, wu, wo, w)
             return out, vjp(x)
 
         out = {}
         for name, (e, k, f) in {"qwen15": (60, 4, 1408), "dsv2_lite": (64, 6, 1408), "qwen3": (128, 8, 768)}.items():
             r, d = 8192 * k, 2048
-            out[name] = compiles(both, arg(r, d), arg(e, d, f), arg(e, d, f), arg(e, f, d), arg(e, dtype=jnp.int32))
+            weights = arg(r, dtype=jnp.float32)
+            out[name] = compiles(both, arg(r, d), arg(e, d, f), arg(e, d, f), arg(e, f, d), arg(e, dtype=jnp.int32), weights)
         four = ragged_ws.Tiles(stages=4)
         out["4 stages"] = compiles(
             lambda x, w, s: ragged_ws.ragged_dot(x, w, s, transpose_rhs=False, sms=132, tiles=four),
