@@ -184,6 +184,7 @@ def summary(res: dict) -> dict:
                 k: (c.get("best_ws") or {}).get("speedup_over_rule") for k, c in tune.get("calls", {}).items()
             },
             blocks_entries=tune.get("table", []),
+            fused_speedup_over_jax={k: r.get("speedup_over_jax") for k, r in tune.get("fused", {}).items()},
         )
     return out
 
@@ -253,6 +254,25 @@ TUNE_NOTE = (
     "blocks: (block_m, block_n, block_k, stages, grid_block_n); mgpu_ws: the best of ragged_ws's tiles (the JSON's "
     "best_ws) and its speed-up over the rule; bf16; moe_hopper.BLOCKS entries below"
 )
+
+
+FUSED_COLUMNS = ("call", "ms", "TF/s", "JAX's calls ms", "x JAX", "status")
+FUSED_NOTE = (
+    "swiglu_ws with routing weights, default tiles; JAX's calls: the rule's ms of what each replaces in mgpu's layer "
+    "(gate_up: two forward gate/up calls; down_grad: dh's input-gradient call), this run's; bf16"
+)
+
+
+def _fused_rows(fused: dict):
+    for key, r in fused.items():
+        yield (
+            key,
+            _num(r.get("ms"), ".3f"),
+            _num(r.get("tflops"), ".0f"),
+            _num(r.get("jax_ms"), ".3f"),
+            _num(r.get("speedup_over_jax"), ".2f"),
+            r["status"] if r["status"] != "skipped" else escape(f"skipped: {r.get('reason', '')}"),
+        )
 
 
 def _tune_rows(tune: dict):
@@ -367,6 +387,9 @@ def show(res: dict) -> None:
             console.print(harness.table("Hopper grouped-matmul block sweep", TUNE_COLUMNS, rows, TUNE_NOTE))
             for line in tune.get("table", []):
                 console.print(escape(line), soft_wrap=True)
+            if tune.get("fused"):
+                rows = list(_fused_rows(tune["fused"]))
+                console.print(harness.table("mgpu_ws's fused calls", FUSED_COLUMNS, rows, FUSED_NOTE))
     if "moe_layer" in secs:
         layer = secs["moe_layer"]
         title = f"MoE layer fwd+bwd, hidden {layer.get('hidden')}, bf16"

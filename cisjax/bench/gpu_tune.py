@@ -1,5 +1,6 @@
 """The GPU check's block sweep: each Mosaic GPU grouped-matmul call of the MoE layer table's shapes timed per block
-configuration, JAX's kernels' best per (kernel, K, N) printed as moe_hopper.BLOCKS entries, ragged_ws's beside."""
+configuration, JAX's kernels' best per (kernel, K, N) printed as moe_hopper.BLOCKS entries, ragged_ws's beside, and
+swiglu_ws's fused calls against the JAX calls they replace."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax.bench import gpu_parts
-from cisjax.models import moe_hopper, ragged_ws
+from cisjax.models import moe_hopper, ragged_ws, swiglu_ws
 from cisjax.models.moe_hopper import Blocks
 from cisjax.models.padding import round_up
 from cisjax.models.ragged_ws import Tiles
@@ -58,6 +59,10 @@ WS_CANDIDATES = {
     "transposed": (Tiles(), Tiles(block_m=64), Tiles(block_n=64, stages=4)),
 }
 WS_CANDIDATES["ragged_dot_t"] = WS_CANDIDATES["ragged_dot"]
+# mgpu_ws's fused calls (swiglu_ws, with routing weights), timed once each right after the rules' round, against the
+# rule's time of the JAX calls each replaces in mgpu's layer: gate/up with the SwiGLU (K = D, N = 2F) two forward
+# calls of D x F; dh with the dSwiGLU and the weights' gradient (K = D, N = F) the input-gradient call of D x F
+FUSED = {"gate_up": (("ragged_dot", 2),), "down_grad": (("ragged_dot_t", 1),)}
 # Calls per timing round and rounds (the median round counts): rounds of back-to-back calls, so the host's dispatch
 # overlaps the device's work and a sub-millisecond kernel is timed, not the launch.
 CALLS = {"full": 20, "small": 1}
@@ -121,6 +126,70 @@ def calls(size: str) -> list[Call]:
     return out
 
 
+def fused_calls(size: str) -> list[Call]:
+    """swiglu_ws's two fused calls per (D, F) of the MoE layer table's shapes (the first shape's groups): gate_up
+    (its N the 2F of g and u) and down_grad (its N = F)."""
+    spec = gpu_parts.MOE_LAYER[size]
+    d, out, seen = spec["hidden"], [], set()
+    for i, (name, (e, k, f)) in enumerate(spec["shapes"].items()):
+        if f in seen:
+            continue
+        seen.add(f)
+        sizes = group_sizes(spec["tokens"], e, k, seed=i)
+        rows = round_up(sum(sizes), moe_hopper.ROW_ALIGN)
+        out += [Call("gate_up", d, 2 * f, rows, sizes, name), Call("down_grad", d, f, rows, sizes, name)]
+    return out
+
+
+def _fused_program(c: Call, interpret: bool):
+    """A fused call with its shapes padded as mgpu_swiglu pads them (F to swiglu_ws.padded_width) and its default
+    tiles, jitted: f(*operands) -> its outputs."""
+    sms = moe_hopper.INTERPRET_SMS if interpret else jax.devices()[0].core_count
+    tiles = swiglu_ws.tiles_for(c.rows, len(c.sizes))
+    fn = swiglu_ws.gate_up if c.kernel == "gate_up" else swiglu_ws.down_grad
+
+    def f(*operands):
+        with ragged_ws.interpreted(interpret):
+            return fn(*operands, sms=sms, tiles=tiles)
+
+    return jax.jit(f)
+
+
+def _fused_operands(c: Call, seed: int):
+    """Random bf16 operands of a fused call (rows past the groups zero) and fp32 routing weights in (0, 1]."""
+    rng = np.random.default_rng(seed)
+    g, used, d = len(c.sizes), sum(c.sizes), c.k
+    f = swiglu_ws.padded_width(c.n // 2 if c.kernel == "gate_up" else c.n)
+    rows = np.zeros((c.rows, d), np.float32)
+    rows[:used] = rng.standard_normal((used, d))
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, c.rows), jnp.float32)
+    sizes = jnp.asarray(c.sizes, jnp.int32)
+    if c.kernel == "gate_up":
+        wgu = rng.standard_normal((g, d, 2 * f)) / np.sqrt(d)
+        return jnp.asarray(rows, jnp.bfloat16), jnp.asarray(wgu, jnp.bfloat16), sizes, weights
+    wo, gu = rng.standard_normal((g, f, d)) / np.sqrt(d), rng.standard_normal((c.rows, 2 * f))
+    return (*(jnp.asarray(a, jnp.bfloat16) for a in (rows, wo, gu)), sizes, weights)
+
+
+def _fused(res: dict, size: str, deadline: float, interpret: bool) -> None:
+    """Time each fused call (within the deadline) into res["fused"][key]: its row (measure's), the rule's ms of the
+    JAX calls it replaces (this run's, FUSED) and the speed-up over them."""
+    res.setdefault("fused", {})
+    for i, c in enumerate(fused_calls(size)):
+        if time.time() > deadline:
+            res["fused"][c.key] = dict(status="skipped", reason="time box")
+            continue
+        row, _ = _timed(c, _fused_program(c, interpret), _fused_operands(c, seed=i), size)
+        f = c.n // 2 if c.kernel == "gate_up" else c.n
+        rules = [
+            (res["calls"].get(f"{kernel} {c.k}x{f}", {}).get("candidates") or [{}])[0] for kernel, _ in FUSED[c.kernel]
+        ]
+        if row["status"] == "ok" and all(r.get("status") == "ok" for r in rules):
+            row["jax_ms"] = sum(r["ms"] * n for r, (_, n) in zip(rules, FUSED[c.kernel]))
+            row["speedup_over_jax"] = row["jax_ms"] / row["ms"]
+        res["fused"][c.key] = row
+
+
 def _operands(c: Call, dtype, seed: int):
     """Random operands of a call in `dtype`: (lhs, rhs, group sizes); rows past the groups zero (finite)."""
     rng = np.random.default_rng(seed)
@@ -162,10 +231,17 @@ def measure(c: Call, config: Blocks | Tiles, operands, size: str, interpret: boo
     """One candidate: (its row, its output). Compile time, then ROUNDS rounds of CALLS back-to-back calls: ms per
     call (the median round), TFLOP/s. A configuration that fails to compile or run is a row with its error. Its
     `kernels`: "jax" (moe_hopper's Blocks) or "ws" (ragged_ws's Tiles)."""
-    row = dict(blocks=dataclasses.astuple(config), kernels="ws" if isinstance(config, Tiles) else "jax")
+    row, out = _timed(c, program(c, config, interpret), operands, size)
+    return dict(blocks=dataclasses.astuple(config), kernels="ws" if isinstance(config, Tiles) else "jax", **row), out
+
+
+def _timed(c: Call, jitted, operands, size: str) -> tuple[dict, jax.Array | None]:
+    """measure's timing of one jitted call: compile seconds, then ms per call (the median round) and TFLOP/s; an
+    error as a row."""
+    row = {}
     try:
         t0 = time.perf_counter()
-        compiled = program(c, config, interpret).lower(*operands).compile()
+        compiled = jitted.lower(*operands).compile()
         row["compile_s"] = time.perf_counter() - t0
         out = jax.block_until_ready(compiled(*operands))
         per_call = []
@@ -245,6 +321,8 @@ def run(size: str, deadline: float, save, interpret: bool | None = None) -> dict
                 row["agrees"] = row["max_rel_to_rule"] <= AGREE
             entry["candidates"].append(row)
             last_s = time.time() - t0
+        if step == 0:
+            _fused(res, size, deadline, interpret)
         _conclude(res)
         save(res)
     return res

@@ -57,7 +57,9 @@ def test_sweep_in_the_interpreter(monkeypatch):
     """After the rule per kernel: one configuration of ragged_ws's kernels, then two of JAX's, one the kernel takes
     (it agrees with the rule's output) and one it refuses (no pipeline stage: the kernels need more stages than they
     delay a buffer's release), recorded as an error; the best of JAX's is the fastest agreeing one and a BLOCKS line
-    names it when it is not the rule's; ragged_ws's agrees with the rule and is reported beside (best_ws)."""
+    names it when it is not the rule's; ragged_ws's agrees with the rule and is reported beside (best_ws); after the
+    rules' round, swiglu_ws's two fused calls, each against the rule's ms of the JAX calls it replaces (gate_up: two
+    forward calls of D x F; down_grad: the input-gradient call of D x F)."""
     mgpu_interpret.enable(monkeypatch)
     monkeypatch.setitem(gpu_parts.MOE_LAYER, "small", TOY)
     bad = Blocks(64, 64, 64, 0, 1)
@@ -83,6 +85,15 @@ def test_sweep_in_the_interpreter(monkeypatch):
             kernel, k, n = c["kernel"], c["k"], c["n"]
             lines.append(f'("{kernel}", {k}, {n}): Blocks(64, 64, 64, 2, 1),  # ')
     assert [line[: len(want)] for line, want in zip(res["table"], lines)] == lines and len(res["table"]) == len(lines)
+    assert list(res["fused"]) == ["gate_up 64x64", "down_grad 64x32"]
+    rule_ms = {key: c["candidates"][0]["ms"] for key, c in res["calls"].items()}
+    for key, want in (
+        ("gate_up 64x64", 2 * rule_ms["ragged_dot 64x32"]),
+        ("down_grad 64x32", rule_ms["ragged_dot_t 64x32"]),
+    ):
+        row = res["fused"][key]
+        assert row["status"] == "ok" and row["ms"] > 0 and row["jax_ms"] == pytest.approx(want), (key, row)
+        assert row["speedup_over_jax"] == pytest.approx(want / row["ms"])
     json.dumps(res)  # the check writes it as JSON
 
 
@@ -123,6 +134,7 @@ def test_past_the_deadline_every_candidate_is_skipped(monkeypatch):
     rows = [r for c in res["calls"].values() for r in c["candidates"]]
     assert rows and all(r["status"] == "skipped" and r["reason"] == "time box" for r in rows)
     assert all(c["best"] is None for c in res["calls"].values()) and res["table"] == []
+    assert res["fused"] and all(r == dict(status="skipped", reason="time box") for r in res["fused"].values())
 
 
 def test_the_check_runs_the_sweep_only_when_asked_and_reports_it(tmp_path, capsys):
@@ -147,6 +159,7 @@ def test_report_shows_a_sweep(capsys):
             )
         },
         table=[],
+        fused={"gate_up 2048x2816": dict(status="ok", ms=0.7, tflops=540.0, jax_ms=0.91, speedup_over_jax=1.3)},
     )  # fmt: skip
     res = dict(size="full", seconds=1.0, budget_s=300, env={}, sections=dict(tune=tune))
     res["summary"] = gpu_report.summary(res)
@@ -156,6 +169,8 @@ def test_report_shows_a_sweep(capsys):
     shown = capsys.readouterr().out
     assert "block sweep" in shown and "ragged_dot 2048x1408" in shown and "421" in shown and "1.00" in shown
     assert "526 (1.25x)" in shown
+    assert "fused calls" in shown and "gate_up 2048x2816" in shown and "0.910" in shown and "1.30" in shown
+    assert res["summary"]["tune"]["fused_speedup_over_jax"] == {"gate_up 2048x2816": 1.3}
 
 
 def test_agreement_measure_by_hand():
