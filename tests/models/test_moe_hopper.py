@@ -89,9 +89,11 @@ def test_gmm_float16(monkeypatch):
     np.testing.assert_allclose(np.asarray(dw, np.float64), _ref_dw(xf, dyf, sizes), rtol=2.0**-11, atol=1e-3)
 
 
-def test_masked_rows_past_the_groups(monkeypatch):
+@pytest.mark.parametrize("kernels", ["jax", "ws"])
+def test_masked_rows_past_the_groups(kernels, monkeypatch):
     """The expert-parallel receive buffer: rows past the groups, which the kernels leave unwritten (the interpreter
-    fills them with NaN), masked out of y and dx by moe._masked_rows; none of them reaches a weight gradient."""
+    fills them with NaN), masked out of y and dx by moe._masked_rows; none of them reaches a weight gradient. JAX's
+    kernels (mgpu: gate's and up's rows zeroed) and swiglu_ws's (mgpu_ws: h's rows zeroed)."""
     mgpu_interpret.enable(monkeypatch)
     n, d, f, e = 100, 16, 8, 4
     ids = [[i % 3, 3] if i % 5 else [1, 3] for i in range(n)]
@@ -102,7 +104,7 @@ def test_masked_rows_past_the_groups(monkeypatch):
     xs = np.concatenate([x[order // 2], np.full((buf - 200, d), 7.0, np.float32)])
     cts = np.random.default_rng(6).normal(size=(buf, d)).astype(np.float32)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (xs, wg, wu, wo, cts)]
-    swiglu = functools.partial(moe_hopper.mgpu_swiglu, interpret=True)
+    swiglu = functools.partial(moe_hopper.mgpu_swiglu, interpret=True, kernels=kernels)
 
     def loss(xs, wg, wu, wo):
         y = moe._masked_rows(swiglu, xs, wg, wu, wo, jnp.asarray(sizes, jnp.int32))
