@@ -15,9 +15,11 @@ Attention is per query: each query attends over its row's keys laid out slot = p
 slots `slots` (masked slots contribute exact zeros: exp(finfo.min - max) = 0), so the decode's cache and the
 training forward's keys give the same reduction. The logprob is the trainer's formula, z_t - logsumexp(z).
 
-Scope of the prototype: the dense families built from qwen2_moe.Attention (Qwen2; Qwen2-MoE's attention, without
-its MoE) and a dense MLP; fp32 and bf16 compute; temperature sampling (no top-k / top-p). Not wired into the train
-step or the engine yet (exact_forward is what a train step in exact mode would call instead of model.__call__)."""
+The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts per token, shared experts),
+exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the prototype:
+Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Not wired into the
+train step or the engine yet (exact_forward is what a train step in exact mode would call instead of model.__call__
+and token_logprobs)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.models.attention import cache_attention
-from cisjax.models.layers import apply_rope, dense
+from cisjax.models import exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs
 
 TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
@@ -56,110 +57,123 @@ def _layers(model: CausalLM):
     return [layer_of(model.stacks[r], j) for r, run in enumerate(layer_runs(model.cfg)) for j in range(len(run))]
 
 
-def _qkv(layer, x_TxD, pos_T):
-    """A tile's queries (rotary applied) [T, N, H], keys [T, K, H] and values [T, K, H]."""
-    attn = layer.attn
-    h_Tx1xD = layer.attn_norm(x_TxD[:, None])
-    q = attn.query(h_Tx1xD)
-    k, v = attn.kv(h_Tx1xD, pos_T[:, None])
-    cos, sin = attn._rope(pos_T[:, None])
-    q = apply_rope(q, cos, sin)
-    return q[:, 0], k[:, 0], v[:, 0]
+def _post(layer, moe_impl: str, x_TxD, o_TxQ):
+    """The output projection, the residual, the MLP (or MoE) block and its residual, on a tile."""
+    x_TxD = x_TxD + exact_attention.out(layer, o_TxQ)
+    h_TxD = layer.mlp_norm(x_TxD)
+    if layer.is_moe:
+        return x_TxD + exact_moe.block(layer.mlp, h_TxD, moe_impl)
+    return x_TxD + layer.mlp(h_TxD[:, None])[:, 0]
 
 
-def _attend(layer, q_TxNxH, k_TxKxSxH, v_TxKxSxH, mask_TxS):
-    """Each of a tile's queries over its own row's keys: [T, N*H] (before the output projection)."""
-    cfg = layer.attn.cfg
-    o = cache_attention(q_TxNxH[:, None], k_TxKxSxH, v_TxKxSxH, mask_TxS[:, None], cfg.head_dim**-0.5)
-    return o.reshape(o.shape[0], -1)
+def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
+    """A layer's entries of the B x T tokens [B T, ...] as the cache lays them out: [B, ...per-row] with the slots
+    (T of them, padded to `slots` with zeros) at per-row `axis`."""
+    e = e_NxE.reshape(b, t, *e_NxE.shape[1:])
+    e = jnp.pad(e, [(0, 0), (0, slots - t)] + [(0, 0)] * (e.ndim - 2))
+    return jnp.moveaxis(e, 1, 1 + axis)
 
 
-def _post(layer, x_TxD, o_TxQ):
-    """The output projection, the residual, the MLP block and its residual, on a tile."""
-    x = x_TxD + dense(o_TxQ, layer.attn.wo_QxD, layer.attn.cfg.dtype)
-    y, _ = layer.mlp_block(x[:, None])
-    return x + y[:, 0]
+def _attend_rows(layer, lay, q_TxNxH, row_T, mask_TxS):
+    return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in lay), mask_TxS)
 
 
-def _head(model, x_TxD, t_T, temperature: float):
-    """(logprob of target t under softmax(z / temperature), z / temperature [T, V]) of a tile: the final norm, the
-    unembedding (compute dtype, fp32 accumulation) and the trainer's z_t - logsumexp(z) (logprobs._stats_from_logits)."""
-    dt = jnp.dtype(model.cfg.dtype)
-    h = model.norm(x_TxD)
-    z = jnp.einsum("cd,dv->cv", h.astype(dt), model.unembedding_DxV().astype(dt), preferred_element_type=jnp.float32)
-    z = z / temperature
-    lse = jax.nn.logsumexp(z, axis=-1)
-    zt = jnp.take_along_axis(z, jnp.clip(t_T, 0, z.shape[1] - 1)[:, None], axis=-1)[:, 0]
-    return zt - lse, z, lse
-
-
-def _gather_rows(kv_BxKxSxH, row_T):
-    return jnp.take(kv_BxKxSxH, row_T, axis=0)
-
-
-def exact_forward(model: CausalLM, tokens_BxT, positions_BxT, targets_BxT, *, slots: int, temperature: float = 1.0):
+def exact_forward(
+    model: CausalLM,
+    tokens_BxT,
+    positions_BxT,
+    targets_BxT,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    support_BxTxS=None,
+    moe_impl: str = "gather",
+):
     """The trainer's side: logprobs [B, T] of targets, rows left-aligned (position = slot), each query attending over
-    its row's slots up to its own (one segment per row). `slots` >= T: the fixed key length of the decode's cache."""
+    its row's slots up to its own (one sequence per row). `slots` >= T: the fixed key length of the decode's cache.
+    support_BxTxS: each target's sampling support (ids, -1 padded; a target without any: no truncation), over which
+    its logprob is renormalised (exact_head.renormalised)."""
     b, t = tokens_BxT.shape
     if slots < t:
         raise ValueError(f"slots={slots} < T={t}")
     x = jnp.take(model.embed_VxD[...], tokens_BxT, axis=0).astype(model.cfg.dtype).reshape(b * t, -1)
     pos = positions_BxT.reshape(-1).astype(jnp.int32)
     row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    slot_S = jnp.arange(slots)
-    mask = slot_S[None] <= pos[:, None]  # [B T, S]
+    mask = jnp.arange(slots)[None] <= pos[:, None]  # [B T, S]
     for layer in _layers(model):
-        q, k, v = tiled(functools.partial(_qkv, layer), x, pos)
-        kh, vh = (jnp.pad(a.reshape(b, t, *a.shape[1:]), ((0, 0), (0, slots - t), (0, 0), (0, 0))) for a in (k, v))
-        kh, vh = (jnp.moveaxis(a, 1, 2) for a in (kh, vh))  # [B, K, S, H]
-        o = tiled(
-            lambda q, r, m, layer=layer, kh=kh, vh=vh: _attend(layer, q, *(_gather_rows(a, r) for a in (kh, vh)), m),
-            q,
-            row,
-            mask,
-        )
-        x = tiled(functools.partial(_post, layer), x, o)
-    lp, _, _ = tiled(lambda x, tt: _head(model, x, tt, temperature), x, targets_BxT.reshape(-1))
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
+        axes = exact_attention.slot_axes(layer.attn)
+        lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
+        o = tiled(functools.partial(_attend_rows, layer, lay), q, row, mask)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
+    head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
+    lp = tiled(head, x, targets_BxT.reshape(-1), *(() if ids is None else (ids,)))
     return lp.reshape(b, t)
 
 
 def init_cache(model: CausalLM, rows: int, slots: int):
-    """Per layer (keys, values) [R, K, S, H] in the compute dtype: slot = position."""
-    cfg = model.cfg
-    shape = (rows, cfg.num_key_value_heads, slots, cfg.head_dim)
-    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_hidden_layers)]
+    """Per layer, its attention's cache arrays [R, ...per-row] (attn.cache_shapes(), `slots` slots) in the compute
+    dtype: slot = position."""
+    return [
+        tuple(
+            jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
+            for shape in layer.attn.cache_shapes()
+        )
+        for layer in _layers(model)
+    ]
 
 
-def exact_step(model: CausalLM, cache, tok_R, pos_R, *, temperature: float = 1.0):
-    """One token per row at its position pos_R (its slot) through the cache -> (z / temperature [R, V] of the next
-    token, its logprobs z - logsumexp(z) [R, V] (the trainer's formula: the sampled token's is z_t - lse, the same
-    subtraction of the same two values as exact_forward's), the cache)."""
+def _write(c, e_RxE, pos_R, axis: int):
+    """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
+    at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)
+    return c.at[at].set(e_RxE.astype(c.dtype))
+
+
+def exact_step(model: CausalLM, cache, tok_R, pos_R, *, temperature: float = 1.0, moe_impl: str = "gather"):
+    """One token per row at its position pos_R (its slot) through the cache -> (z = logits / temperature [R, V] of the
+    next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
+    own tile: `logprob`), the formula and program of exact_forward's head."""
     r = tok_R.shape[0]
-    slots = cache[0][0].shape[2]
+    layers = _layers(model)
+    slots = cache[0][0].shape[1 + exact_attention.slot_axes(layers[0].attn)[0]]
     x = jnp.take(model.embed_VxD[...], tok_R, axis=0).astype(model.cfg.dtype)
     rows = jnp.arange(r, dtype=jnp.int32)
     mask = jnp.arange(slots)[None] <= pos_R[:, None]
     new = []
-    for layer, (kc, vc) in zip(_layers(model), cache):
-        q, k, v = tiled(functools.partial(_qkv, layer), x, pos_R)
-        kc = kc.at[rows, :, pos_R].set(k.astype(kc.dtype))
-        vc = vc.at[rows, :, pos_R].set(v.astype(vc.dtype))
-        new.append((kc, vc))
-        o = tiled(
-            lambda q, rr, m, layer=layer, kc=kc, vc=vc: _attend(layer, q, *(_gather_rows(a, rr) for a in (kc, vc)), m),
-            q,
-            rows,
-            mask,
-        )
-        x = tiled(functools.partial(_post, layer), x, o)
-    _, z, lse = tiled(lambda x, tt: _head(model, x, tt, temperature), x, jnp.zeros((r,), jnp.int32))
-    return z, z - lse[:, None], new
+    for layer, arrays in zip(layers, cache):
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
+        axes = exact_attention.slot_axes(layer.attn)
+        arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
+        new.append(arrays)
+        o = tiled(functools.partial(_attend_rows, layer, arrays), q, rows, mask)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), x)
+    return z, lse, new
 
 
-def sample(model: CausalLM, prompts: list, max_new: int, key, *, slots: int, temperature: float = 1.0):
+def logprob(z_RxV, lse_R, tok_R, keep_RxV, has_R):
+    """The sampled tokens' q [R]: exact_head.renormalised in its own tile (the trainer's head runs it isolated)."""
+    return tiled(exact_head.renormalised, z_RxV, lse_R, tok_R, keep_RxV, has_R)
+
+
+def sample(
+    model: CausalLM,
+    prompts: list,
+    max_new: int,
+    key,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    top_k=None,
+    top_p=None,
+    moe_impl: str = "gather",
+):
     """Sample max_new tokens per prompt with the exact decode (rows = prompts; prompts fed one position per step, so
-    a row's prompt and response go through the same program). Returns (tokens [R, max_new], q [R, max_new]): q the
-    logprob of each sampled token by the trainer's formula, computed from the same logits row that was sampled."""
+    a row's prompt and response go through the same program). top_k / top_p: per prompt (0 / 1.0: no truncation).
+    Returns (tokens [R, max_new], q [R, max_new], keep [R, max_new, V]): q the logprob of each sampled token under the
+    distribution it was drawn from (renormalised over its support where the row truncates), by the trainer's formula
+    on the same logits row; keep each step's support (all True on rows that do not truncate)."""
     r = len(prompts)
     plen = [len(p) for p in prompts]
     total = max(plen) + max_new
@@ -169,21 +183,32 @@ def sample(model: CausalLM, prompts: list, max_new: int, key, *, slots: int, tem
     for i, p in enumerate(prompts):
         feed = feed.at[i, : len(p)].set(jnp.asarray(p, jnp.int32))
     plen_R = jnp.asarray(plen, jnp.int32)
-    step = jax.jit(functools.partial(exact_step, temperature=temperature))
+    top_k_R = jnp.asarray(top_k if top_k is not None else [0] * r, jnp.int32)
+    top_p_R = jnp.asarray(top_p if top_p is not None else [1.0] * r, jnp.float32)
+    step = jax.jit(functools.partial(exact_step, temperature=temperature, moe_impl=moe_impl))
+
+    @jax.jit
+    def draw(z, lse, k):
+        keep, has = exact_head.sampling_support(z, top_k_R, top_p_R)
+        tok = jax.random.categorical(k, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
+        return tok, logprob(z, lse, tok, keep, has), keep
+
     cache = init_cache(model, r, slots)
+    v = model.cfg.vocab_size
     out_tok = jnp.zeros((r, max_new), jnp.int32)
     out_q = jnp.zeros((r, max_new), jnp.float32)
+    out_keep = jnp.ones((r, max_new, v), bool)
+    ar = jnp.arange(r)
     # row i feeds its prompt then its samples: at step s its position is s; it samples at positions >= plen - 1
     for s in range(total - 1):
-        z, lp, cache = step(model, cache, feed[:, s], jnp.full((r,), s, jnp.int32))
+        z, lse, cache = step(model, cache, feed[:, s], jnp.full((r,), s, jnp.int32))
         key, sub = jax.random.split(key)
-        drawn = jax.random.categorical(sub, lp, axis=-1).astype(jnp.int32)
+        drawn, qv, keep = draw(z, lse, sub)
         j = s + 1 - plen_R  # the response index this step samples (< 0: still in the prompt)
         sampling = (j >= 0) & (j < max_new)
-        nxt = jnp.where(sampling, drawn, feed[:, s + 1])
-        feed = feed.at[:, s + 1].set(nxt)
-        qv = jnp.take_along_axis(lp, drawn[:, None], axis=-1)[:, 0]
+        feed = feed.at[:, s + 1].set(jnp.where(sampling, drawn, feed[:, s + 1]))
         jj = jnp.clip(j, 0, max_new - 1)
-        out_tok = out_tok.at[jnp.arange(r), jj].set(jnp.where(sampling, drawn, out_tok[jnp.arange(r), jj]))
-        out_q = out_q.at[jnp.arange(r), jj].set(jnp.where(sampling, qv, out_q[jnp.arange(r), jj]))
-    return out_tok, out_q
+        out_tok = out_tok.at[ar, jj].set(jnp.where(sampling, drawn, out_tok[ar, jj]))
+        out_q = out_q.at[ar, jj].set(jnp.where(sampling, qv, out_q[ar, jj]))
+        out_keep = out_keep.at[ar, jj].set(jnp.where(sampling[:, None], keep, out_keep[ar, jj]))
+    return out_tok, out_q, out_keep

@@ -1,8 +1,7 @@
 """cisjax.models.exact (issue 49 prototype): the batch-invariant KV-cache decode's q equals the batch-invariant
-forward's p bit for bit, whatever the trainer's batch (other rows, their order, its length T), under
-differentiation too; and one reduction done in another order breaks it."""
-
-import functools
+forward's p bit for bit for every family (GQA and MLA, dense and MoE), plain and top-k / top-p rows, whatever the
+trainer's batch (other rows, their order, response lengths, its length T), under differentiation too; and one
+reduction done in another order breaks it."""
 
 import flax.nnx as nnx
 import jax
@@ -10,52 +9,82 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cisjax import logprobs
 from cisjax.engines.jax.sampling import sampling_logprobs
-from cisjax.models import exact, hf_io
+from cisjax.models import exact, exact_moe, hf_io
 
-SLOTS, NEW = 64, 12
+SLOTS, NEW, ROWS = 64, 12, 6
+FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "deepseek_v2")
+# per row: (top_k, top_p): plain, top-k, top-k + top-p, top-p
+TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (0, 1.0), (5, 1.0))
 
 
-def _run(tiny_hf_dir, dtype):
-    model, _, _ = hf_io.load(tiny_hf_dir("qwen2"), dtype=dtype, param_dtype="float32")
+def _run(tiny_hf_dir, family, dtype, truncate=True):
+    model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(5)]
-    toks, q = exact.sample(model, prompts, NEW, jax.random.key(0), slots=SLOTS)
-    return model, prompts, np.asarray(toks), np.asarray(q), rng
+    prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(ROWS)]
+    ks, ps = zip(*TRUNCATION) if truncate else ([0] * ROWS, [1.0] * ROWS)
+    toks, q, keep = exact.sample(model, prompts, NEW, jax.random.key(0), slots=SLOTS, top_k=ks, top_p=ps)
+    return model, prompts, np.asarray(toks), np.asarray(q), np.asarray(keep), rng
 
 
-def _batch(prompts, toks, order, extra, t, rng):
-    rows = [prompts[i] + toks[i].tolist() for i in order]
+def _batch(prompts, toks, keep, order, new, extra, t, rng, pad):
+    """The trainer's rows: sample i's prompt and its first new[b] response tokens (in `order`), then `extra` random
+    rows; support ids [B, T, S] (S: the largest support plus `pad`; -1 padded) at the response targets of truncating
+    rows."""
+    width = int(keep.sum(-1).max()) + pad
+    rows = [prompts[i] + toks[i, :n].tolist() for i, n in zip(order, new)]
     rows += [rng.integers(2, 90, int(rng.integers(3, t))).tolist() for _ in range(extra)]
     tokens, targets = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), np.int32)
+    support = np.full((len(rows), t, width), -1, np.int32)
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r
         targets[b, : len(r) - 1] = r[1:]
-    return tokens, np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape), targets
+    for b, (i, n) in enumerate(zip(order, new)):
+        if TRUNCATION[i] != (0, 1.0):
+            for j in range(n):
+                ids = np.flatnonzero(keep[i, j])
+                support[b, len(prompts[i]) - 1 + j, : len(ids)] = ids
+    return tokens, np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape), targets, support
 
 
-def _response_p(p, prompts, order):
-    return np.concatenate([p[b, len(prompts[i]) - 1 : len(prompts[i]) - 1 + NEW] for b, i in enumerate(order)])
+def _response(p, prompts, order, new):
+    return np.concatenate(
+        [p[b, len(prompts[i]) - 1 : len(prompts[i]) - 1 + n] for b, (i, n) in enumerate(zip(order, new))]
+    )
+
+
+def _sampled(q, order, new):
+    return np.concatenate([q[i, :n] for i, n in zip(order, new)])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, dtype):
-    model, prompts, toks, q, rng = _run(tiny_hf_dir, dtype)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype):
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype)
+    assert not keep[1].all() and keep[0].all()  # the top-k row truncated; the plain one did not
     forward = jax.jit(exact.exact_forward, static_argnames=("slots",))
-    for order, extra, t in (([0, 1, 2, 3, 4], 0, 32), ([4, 2, 0, 1, 3], 3, 64), ([3, 1], 6, 40)):
-        tokens, positions, targets = _batch(prompts, toks, order, extra, t, rng)
-        p = _response_p(np.asarray(forward(model, tokens, positions, targets, slots=SLOTS)), prompts, order)
-        np.testing.assert_array_equal(p, q[order].reshape(-1))
+    layouts = (
+        (range(ROWS), [NEW] * ROWS, 0, 32, 0),
+        ([4, 2, 0, 1, 5, 3], [12, 3, 9, 1, 12, 6], 3, 64, 5),
+        ([3, 1], [7, 12], 6, 40, 11),
+    )
+    for order, new, extra, t, pad in layouts:
+        tokens, positions, targets, support = _batch(prompts, toks, keep, list(order), new, extra, t, rng, pad)
+        p = forward(model, tokens, positions, targets, slots=SLOTS, support_BxTxS=support)
+        np.testing.assert_array_equal(_response(np.asarray(p), prompts, order, new), _sampled(q, order, new))
     # as a train step computes it: inside value_and_grad, p as the loss's aux
-    tokens, positions, targets = _batch(prompts, toks, range(5), 0, 32, rng)
+    tokens, positions, targets, support = _batch(prompts, toks, keep, range(ROWS), [NEW] * ROWS, 0, 32, rng, 3)
     graphdef, params = nnx.split(model)
 
     def loss(params):
-        lp = exact.exact_forward(nnx.merge(graphdef, params), tokens, positions, targets, slots=SLOTS)
-        return jnp.sum(lp), lp
+        lp = exact.exact_forward(
+            nnx.merge(graphdef, params), tokens, positions, targets, slots=SLOTS, support_BxTxS=support
+        )
+        return jnp.sum(jnp.where(targets > 0, lp, 0.0)), lp
 
     (_, p), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    np.testing.assert_array_equal(_response_p(np.asarray(p), prompts, range(5)), q.reshape(-1))
+    np.testing.assert_array_equal(_response(np.asarray(p), prompts, range(ROWS), [NEW] * ROWS), q.reshape(-1))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
@@ -63,19 +92,61 @@ def test_one_reduction_in_another_order_breaks_it(tiny_hf_dir):
     """The trainer's attention over 40 key slots instead of the decode's 64 (the softmax's sum and the values' matmul
     over S in another order: the masked slots alone differ) and the sampler's own log_softmax instead of the
     trainer's z - logsumexp(z): each alone leaves most tokens' q != p (by an ulp or so)."""
-    model, prompts, toks, q, rng = _run(tiny_hf_dir, "float32")
-    tokens, positions, targets = _batch(prompts, toks, range(5), 0, 32, rng)
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, "qwen2", "float32", truncate=False)
+    order, new = range(ROWS), [NEW] * ROWS
+    tokens, positions, targets, _ = _batch(prompts, toks, keep, order, new, 0, 32, rng, 0)
     forward = jax.jit(exact.exact_forward, static_argnames=("slots",))
-    same = _response_p(np.asarray(forward(model, tokens, positions, targets, slots=SLOTS)), prompts, range(5))
+    same = _response(np.asarray(forward(model, tokens, positions, targets, slots=SLOTS)), prompts, order, new)
     np.testing.assert_array_equal(same, q.reshape(-1))
-    other_s = _response_p(np.asarray(forward(model, tokens, positions, targets, slots=40)), prompts, range(5))
+    other_s = _response(np.asarray(forward(model, tokens, positions, targets, slots=40)), prompts, order, new)
     assert np.mean(other_s == q.reshape(-1)) < 0.9
     np.testing.assert_allclose(other_s, q.reshape(-1), rtol=0, atol=1e-5)
     # the sampler's formula on the decode's own logits
-    cache = exact.init_cache(model, 5, SLOTS)
-    z, lp, _ = jax.jit(functools.partial(exact.exact_step))(
-        model, cache, jnp.asarray(tokens[:, 0]), jnp.zeros(5, jnp.int32)
-    )
-    ones = jnp.ones(5)
-    theirs = sampling_logprobs(z, ones, jnp.zeros(5, jnp.int32), ones, jnp.zeros(5, bool))
-    assert np.mean(np.asarray(theirs) == np.asarray(lp)) < 0.9
+    cache = exact.init_cache(model, ROWS, SLOTS)
+    z, lse, _ = jax.jit(exact.exact_step)(model, cache, jnp.asarray(tokens[:, 0]), jnp.zeros(ROWS, jnp.int32))
+    ones = jnp.ones(ROWS)
+    theirs = sampling_logprobs(z, ones, jnp.zeros(ROWS, jnp.int32), ones, jnp.zeros(ROWS, bool))
+    assert np.mean(np.asarray(theirs) == np.asarray(z - lse[:, None])) < 0.9
+
+
+def _reversed_combine(y_TxKxD, w_TxK, dtype):
+    """exact_moe._combine summing the k slots in reverse order: (y2 w2 + y1 w1) + y0 w0 for k = 3."""
+    y32, w32 = y_TxKxD.astype(jnp.float32), w_TxK.astype(jnp.float32)
+    k = w_TxK.shape[1]
+    acc_TxD = y32[:, k - 1] * w32[:, k - 1, None]
+    for j in range(k - 2, -1, -1):
+        acc_TxD = acc_TxD + y32[:, j] * w32[:, j, None]
+    return acc_TxD.astype(dtype)
+
+
+def test_moe_combine_in_another_order_breaks_it(tiny_hf_dir, monkeypatch):
+    """DeepSeek-V2's k = 3 expert outputs summed in reverse slot order by the trainer only: q != p on most tokens,
+    and still within float rounding of each other."""
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, "deepseek_v2", "float32", truncate=False)
+    order, new = range(ROWS), [NEW] * ROWS
+    tokens, positions, targets, _ = _batch(prompts, toks, keep, order, new, 0, 32, rng, 0)
+    monkeypatch.setattr(exact_moe, "_combine", _reversed_combine)
+    p = _response(np.asarray(exact.exact_forward(model, tokens, positions, targets, slots=SLOTS)), prompts, order, new)
+    assert np.mean(p == q.reshape(-1)) < 0.9
+    np.testing.assert_allclose(p, q.reshape(-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_forward_is_the_models_forward(tiny_hf_dir, family):
+    """The exact forward computes the model's function: its logprobs (plain, and renormalised over distinct support
+    ids) equal the model's forward + token_logprobs' within fp32 rounding (another summation order, MLA absorbed)."""
+    model, _, _ = hf_io.load(tiny_hf_dir(family), dtype="float32", param_dtype="float32")
+    rng = np.random.default_rng(1)
+    b, t, s = 3, 20, 10
+    tokens = jnp.asarray(rng.integers(2, 90, (b, t)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    targets = jnp.roll(tokens, -1, axis=1)
+    sizes = rng.integers(0, s + 1, (b, t, 1))
+    ids = np.stack([np.stack([rng.permutation(97)[:s] for _ in range(t)]) for _ in range(b)])
+    support = jnp.asarray(np.where(np.arange(s) < sizes, ids, -1), jnp.int32)
+    hidden = model(tokens, positions).hidden_BxLxD
+    for sup in (None, support):
+        ref = logprobs.token_logprobs(hidden, model.unembedding_DxV(), targets, support=sup)
+        want = ref.logprobs_N if sup is None else ref.logprobs_N - ref.support_logmass_N
+        got = exact.exact_forward(model, tokens, positions, targets, slots=32, support_BxTxS=sup)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
