@@ -74,8 +74,14 @@ def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
     return jnp.moveaxis(e, 1, 1 + axis)
 
 
-def _attend_rows(layer, lay, q_TxNxH, row_T, mask_TxS):
-    return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in lay), mask_TxS)
+def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T):
+    """A tile's queries over their rows of `arrays` (a layer's [B, ...per-row]: the cache or the trainer's layout):
+    over all slots at once (block None: exact_attention.attend) or in key blocks (exact_attention.attend_blocked)."""
+    if block is not None:
+        return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block)
+    slots = arrays[0].shape[1 + exact_attention.slot_axes(layer.attn)[0]]
+    mask_TxS = jnp.arange(slots)[None] <= pos_T[:, None]
+    return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in arrays), mask_TxS)
 
 
 def exact_forward(
@@ -88,23 +94,24 @@ def exact_forward(
     temperature: float = 1.0,
     support_BxTxS=None,
     moe_impl: str = "gather",
+    block: int | None = None,
 ):
     """The trainer's side: logprobs [B, T] of targets, rows left-aligned (position = slot), each query attending over
     its row's slots up to its own (one sequence per row). `slots` >= T: the fixed key length of the decode's cache.
     support_BxTxS: each target's sampling support (ids, -1 padded; a target without any: no truncation), over which
-    its logprob is renormalised (exact_head.renormalised)."""
+    its logprob is renormalised (exact_head.renormalised). moe_impl: exact_moe's; block: attention in key blocks of
+    that many slots (None: over all slots at once); the decode must use the same."""
     b, t = tokens_BxT.shape
     if slots < t:
         raise ValueError(f"slots={slots} < T={t}")
     x = jnp.take(model.embed_VxD[...], tokens_BxT, axis=0).astype(model.cfg.dtype).reshape(b * t, -1)
     pos = positions_BxT.reshape(-1).astype(jnp.int32)
     row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    mask = jnp.arange(slots)[None] <= pos[:, None]  # [B T, S]
     for layer in _layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
-        o = tiled(functools.partial(_attend_rows, layer, lay), q, row, mask)
+        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
         x = tiled(functools.partial(_post, layer, moe_impl), x, o)
     ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
     head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
@@ -130,23 +137,30 @@ def _write(c, e_RxE, pos_R, axis: int):
     return c.at[at].set(e_RxE.astype(c.dtype))
 
 
-def exact_step(model: CausalLM, cache, tok_R, pos_R, *, temperature: float = 1.0, moe_impl: str = "gather"):
+def exact_step(
+    model: CausalLM,
+    cache,
+    tok_R,
+    pos_R,
+    *,
+    temperature: float = 1.0,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
     """One token per row at its position pos_R (its slot) through the cache -> (z = logits / temperature [R, V] of the
     next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
     own tile: `logprob`), the formula and program of exact_forward's head."""
     r = tok_R.shape[0]
     layers = _layers(model)
-    slots = cache[0][0].shape[1 + exact_attention.slot_axes(layers[0].attn)[0]]
     x = jnp.take(model.embed_VxD[...], tok_R, axis=0).astype(model.cfg.dtype)
     rows = jnp.arange(r, dtype=jnp.int32)
-    mask = jnp.arange(slots)[None] <= pos_R[:, None]
     new = []
     for layer, arrays in zip(layers, cache):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
         axes = exact_attention.slot_axes(layer.attn)
         arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
-        o = tiled(functools.partial(_attend_rows, layer, arrays), q, rows, mask)
+        o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
         x = tiled(functools.partial(_post, layer, moe_impl), x, o)
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), x)
     return z, lse, new
@@ -168,6 +182,7 @@ def sample(
     top_k=None,
     top_p=None,
     moe_impl: str = "gather",
+    block: int | None = None,
 ):
     """Sample max_new tokens per prompt with the exact decode (rows = prompts; prompts fed one position per step, so
     a row's prompt and response go through the same program). top_k / top_p: per prompt (0 / 1.0: no truncation).
@@ -185,7 +200,7 @@ def sample(
     plen_R = jnp.asarray(plen, jnp.int32)
     top_k_R = jnp.asarray(top_k if top_k is not None else [0] * r, jnp.int32)
     top_p_R = jnp.asarray(top_p if top_p is not None else [1.0] * r, jnp.float32)
-    step = jax.jit(functools.partial(exact_step, temperature=temperature, moe_impl=moe_impl))
+    step = jax.jit(functools.partial(exact_step, temperature=temperature, moe_impl=moe_impl, block=block))
 
     @jax.jit
     def draw(z, lse, k):
