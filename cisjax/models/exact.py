@@ -227,3 +227,26 @@ def sample(
         out_q = out_q.at[ar, jj].set(jnp.where(sampling, qv, out_q[ar, jj]))
         out_keep = out_keep.at[ar, jj].set(jnp.where(sampling[:, None], keep, out_keep[ar, jj]))
     return out_tok, out_q, out_keep
+
+
+def with_plain_gradient(exact_fn, plain_fn):
+    """f(params, *args) whose value is exact_fn's and whose gradient (VJP in params) is plain_fn's: the train step's
+    p bit for bit as the sampler's q, differentiated through the model's own fast forward (plain_fn: the same function
+    up to rounding, e.g. model.__call__ + token_logprobs). The exact pieces' own backward (per-token weight gathers,
+    per-query key gathers, loops of tiles) costs several times the plain one; the gradient only needs to be the
+    gradient of the same function, not bitwise anything. No gradient flows to args (token ids, positions, ...)."""
+
+    @jax.custom_vjp
+    def f(params, *args):
+        return exact_fn(params, *args)
+
+    def fwd(params, *args):
+        _, vjp = jax.vjp(lambda p: plain_fn(p, *args), params)
+        return exact_fn(params, *args), (vjp, len(args))
+
+    def bwd(res, g):
+        vjp, n = res
+        return (*vjp(g), *(None,) * n)
+
+    f.defvjp(fwd, bwd)
+    return f

@@ -21,12 +21,14 @@ FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "deepseek_v2")
 TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (0, 1.0), (5, 1.0))
 
 
-def _run(tiny_hf_dir, family, dtype, truncate=True, block=None):
+def _run(tiny_hf_dir, family, dtype, truncate=True, block=None, moe_impl="gather"):
     model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(ROWS)]
     ks, ps = zip(*TRUNCATION) if truncate else ([0] * ROWS, [1.0] * ROWS)
-    toks, q, keep = exact.sample(model, prompts, NEW, jax.random.key(0), slots=SLOTS, top_k=ks, top_p=ps, block=block)
+    toks, q, keep = exact.sample(
+        model, prompts, NEW, jax.random.key(0), slots=SLOTS, top_k=ks, top_p=ps, block=block, moe_impl=moe_impl
+    )
     return model, prompts, np.asarray(toks), np.asarray(q), np.asarray(keep), rng
 
 
@@ -60,13 +62,22 @@ def _sampled(q, order, new):
     return np.concatenate([q[i, :n] for i, n in zip(order, new)])
 
 
-@pytest.mark.parametrize("block", [None, 16], ids=["all_slots", "blocks16"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype, block):
-    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype, block=block)
+# (family, dtype, key block, MoE experts): every family and dtype with attention over all slots and in blocks of 16
+# (experts gathered per token), and the MoE families with every expert on every token (exact_moe's "dense")
+CASES = [(f, d, b, "gather") for f in FAMILIES for d in ("float32", "bfloat16") for b in (None, 16)] + [
+    ("qwen2_moe", "float32", 32, "dense"),
+    ("qwen3_moe", "bfloat16", 32, "dense"),
+    ("deepseek_v2", "bfloat16", None, "dense"),
+]
+
+
+@pytest.mark.parametrize("family,dtype,block,moe_impl", CASES)
+def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype, block, moe_impl):
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype, block=block, moe_impl=moe_impl)
     assert not keep[1].all() and keep[0].all()  # the top-k row truncated; the plain one did not
-    forward = jax.jit(functools.partial(exact.exact_forward, block=block), static_argnames=("slots",))
+    forward = jax.jit(
+        functools.partial(exact.exact_forward, block=block, moe_impl=moe_impl), static_argnames=("slots",)
+    )
     layouts = (
         (range(ROWS), [NEW] * ROWS, 0, 32, 0),
         ([4, 2, 0, 1, 5, 3], [12, 3, 9, 1, 12, 6], 3, 64, 5),
@@ -82,7 +93,14 @@ def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype, block):
 
     def loss(params):
         lp = exact.exact_forward(
-            nnx.merge(graphdef, params), tokens, positions, targets, slots=SLOTS, support_BxTxS=support, block=block
+            nnx.merge(graphdef, params),
+            tokens,
+            positions,
+            targets,
+            slots=SLOTS,
+            support_BxTxS=support,
+            block=block,
+            moe_impl=moe_impl,
         )
         return jnp.sum(jnp.where(targets > 0, lp, 0.0)), lp
 
@@ -170,3 +188,38 @@ def test_exact_forward_is_the_models_forward(tiny_hf_dir, family, block):
         want = ref.logprobs_N if sup is None else ref.logprobs_N - ref.support_logmass_N
         got = exact.exact_forward(model, tokens, positions, targets, slots=32, support_BxTxS=sup, block=block)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_with_plain_gradient_values_exact_gradient_plain(tiny_hf_dir):
+    """with_plain_gradient: the value is the exact forward's, bit for bit, and the gradient plain_fn's. Shown with a
+    plain_fn of twice the model's logprobs (model + token_logprobs): the gradient is twice the model's (to rounding:
+    another program), the exact forward's own gradient once."""
+    model, _, _ = hf_io.load(tiny_hf_dir("qwen2_moe"), dtype="float32", param_dtype="float32")
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(2, 90, (3, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (3, 16))
+    targets = jnp.roll(tokens, -1, axis=1)
+    weights = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+
+    def twice_plain(p, *a):
+        m = nnx.merge(graphdef, p)
+        return 2.0 * logprobs.token_logprobs(m(*a[:2]).hidden_BxLxD, m.unembedding_DxV(), a[2]).logprobs_N
+
+    def exact_fn(p, *a):
+        return exact.exact_forward(nnx.merge(graphdef, p), *a, slots=16)
+
+    def value_and_grad(fn):
+        def loss(p):
+            lp = fn(p, tokens, positions, targets)
+            return jnp.sum(weights * lp), lp
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, lp), grads = value_and_grad(exact.with_plain_gradient(exact_fn, twice_plain))
+    (_, lp_exact), grads_exact = value_and_grad(exact_fn)
+    _, grads_twice = value_and_grad(twice_plain)
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_exact))
+    for g, g2, ge in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_twice), jax.tree.leaves(grads_exact)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g2), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g) / 2, np.asarray(ge), rtol=1e-3, atol=1e-5)
