@@ -223,3 +223,16 @@ def test_with_plain_gradient_values_exact_gradient_plain(tiny_hf_dir):
     for g, g2, ge in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_twice), jax.tree.leaves(grads_exact)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g2), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(np.asarray(g) / 2, np.asarray(ge), rtol=1e-3, atol=1e-5)
+
+
+def test_blocked_attention_needs_no_common_slot_count(tiny_hf_dir):
+    """In key blocks, a query walks its row's blocks from slot 0 and the blocks past its tile's last position are
+    exact no-ops: the trainer's key layout may be as long as its batch (T = 32, 48 slots) while the decode's cache
+    has 64 slots, and p == q still (over all slots at once the slot count must match: the test above)."""
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, "deepseek_v2", "float32", block=16)
+    order, new = range(ROWS), [NEW] * ROWS
+    tokens, positions, targets, support = _batch(prompts, toks, keep, order, new, 0, 32, rng, 0)
+    forward = jax.jit(exact.exact_forward, static_argnames=("slots", "block"))
+    for slots in (32, 48):
+        p = forward(model, tokens, positions, targets, slots=slots, block=16, support_BxTxS=support)
+        np.testing.assert_array_equal(_response(np.asarray(p), prompts, order, new), q.reshape(-1))
