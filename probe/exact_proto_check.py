@@ -9,7 +9,7 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(5)]
 SLOTS = 64
 NEW = 12
-toks, q = exact.sample(model, prompts, NEW, jax.random.key(0), slots=SLOTS)
+toks, q, _ = exact.sample(model, prompts, NEW, jax.random.key(0), slots=SLOTS)
 toks, q = np.asarray(toks), np.asarray(q)
 
 

@@ -4,7 +4,7 @@ from cisjax.models import hf_io, exact
 model, cfg, _ = hf_io.load(model_dir_of("qwen2", tempfile.mkdtemp()), dtype="float32", param_dtype="float32")
 rng = np.random.default_rng(0)
 prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(5)]
-toks, q = exact.sample(model, prompts, 12, jax.random.key(0), slots=64)
+toks, q, _ = exact.sample(model, prompts, 12, jax.random.key(0), slots=64)
 toks, q = np.asarray(toks), np.asarray(q)
 T = 32; B = 5
 tk = np.zeros((B, T), np.int32); tg = np.zeros((B, T), np.int32)
