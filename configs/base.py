@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype of activations/matmuls: bfloat16 | float32 | float16
     c.model.param_dtype = "float32"  # storage dtype of the parameters: float32 master weights | bfloat16 (updates stochastically rounded)
     c.model.router_dtype = "float32"  # router logits + softmax; fp32 as the HF reference
-    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's devices: tiled on CPU, gmm (megablox) on TPU, mgpu (JAX's Mosaic GPU kernels) on a GPU of compute capability 9.x, triton on other GPUs) | tiled | gmm | triton | mgpu | mgpu_ws (cisjax's warp-specialized Hopper kernels) | ragged | dense
+    c.model.moe_impl = "auto"  # MoE dispatch: auto (by the mesh's devices: tiled on CPU, gmm (megablox) on TPU, mgpu_ws (cisjax's warp-specialized Mosaic GPU kernels, SwiGLU fused) on a GPU of compute capability 9.x, triton on other GPUs) | tiled | gmm | triton | mgpu (JAX's Hopper kernels) | mgpu_ws | ragged | dense
     c.model.moe_tile = 0  # rows per tile of the tiled dispatch; 0 = chosen from the shapes
     c.model.attention_impl = "auto"  # attention core of full-sequence passes (step, rescoring, score): auto (by the mesh's platform: splash on TPU; triton on GPU in bf16/fp16, einsum in fp32; einsum on CPU) | einsum (the L x L scores whole: the reference) | splash | triton
     c.model.remat = "none"  # what the backward pass keeps of each decoder layer, the rest recomputed: none (all) | minimal (matmul outputs without a batch dim) | full (the layer's input only)

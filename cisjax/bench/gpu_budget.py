@@ -28,6 +28,8 @@ STEP_S.update(
 )
 STEP_TOKENS_PER_S = {"mgpu": 62_000.0, "tiled": 24_000.0, "triton": 30_000.0, "ragged": 2_000.0, "dense": 6_000.0}
 DEFAULT_COMPILE_S = 27.0
+# assumed: an impl no check has measured costs what the named one measured (its compile, step and layer)
+ASSUMED_AS = {"mgpu_ws": "mgpu"}
 PROFILE_S = 4.0  # one traced step written to disk (assumed)
 # One exactness case (impl, dtype), compile and float64 reference, in a process alone on the device: measured
 # (2026-11-28, one process) mgpu fp32 7.6 s (the process's first, with JAX's warm-up), bf16 12.2 s, tiled fp32 19.0 s;
@@ -77,6 +79,7 @@ SMALL_S.update({"moe_layer": 10.0, "torch_step": 10.0})
 
 def train_unit_s(impl: str, rows: int, seq: int) -> float:
     """One train-step combo in a process that has its weights: compile and first call, then the timed steps."""
+    impl = _measured_as(impl, rows, seq)
     key = (impl, rows, seq)
     compile_s = STEP_COMPILE_S.get(key, DEFAULT_COMPILE_S * (1.5 if seq > 8192 else 1.0))
     # an impl with a memory option of the optimizer state (mgpu+offload) computes as its impl does
@@ -84,15 +87,24 @@ def train_unit_s(impl: str, rows: int, seq: int) -> float:
     return compile_s + TIMED_STEPS * step_s
 
 
+def _measured_as(impl: str, rows: int, seq: int) -> str:
+    """impl, or the impl whose measured cost stands for it (ASSUMED_AS) where no step of its own was measured."""
+    base, _, option = impl.partition("+")
+    if (impl, rows, seq) in STEP_S or base not in ASSUMED_AS:
+        return impl
+    return "+".join([ASSUMED_AS[base], *([option] if option else [])])
+
+
 def case_s(impl: str, dtype: str, workers: int = 1, kind: str = "moe") -> float:
     """One exactness case in one of `workers` processes at once."""
+    impl = impl if (impl, dtype) in CASE_S else ASSUMED_AS.get(impl, impl)
     key = (f"{impl}_attention" if kind == "attention" and impl == "triton" else impl, dtype)
     return CASE_S.get(key, DEFAULT_CASE_S) * (1.0 + CONTENTION_PER_EXTRA_WORKER * (workers - 1))
 
 
 def layer_unit_s(shape: str, impl: str, tokens: int) -> float:
     """One MoE layer unit (shape, impl, tokens)."""
-    base = LAYER_S.get((shape, impl, 8192), DEFAULT_LAYER_S)
+    base = LAYER_S.get((shape, impl, 8192)) or LAYER_S.get((shape, ASSUMED_AS.get(impl, impl), 8192), DEFAULT_LAYER_S)
     doublings = max(tokens // 8192, 1).bit_length() - 1
     return base + LAYER_TOKENS_EXTRA_S * doublings
 

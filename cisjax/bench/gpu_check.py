@@ -38,7 +38,7 @@ TPU_ONLY = {"moe": ("gmm",), "attention": ("splash",)}
 EXACTNESS_WORKERS = 4  # exactness processes at once on a GPU (no timing in them; compiles are the host's work)
 GRACE_S = 20.0  # a part's process may run this long past its deadline (ending its current unit) before it is killed
 # What a dry run and the cost model assume the device is (an H200: what `auto` picks there).
-ASSUMED_ENV = dict(backend="gpu", device_kind="NVIDIA H200", compute_capability="9.0", moe_default="mgpu")
+ASSUMED_ENV = dict(backend="gpu", device_kind="NVIDIA H200", compute_capability="9.0", moe_default="mgpu_ws")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -173,9 +173,9 @@ def spawn(name: str, plan: dict, deadline: float, kill_at: float, tmp: Path) -> 
 # ----------------------------------------------------------------------------- the plan
 
 
-# Impls measured beside the default until a GPU run has shown which is faster: cisjax's warp-specialized Hopper
-# kernels (issue 47's "mgpu_ws") beside JAX's ("mgpu"), which "auto" picks on compute capability 9.x
-CANDIDATES = {"mgpu": ("mgpu_ws",)}
+# Impls measured beside the default until a GPU run has shown which is faster: JAX's Hopper kernels ("mgpu", the
+# fallback) beside cisjax's warp-specialized ones ("mgpu_ws"), which "auto" picks on compute capability 9.x
+CANDIDATES = {"mgpu_ws": ("mgpu",)}
 
 
 def _impls(kind: str, env: dict, which: str) -> list[str]:

@@ -15,7 +15,7 @@ from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.layers import param
 from cisjax.models.moe_tiled import choose_tile, tiled_ffn, tiled_rows
 from cisjax.models.moe_tpu import megablox_swiglu
-from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted
+from cisjax.models.routing import replay_weights, route, sort_by_expert, through_sorted, through_sorted_weighted
 
 IMPLS = ("auto", "tiled", "gmm", "triton", "mgpu", "mgpu_ws", "ragged", "dense")
 # the Hopper impls and moe_hopper.mgpu_swiglu's kernels for each: JAX's Mosaic GPU kernels, cisjax's ragged_ws.py
@@ -34,7 +34,8 @@ def default_impl(
 
     TPU: "gmm", megablox's grouped-matmul kernels, forward and both gradients (XLA's ragged_dot lowers its weight
     gradient to masked dense work over every expert, E times the FLOPs; its row tile follows the rows per expert).
-    GPU: "mgpu" on compute capability 9.x (Hopper: JAX's Mosaic GPU kernels, moe_hopper.py), else "triton", cisjax's
+    GPU: "mgpu_ws" on compute capability 9.x (Hopper: cisjax's warp-specialized Mosaic GPU kernels, swiglu_ws.py;
+    "mgpu", JAX's, stays the fallback by name), else "triton", cisjax's
     grouped matmuls in Pallas's Triton backend (gpu_grouped.py); `capability` (major, minor) defaults to that of the
     traced program's devices (moe_hopper.compute_capability: the mesh's, never the host's), cisjax plan passes its
     target's. With `rows_per_expert` (a device's rows x k / E) under MGPU_MIN_ROWS, "triton" on Hopper too: a decode
@@ -45,7 +46,7 @@ def default_impl(
     if platform in sharding.GPU_PLATFORMS:
         capability = capability or moe_hopper.compute_capability()
         few = rows_per_expert is not None and rows_per_expert < MGPU_MIN_ROWS
-        return "mgpu" if capability is not None and capability[0] == 9 and not few else "triton"
+        return "mgpu_ws" if capability is not None and capability[0] == 9 and not few else "triton"
     return {"cpu": "tiled", "tpu": "gmm"}.get(platform, "ragged")
 
 
@@ -69,6 +70,17 @@ def _sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
     both ways)."""
     order_R, sizes_E = sort_by_expert(ids_NxK, wg_ExDxF.shape[0])
     return through_sorted(lambda xs_RxD: swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E), x_NxD, order_R, w_NxK)
+
+
+def _weighted_sorted_ffn(swiglu, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
+    """_sorted_ffn with the routing weights given to swiglu (its weights_R: the sorted rows' weights), which returns
+    the weighted rows: each token's k of them summed unweighted (routing.through_sorted_weighted)."""
+    order_R, sizes_E = sort_by_expert(ids_NxK, wg_ExDxF.shape[0])
+
+    def experts(xs_RxD, w_R):
+        return swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, weights_R=w_R)
+
+    return through_sorted_weighted(experts, x_NxD, order_R, w_NxK)
 
 
 def _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK):
@@ -191,6 +203,9 @@ def moe_ffn(
     if impl in ("gmm", "triton", "mgpu", "mgpu_ws"):
         if impl in HOPPER_KERNELS:  # every sorted row in a group (routing.sort_by_expert): no validity select needed
             swiglu = functools.partial(swiglu, full_groups=True)
+        if impl == "mgpu_ws":  # the routing weights applied, and their gradient taken, in the kernels
+            ffn = functools.partial(_weighted_sorted_ffn, swiglu)
+            return _on_each_device(ffn, x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK)
         return _on_each_device(
             functools.partial(_sorted_ffn, swiglu), x_NxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, ids_NxK, w_NxK
         )

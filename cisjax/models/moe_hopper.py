@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import sharding
-from cisjax.models import ragged_ws
+from cisjax.models import ragged_ws, swiglu_ws
 from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.padding import pad_axes, round_up
 
 ROW_ALIGN = 128  # mgpu_swiglu pads the rows once to a multiple of every row block the kernels use (64 or 128)
 INTERPRET_SMS = 8  # "SMs" of the weight-gradient kernel in Mosaic GPU's interpreter (the forward's: 132, fixed)
+# mgpu_ws's persistent grids where neither the mesh nor JAX's default device says its SMs (a GPU program traced on a
+# CPU host without a mesh): an H100's. Only the grid's size: any count computes the same
+DEFAULT_SMS = 132
 # Off a GPU, "mgpu" runs the kernels in Mosaic GPU's interpreter only once tests set this: jax 0.10.2's interpreter
 # lacks what the backward kernels use (a transposed wgmma operand, layout_cast), which tests/models/mgpu_interpret.py
 # supplies. Otherwise moe_ffn refuses "mgpu" off a GPU. A module knob, as expert_parallel.EXCHANGE.
@@ -196,7 +199,15 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def mgpu_swiglu(
-    xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret: bool, full_groups: bool = False, kernels: str = "jax"
+    xs_RxD,
+    wg_ExDxF,
+    wu_ExDxF,
+    wo_ExFxD,
+    sizes_E,
+    interpret: bool,
+    full_groups: bool = False,
+    kernels: str = "jax",
+    weights_R=None,
 ):
     """SwiGLU experts on expert-sorted rows with the Hopper grouped matmuls (moe_ffn's "mgpu"), in the rows' dtype
     (the weights are cast to it: the kernels take one dtype). The rows are padded once to a multiple of ROW_ALIGN
@@ -205,8 +216,13 @@ def mgpu_swiglu(
     them, so neither they nor their cotangents (the select's: zero) can carry a NaN into a weight gradient. Output
     rows past the groups are unspecified (moe_ffn masks them).
 
-    kernels: "jax" (JAX's Mosaic GPU kernels: moe_ffn's "mgpu") or "ws" (ragged_ws's warp-specialized ones:
-    "mgpu_ws").
+    kernels: "jax" (JAX's Mosaic GPU kernels: moe_ffn's "mgpu") or "ws" (cisjax's warp-specialized ones with gate
+    and up in one launch and the SwiGLU and its gradient in their epilogues, swiglu_ws.swiglu: "mgpu_ws"; its h
+    rows past the groups are zeroed instead of gate's and up's).
+
+    weights_R: each row's routing weight ([R]; None: unweighted), its output multiplied by it: in the kernels'
+    epilogues with "ws" (h times the weight; the weight's gradient <dy, y> = <dh', h> summed in the dh kernel), else
+    after them (fp32, rounded once).
 
     full_groups: the caller knows every row is in a group (sum(sizes) = rows: moe_ffn's dispatch without an
     expert-parallel buffer, routing.sort_by_expert); with rows a multiple of ROW_ALIGN no row is then left unwritten
@@ -216,22 +232,43 @@ def mgpu_swiglu(
     precision, while an fp32 program must compute in full fp32 (cisjax.runtime.matmul_precision); the Triton kernels
     multiply at HIGHEST (their weight gradient loads only its groups' rows, masked: no select there to skip)."""
     if jnp.dtype(xs_RxD.dtype) not in KERNEL_DTYPES:
-        return triton_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret)
+        return _weighted(triton_swiglu(xs_RxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, interpret), weights_R)
     r = xs_RxD.shape[0]
     p = round_up(max(r, 1), ROW_ALIGN)
     xs_PxD = pad_axes(xs_RxD, {0: p})
     wg_ExDxF, wu_ExDxF, wo_ExFxD = (w.astype(xs_RxD.dtype) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
     sms = _sms()
-    if (
-        kernels == "ws"
-    ):  # its grid is sized here: the SMs the mesh's GPU has (the interpreter's few), else JAX's device's
-        sms = INTERPRET_SMS if interpret else sms or jax.devices()[0].core_count
-    grouped = {"jax": gmm, "ws": ragged_ws.gmm}[kernels]
-    g_PxF, u_PxF = (grouped(xs_PxD, w, sizes_E, interpret, sms) for w in (wg_ExDxF, wu_ExDxF))
+    if kernels == "ws":  # its grids are sized here: the SMs the mesh's GPU has (the interpreter's few), else JAX's
+        w_P = None if weights_R is None else pad_axes(weights_R, {0: p})
+        return _ws_swiglu(xs_PxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, w_P, interpret, full_groups and p == r, sms)[
+            :r
+        ]
+    g_PxF, u_PxF = (gmm(xs_PxD, w, sizes_E, interpret, sms) for w in (wg_ExDxF, wu_ExDxF))
     if not (full_groups and p == r):
         valid_Px1 = (jnp.arange(p) < jnp.sum(sizes_E))[:, None]
         g_PxF, u_PxF = (jnp.where(valid_Px1, a, 0) for a in (g_PxF, u_PxF))
-    return grouped(jax.nn.silu(g_PxF) * u_PxF, wo_ExFxD, sizes_E, interpret, sms)[:r]
+    return _weighted(gmm(jax.nn.silu(g_PxF) * u_PxF, wo_ExFxD, sizes_E, interpret, sms)[:r], weights_R)
+
+
+def _weighted(out_RxD, weights_R):
+    """Each row of out times its routing weight (fp32, rounded once); out itself without weights."""
+    if weights_R is None:
+        return out_RxD
+    return (out_RxD.astype(jnp.float32) * weights_R.astype(jnp.float32)[:, None]).astype(out_RxD.dtype)
+
+
+def _ws_swiglu(xs_PxD, wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, w_P, interpret: bool, full_groups: bool, sms):
+    """mgpu_swiglu on swiglu_ws's fused kernels: D padded to whole 64 and F to swiglu_ws.padded_width (zeros: copies
+    fused with the weights' cast; none at the paper shapes), the output sliced back."""
+    sms = INTERPRET_SMS if interpret else sms or getattr(jax.devices()[0], "core_count", None) or DEFAULT_SMS
+    d, f = xs_PxD.shape[1], wg_ExDxF.shape[2]
+    dp, fp = round_up(d, 64), swiglu_ws.padded_width(f)
+    wg_ExDxF, wu_ExDxF = (pad_axes(w, {1: dp, 2: fp}) for w in (wg_ExDxF, wu_ExDxF))
+    wo_ExFxD = pad_axes(wo_ExFxD, {1: fp, 2: dp})
+    out_PxD = swiglu_ws.swiglu(
+        pad_axes(xs_PxD, {1: dp}), wg_ExDxF, wu_ExDxF, wo_ExFxD, sizes_E, w_P, interpret, sms, full_groups
+    )
+    return out_PxD[:, :d]
 
 
 def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +71,58 @@ def row_tasks(sizes_G: jax.Array, rows: int, block_m: int) -> jax.Array:
     return jnp.where(real_T[:, None], jnp.stack([g_T, load_T, lo_T - load_T, hi_T - lo_T], axis=1), 0)
 
 
-def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool, n: int):
+class Task(NamedTuple):
+    """What an epilogue knows of its (row task, N tile) in one compute warpgroup."""
+
+    wg: jax.Array  # the compute warpgroup
+    load: jax.Array  # the task's first row, a multiple of 8: it computes block_m rows from there
+    offset: jax.Array  # its group's rows among them: `count` from load + offset
+    count: jax.Array
+    col: jax.Array  # the warpgroup's first column (of each accumulator's block_n)
+    stores: jax.Array  # whether it multiplies and stores: not the first half of a last tile's overlap
+    index: jax.Array  # the row task's index in row_tasks
+    tile: jax.Array  # the N tile's index (of 2 block_n columns)
+
+
+class Store:
+    """The plain epilogue: one accumulator, rounded to the output's dtype and stored (TMA) into out's rows of the
+    group. An epilogue's parts: rhs_columns (one accumulator per entry: the column offset in rhs of its block_n
+    columns), scratch (its shared memory), begin (the compute warpgroups, before the task's pipeline) and end (after
+    it, with the accumulators); refs are the kernel's gmem refs after lhs and rhs (inputs, then outputs)."""
+
+    rhs_columns: tuple = (0,)
+
+    def scratch(self, plgpu, tiles: Tiles, dtype) -> dict:
+        return {"out": plgpu.SMEM((COMPUTE_WGS, tiles.block_m, tiles.block_n), dtype)}
+
+    def begin(self, plgpu, task: Task, scratch: dict, refs) -> None:
+        del plgpu, task, scratch, refs
+
+    def end(self, plgpu, task: Task, scratch: dict, refs, accs) -> None:
+        (out_gmem,) = refs
+        out_smem = scratch["out"].at[task.wg]
+        acc = accs[0][...].astype(out_smem.dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous task's stores have read the slot
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        store_rows(plgpu, task, out_smem, out_gmem, task.col)
+
+
+def store_rows(plgpu, task: Task, smem_ref, gmem_ref, col) -> None:
+    """Store smem_ref's [block_m, block_n] rows of the task's group into gmem_ref's rows load + offset on, columns
+    col on, where the warpgroup stores (task.stores)."""
+    pl.when(task.stores)(
+        lambda: _store_rows(
+            plgpu, smem_ref, gmem_ref.at[:, pl.ds(col, smem_ref.shape[1])], task.load, task.offset, task.count
+        )
+    )
+
+
+def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, *refs, tiles: Tiles, transpose_rhs: bool, n: int, epilogue):
     """The kernel body: each CTA (one memory and two compute warpgroups) walks its share of the (row task, N tile)
-    pairs of the num_gmem[0] row tasks with rows; per pair, one warp-specialized pipeline over K and an epilogue that
-    stores the task's rows. Chained (tiles.chain): a CTA's first pipeline starts its stages, its last drains them."""
+    pairs of the num_gmem[0] row tasks with rows; per pair, one warp-specialized pipeline over K (an accumulator per
+    epilogue.rhs_columns entry, each multiplying the lhs tile by its columns of rhs) and the epilogue. Chained
+    (tiles.chain): a CTA's first pipeline starts its stages, its last drains them."""
     # Mosaic GPU locates its runtime library (the CUDA plugin's) when first imported: after cisjax plan adds the plugin
     from jax.experimental.pallas import mosaic_gpu as plgpu  # lazy: mosaic_gpu
 
@@ -84,8 +133,10 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
     transforms = _transforms(plgpu, lhs_gmem.dtype, bk)
     chain = tiles.chain and (k // bk) % tiles.stages == 0
     rhs_block, rhs_index = ((cta_n, bk), lambda kk: (0, kk)) if transpose_rhs else ((bk, cta_n), lambda kk: (kk, 0))
+    columns = epilogue.rhs_columns
 
     def pipeline(body, compute_context, state=None):
+        rhs_spec = plgpu.BlockSpec(rhs_block, rhs_index, transforms=transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k // bk,),
@@ -93,7 +144,7 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec(rhs_block, rhs_index, transforms=transforms, memory_space=plgpu.SMEM),
+                *[rhs_spec] * len(columns),
             ],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
@@ -101,50 +152,60 @@ def _kernel(num_gmem, tasks_gmem, lhs_gmem, rhs_gmem, out_gmem, *, tiles: Tiles,
             compute_context=compute_context,
         )
 
+    rhs_0 = rhs_gmem.at[0]
+
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(_ignore, _ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
-        out_smem=plgpu.SMEM((COMPUTE_WGS, bm, bn), out_gmem.dtype),
+        allocations=pipeline(_ignore, _ignore).get_allocations(lhs_gmem, *[rhs_0] * len(columns)),
+        scratch=epilogue.scratch(plgpu, tiles, lhs_gmem.dtype),
         collective_axes="wg",
     )
-    def _scope(allocations, out_smem):
+    def _scope(allocations, scratch):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((num_gmem[0] * n_tiles,), collective_axes="cluster_grid")
         def _tasks(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            task, j = lin // n_tiles, lin % n_tiles
-            group, load, offset, count = (tasks_gmem[task, c] for c in range(4))
-            load = pl.multiple_of(load, ROW_ALIGN)
+            task_i, j = lin // n_tiles, lin % n_tiles
+            group, load, offset, count = (tasks_gmem[task_i, c] for c in range(4))
             n0, wg_n0, stores = _n_tile(j, wg, bn, n)
+            task = Task(wg, pl.multiple_of(load, ROW_ALIGN), offset, count, wg_n0, stores, task_i, j)
 
-            def store(smem_ref):
-                pl.when(stores)(
-                    lambda: _store_rows(plgpu, smem_ref, out_gmem.at[:, pl.ds(wg_n0, bn)], load, offset, count)
-                )
+            def mma(_, lhs_smem, *rhs_and_accs):
+                *rhs_smems, accs = rhs_and_accs
 
-            def mma(_, lhs_smem, rhs_smem, acc_ref):
-                if transpose_rhs:
-                    rhs = rhs_smem.at[pl.ds(wg * bn, bn), :].transpose((1, 0))
-                else:
-                    rhs = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                pl.when(stores)(lambda: _mma(plgpu, acc_ref, lhs_smem, rhs))  # an overlap's columns: not again
-                return acc_ref
+                @pl.when(stores)  # an overlap's columns: not again
+                def _multiply():
+                    for rhs_smem, acc_ref in zip(rhs_smems, accs):
+                        if transpose_rhs:
+                            rhs = rhs_smem.at[pl.ds(wg * bn, bn), :].transpose((1, 0))
+                        else:
+                            rhs = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                        plgpu.wgmma(acc_ref, lhs_smem, rhs)
+                    plgpu.wgmma_wait(0)  # the pipeline may refill the step's slots once the body returns
 
-            rhs_g = (
-                rhs_gmem.at[group, pl.ds(n0, cta_n), :] if transpose_rhs else rhs_gmem.at[group, :, pl.ds(n0, cta_n)]
-            )
+                return accs
 
-            refs = (lhs_gmem.at[pl.ds(load, bm), :], rhs_g)
-            context = _epilogue(plgpu, out_smem, wg, store)
+            def rhs_of(col):
+                cols = pl.ds(col + n0, cta_n)
+                return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+
+            def context(run_pipeline):
+                def with_accs(*accs):
+                    epilogue.begin(plgpu, task, scratch, refs)
+                    epilogue.end(plgpu, task, scratch, refs, run_pipeline(accs))
+
+                pl.run_scoped(with_accs, *[plgpu.ACC((bm, bn), jnp.float32)] * len(columns))
+
+            operands = (lhs_gmem.at[pl.ds(task.load, bm), :], *map(rhs_of, columns))
             if not chain:
-                pipeline(mma, context)(*refs, allocations=allocations)
+                pipeline(mma, context)(*operands, allocations=allocations)
                 return
             first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
             chained = plgpu.PipelinePipeline  # START fills the stages, STEADY goes on, STOP drains them
             state = jnp.where(first, chained.START, jnp.where(last, chained.STOP, chained.STEADY))
-            pl.when(first & last)(lambda: pipeline(mma, context)(*refs, allocations=allocations))  # one task: alone
-            pl.when(~(first & last))(lambda: pipeline(mma, context, state)(*refs, allocations=allocations))
+            pl.when(first & last)(lambda: pipeline(mma, context)(*operands, allocations=allocations))  # one: alone
+            pl.when(~(first & last))(lambda: pipeline(mma, context, state)(*operands, allocations=allocations))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -168,11 +229,12 @@ def _n_tile(j, wg, bn: int, n: int):
     return n0, wg_n0, wg_n0 >= j * COMPUTE_WGS * bn
 
 
-def _launch(plgpu, body, out_shape, dtype, sms: int):
-    """plgpu.kernel of body on a persistent grid of `sms` CTAs, each one memory and two compute warpgroups."""
+def launch(plgpu, body, out_type, sms: int):
+    """plgpu.kernel of body on a persistent grid of `sms` CTAs, each one memory and two compute warpgroups; out_type:
+    a jax.ShapeDtypeStruct or a tuple of them."""
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+        out_type=out_type,
         grid=(sms,),
         grid_names=("cluster_grid",),
         cluster=(1,),
@@ -239,12 +301,23 @@ def ragged_dot(lhs_RxK, rhs, sizes_G, *, transpose_rhs: bool, sms: int, tiles: T
     kp, np_ = round_up(k, bk), max(round_up(n, bn), COMPUTE_WGS * bn)
     lhs_PxK = pad_axes(lhs_RxK, {0: rp, 1: kp})
     rhs = pad_axes(rhs, {1: np_, 2: kp} if transpose_rhs else {1: kp, 2: np_})
-    tasks_Tx4 = row_tasks(sizes_G, rp, bm)
+    out_type = jax.ShapeDtypeStruct((rp, np_), lhs_RxK.dtype)
+    call = row_task_call(sizes_G, rp, n=np_, transpose_rhs=transpose_rhs, sms=sms, tiles=tiles, out_type=out_type)
+    return call(lhs_PxK, rhs)[:r, :n]
+
+
+def row_task_call(sizes_G, rows: int, *, n: int, transpose_rhs: bool, sms: int, tiles: Tiles, out_type, epilogue=None):
+    """The row-task kernel as a function of (lhs [rows, K], rhs, *epilogue's gmem inputs) -> out_type, for groups
+    of sizes_G over lhs's sorted rows: rows a multiple of 8 and >= block_m, K whole block_k, rhs's N (n) whole
+    block_n and >= 2 block_n (the callers pad); epilogue: Store() unless given."""
+    tasks_Tx4 = row_tasks(sizes_G, rows, tiles.block_m)
     num_1 = jnp.sum(tasks_Tx4[:, 3] > 0, keepdims=True, dtype=jnp.int32)  # the row tasks with rows: the first ones
     from jax.experimental.pallas import mosaic_gpu as plgpu  # lazy: mosaic_gpu (see _kernel)
 
-    body = functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs, n=np_)
-    return _launch(plgpu, body, (rp, np_), lhs_RxK.dtype, sms)(num_1, tasks_Tx4, lhs_PxK, rhs)[:r, :n]
+    epilogue = epilogue or Store()
+    body = functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs, n=n, epilogue=epilogue)
+    kernel = launch(plgpu, body, out_type, sms)
+    return lambda lhs, rhs, *inputs: kernel(num_1, tasks_Tx4, lhs, rhs, *inputs)
 
 
 def group_blocks(sizes_G: jax.Array, block_k: int) -> jax.Array:
@@ -351,7 +424,9 @@ def transposed_ragged_dot(x_RxK, dy_RxN, sizes_G, *, sms: int, tiles: Tiles = Ti
     body = functools.partial(_wgrad_kernel, tiles=tiles)
     groups_Gx4 = group_blocks(sizes_G, bk)
     x_PxK, dy_PxN = pad_axes(x_RxK, {0: rp, 1: kp}), pad_axes(dy_RxN, {0: rp, 1: np_})
-    return _launch(plgpu, body, (g, kp, np_), x_RxK.dtype, sms)(groups_Gx4, x_PxK, dy_PxN)[:, :k, :n]
+    return launch(plgpu, body, jax.ShapeDtypeStruct((g, kp, np_), x_RxK.dtype), sms)(groups_Gx4, x_PxK, dy_PxN)[
+        :, :k, :n
+    ]
 
 
 def _block_n(n: int) -> int:
@@ -382,65 +457,3 @@ def interpreted(interpret: bool):
 
     with force_gpu_interpret_mode(InterpretGPUParams()):
         yield
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gmm(x_RxK, w_GxKxN, sizes_G, interpret: bool, sms: int):
-    """Grouped matmul on rows sorted by group, out[r] = x[r] @ W[group(r)], on the warp-specialized kernels: the
-    forward and the input gradient (W read transposed) ragged_dot, the weight gradient transposed_ragged_dot. x and W
-    of one 16-bit float dtype, sum(sizes) <= rows; rows past the groups come out unwritten (out and dx), and must be
-    finite in x (see transposed_ragged_dot). interpret: Mosaic GPU's interpreter; sms: the GPU's SM count."""
-    with interpreted(interpret):
-        out_RxN = ragged_dot(
-            x_RxK,
-            w_GxKxN,
-            sizes_G,
-            transpose_rhs=False,
-            sms=sms,
-            tiles=tiles_for(x_RxK.shape[0], sizes_G.shape[0], w_GxKxN.shape[2]),
-        )
-    return jax.lax.optimization_barrier(out_RxN)  # as moe_hopper.gmm's: XLA would launch the kernel twice
-
-
-def _gmm_fwd(x_RxK, w_GxKxN, sizes_G, interpret, sms):
-    return gmm(x_RxK, w_GxKxN, sizes_G, interpret, sms), (x_RxK, w_GxKxN, sizes_G)
-
-
-def _gmm_bwd(interpret, sms, res, dout_RxN):
-    x_RxK, w_GxKxN, sizes_G = res
-    _, k, n = w_GxKxN.shape
-    dout_RxN = dout_RxN.astype(x_RxK.dtype)
-    tiles = tiles_for(x_RxK.shape[0], sizes_G.shape[0], k)  # the input gradient's N is W's K
-    with interpreted(interpret):
-        dx_RxK = ragged_dot(dout_RxN, w_GxKxN, sizes_G, transpose_rhs=True, sms=sms, tiles=tiles)
-        dw = transposed_ragged_dot(x_RxK, dout_RxN, sizes_G, sms=sms, tiles=wgrad_tiles(k, n))
-    return dx_RxK, dw.astype(w_GxKxN.dtype), None
-
-
-gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def kernel_flops(assignments: int, groups: int, d: int, f: int, *, backward: bool) -> float:
-    """An upper bound of the FLOPs the warp-specialized kernels compute for one SwiGLU over `assignments` sorted
-    rows in `groups` groups, hidden d, expert width f (cisjax plan: a Mosaic GPU kernel carries no cost estimate),
-    with gmm's tiles. Forward and input gradient: max_tasks tasks of block_m rows over N rounded up to whole
-    block_n (a last pair's overlap is not computed again); the weight gradient: each group's rows from a multiple of
-    block_k to one (at most one step more per group) over K and N in whole tiles."""
-
-    def cols(n: int, t: Tiles) -> int:
-        return max(round_up(n, t.block_n), COMPUTE_WGS * t.block_n)
-
-    def rows_x_k(k: int, n: int) -> float:  # a ragged_dot of K = k, N = n
-        t = tiles_for(assignments, groups, n)
-        rows = max_tasks(max(round_up(assignments, ROW_ALIGN), t.block_m), groups, t.block_m) * t.block_m
-        return 2.0 * rows * k * cols(n, t)
-
-    def wgrad(k: int, n: int) -> float:  # a transposed_ragged_dot of dW [K = k, N = n]
-        t = wgrad_tiles(k, n)
-        return 2.0 * (assignments + groups * t.block_k) * round_up(k, t.block_m) * cols(n, t)
-
-    forward = 2 * rows_x_k(d, f) + rows_x_k(f, d)  # gate and up, down
-    if not backward:
-        return forward
-    dx = 2 * rows_x_k(f, d) + rows_x_k(d, f)  # dx of gate and up (N = D), dh of down (N = F)
-    return forward + dx + 2 * wgrad(d, f) + wgrad(f, d)

@@ -143,3 +143,56 @@ def through_sorted(fn, x_NxD: jax.Array, order_R: jax.Array, w_NxK: jax.Array) -
     inv_R = inverse_permutation(order_R)
     ys_RxD = fn(sorted_rows(x_NxD, order_R, inv_R, k))
     return combine(ys_RxD, w_NxK, order_R, inv_R)
+
+
+@jax.custom_vjp
+def sorted_weights(w_NxK: jax.Array, order_R: jax.Array, inv_R: jax.Array) -> jax.Array:
+    """w_R[r] = w[order[r]]: each assignment's routing weight in the sorted order (a gather); its gradient gathers
+    back by the inverse permutation (no scatter)."""
+    return w_NxK.reshape(-1)[order_R]
+
+
+def _sorted_weights_fwd(w_NxK, order_R, inv_R):
+    return sorted_weights(w_NxK, order_R, inv_R), (inv_R, w_NxK.shape)
+
+
+def _sorted_weights_bwd(res, dw_R):
+    inv_R, shape = res
+    return dw_R[inv_R].reshape(shape), None, None
+
+
+sorted_weights.defvjp(_sorted_weights_fwd, _sorted_weights_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_sum(ys_RxD: jax.Array, order_R: jax.Array, inv_R: jax.Array, k: int) -> jax.Array:
+    """y[n] = sum_j ys[inv[n * k + j]]: combine without weights (rows already weighted), in fp32 in slot order,
+    rounded once; its gradient is sorted_rows' forward (dys[r] = dy[order[r] // k], a gather) and keeps nothing of
+    ys for the backward."""
+    y_NxKxD = _slots(ys_RxD, inv_R, k).astype(jnp.float32)
+    y_NxD = y_NxKxD[:, 0]
+    for j in range(1, k):  # in slot order: no reduction whose order the compiler picks
+        y_NxD = y_NxD + y_NxKxD[:, j]
+    return y_NxD.astype(ys_RxD.dtype)
+
+
+def _gather_sum_fwd(ys_RxD, order_R, inv_R, k):
+    return gather_sum(ys_RxD, order_R, inv_R, k), order_R
+
+
+def _gather_sum_bwd(k, order_R, dy_NxD):
+    return dy_NxD[order_R // k], None, None  # y has ys's dtype, and so has its cotangent
+
+
+gather_sum.defvjp(_gather_sum_fwd, _gather_sum_bwd)
+
+
+def through_sorted_weighted(fn, x_NxD: jax.Array, order_R: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """through_sorted with the routing weights applied by fn: fn(sorted rows, their weights w_R) -> the weighted
+    rows ([R, D]; mgpu_ws multiplies them in its kernels and takes the weights' gradient there, from dh), then each
+    token's k rows gathered back and summed (gather_sum). No copy of the experts' unweighted output is kept for the
+    weights' gradient (combine keeps ys)."""
+    k = w_NxK.shape[1]
+    inv_R = inverse_permutation(order_R)
+    ys_RxD = fn(sorted_rows(x_NxD, order_R, inv_R, k), sorted_weights(w_NxK, order_R, inv_R))
+    return gather_sum(ys_RxD, order_R, inv_R, k)

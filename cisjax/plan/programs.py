@@ -20,7 +20,7 @@ from cisjax import forward as forward_lib
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
 from cisjax.engines.jax import programs as sampler_programs
-from cisjax.models import attention, hf_io, moe, moe_hopper, ragged_ws
+from cisjax.models import attention, hf_io, moe, moe_hopper, swiglu_ws
 from cisjax.models.attention import Segments
 from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
@@ -309,7 +309,7 @@ class StepPrograms:
 
     def _moe_kernel_flops(self, moe_, rows: int, seq_len: int, backward: bool) -> float:
         """Per chip, the FLOPs of the Hopper (Mosaic GPU) grouped matmuls when the layer runs them
-        (moe_hopper.kernel_flops, or ragged_ws.kernel_flops for mgpu_ws: upper bounds); 0 for every other dispatch,
+        (moe_hopper.kernel_flops, or swiglu_ws.kernel_flops for mgpu_ws: upper bounds); 0 for every other dispatch,
         whose kernels carry their estimates or which XLA counts itself. Each device takes its batch shard's rows in
         all the groups; F splits over the rest. float32 runs the Triton kernels."""
         if self.moe_impl not in moe.HOPPER_KERNELS or jnp.dtype(self.mcfg.dtype) == jnp.float32:
@@ -317,7 +317,7 @@ class StepPrograms:
         _, groups, d, f = moe_.wg_ExDxF.shape
         batch_shards = sharding.axis_multiple(self.mesh, self.rules, "batch")
         assignments = rows * seq_len * moe_.k // batch_shards
-        kernel_flops = ragged_ws.kernel_flops if self.moe_impl == "mgpu_ws" else moe_hopper.kernel_flops
+        kernel_flops = swiglu_ws.kernel_flops if self.moe_impl == "mgpu_ws" else moe_hopper.kernel_flops
         flops = kernel_flops(assignments, groups, d, f, backward=backward)
         return flops * batch_shards / self.mesh.devices.size
 

@@ -77,6 +77,11 @@ def test_units_by_hand():
     assert gpu_budget.layer_unit_s("qwen15_moe", "mgpu", 16384) == pytest.approx(25.1 + 2.0)
     assert gpu_budget.layer_unit_s("qwen15_moe", "mgpu", 32768) == pytest.approx(25.1 + 4.0)
     assert gpu_budget.case_s("nonsense", "float32") == gpu_budget.DEFAULT_CASE_S
+    # never measured: mgpu_ws costs what mgpu measured (gpu_budget.ASSUMED_AS), its optimizer options too
+    assert gpu_budget.train_unit_s("mgpu_ws", 4, 2048) == gpu_budget.train_unit_s("mgpu", 4, 2048)
+    assert gpu_budget.train_unit_s("mgpu_ws+offload", 4, 2048) == pytest.approx(24.6 + 5 * 0.914)
+    assert gpu_budget.layer_unit_s("qwen3_30b_a3b", "mgpu_ws", 8192) == 31.2
+    assert gpu_budget.case_s("mgpu_ws", "bfloat16") == 12.2
     # four processes at once: each case 1 + 3 x 0.53 times as long as alone; attention's triton is its own case
     assert gpu_budget.case_s("mgpu", "float32", workers=4) == pytest.approx(7.6 * 2.59)
     assert gpu_budget.case_s("triton", "float32", kind="attention") == 4.0 != gpu_budget.case_s("triton", "float32")

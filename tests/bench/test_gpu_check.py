@@ -207,13 +207,13 @@ H200 = dict(gpu_check.ASSUMED_ENV, moe_impls=list(moe.IMPLS))
 def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a_gpu():
     default = gpu_check.plans("train_step", "full", H200, {})
     first = list(gpu_parts.STEP_TOKENS["full"][0])
-    shapes = [["mgpu", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
-    candidate = ["mgpu_ws", *gpu_parts.STEP_TOKENS["full"][1]]  # beside the default until a GPU run has ranked them
+    shapes = [["mgpu_ws", *t] for t in map(list, gpu_parts.STEP_TOKENS["full"])]
+    candidate = ["mgpu", *gpu_parts.STEP_TOKENS["full"][1]]  # beside the default until a GPU run has ranked them
     assert len(default) == 1 and default[0]["combos"] == [*shapes, candidate]  # the state's options only when asked
     every = gpu_check.plans("train_step", "full", H200, {}, impls="all")[0]["combos"]
-    options = [["mgpu+bf16moments", *first], ["mgpu+offload", *first], ["mgpu+bf16sum", *first]]
+    options = [["mgpu_ws+bf16moments", *first], ["mgpu_ws+offload", *first], ["mgpu_ws+bf16sum", *first]]
     assert every[: len(shapes) + 3] == shapes + options
-    assert [c[0] for c in every[len(shapes) + 3 :]] == ["tiled", "triton", "mgpu_ws", "ragged", "dense"]
+    assert [c[0] for c in every[len(shapes) + 3 :]] == ["tiled", "triton", "mgpu", "ragged", "dense"]
     layer = gpu_check.plans("moe_layer", "full", H200, {})
     assert len(layer) == 1 and len(layer[0]["units"]) == 12  # three shapes at 8,192 and at 16,384 tokens, two impls
     assert {u[1] for u in layer[0]["units"]} == {"mgpu", "mgpu_ws"} and {u[2] for u in layer[0]["units"]} == {
@@ -222,10 +222,10 @@ def test_plans_one_process_per_section_default_impl_first_tpu_kernels_never_on_a
     }
     units = gpu_check.plans("moe_layer", "full", H200, {}, impls="all")[0]["units"]
     assert "gmm" not in {u[1] for u in units} and [u[1] for u in units[:6]] == [
-        "mgpu",
+        "mgpu_ws",
         "tiled",
         "triton",
-        "mgpu_ws",
+        "mgpu",
         "ragged",
         "dense",
     ]

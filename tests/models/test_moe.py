@@ -207,11 +207,16 @@ def test_moe_ffn_auto_is_the_default_impl_and_bf16_close():
     assert moe.default_impl() == "tiled"  # the CPU default
     # GPU: by compute capability (default: the traced program's devices': none here); cuda: cisjax plan's targets
     assert [moe.default_impl(p) for p in ("tpu", "gpu", "cuda")] == ["gmm", "triton", "triton"]
-    assert [moe.default_impl(p, (9, 0)) for p in ("gpu", "cuda", "tpu", "cpu")] == ["mgpu", "mgpu", "gmm", "tiled"]
+    assert [moe.default_impl(p, (9, 0)) for p in ("gpu", "cuda", "tpu", "cpu")] == [
+        "mgpu_ws",
+        "mgpu_ws",
+        "gmm",
+        "tiled",
+    ]
     assert [moe.default_impl("gpu", c) for c in ((8, 0), (8, 9), (10, 0))] == ["triton"] * 3
     # a decode step's few rows per expert: Triton's small row blocks on Hopper too, under the kernels' 64-row tiles
     few = [moe.default_impl(p, c, rows_per_expert=r) for p, c, r in (("gpu", (9, 0), 8), ("gpu", (9, 0), 64))]
-    assert few == ["triton", "mgpu"]
+    assert few == ["triton", "mgpu_ws"]
     assert [moe.default_impl(p, (9, 0), rows_per_expert=8) for p in ("tpu", "cpu")] == ["gmm", "tiled"]
     assert moe.device_rows_per_expert(40, 2, 8) == 10.0  # no mesh: every token on the one device
     with sharding.use_mesh(sharding.make_mesh({"fsdp": 8})):

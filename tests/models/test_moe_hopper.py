@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals
 from jax.extend import core as jex_core
 
 from cisjax import errors, sharding
@@ -117,6 +118,28 @@ def test_masked_rows_past_the_groups(monkeypatch):
     assert not np.any(y[200:]) and not np.any(dx[200:]) and all(np.isfinite(g).all() for g in dws)
     for got, ref, what in ((y[:200], y_ref, "y"), (dx[:200], dx_ref, "dx"), *zip(dws, dw_ref, ("dwg", "dwu", "dwo"))):
         np.testing.assert_allclose(got, ref, rtol=0.03, atol=0.03 * np.abs(ref).max(), err_msg=what)
+
+
+def test_mgpu_ws_keeps_the_sorted_rows_h_and_gu_and_nothing_of_the_combine(monkeypatch):
+    """What moe_ffn("mgpu_ws") keeps for its backward besides its arguments (what a layer scan without remat stores
+    per layer): the sorted rows [R, D], h [R, F] and gu [R, 2F]; not the experts' output (the routing weights'
+    gradient comes from the dh kernel: routing.combine would keep [R, D] more), not a [Wg | Wu] copy of the weights
+    (the backward makes it again), not g, u or silu(g) apart (mgpu keeps those)."""
+    mgpu_interpret.enable(monkeypatch)
+    n, d, f, e, k = 64, 128, 192, 4, 2
+    x, w = jnp.ones((n, d), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16)
+    wg, wo = jnp.ones((e, d, f), jnp.bfloat16), jnp.ones((e, f, d), jnp.bfloat16)
+    ids = jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32)
+
+    def kept(impl):
+        ffn = lambda x, wg, wu, wo, w: moe.moe_ffn(x, wg, wu, wo, ids, w, impl=impl)  # noqa: E731
+        return sorted(
+            a.shape for a, why in saved_residuals(ffn, x, wg, wg, wo, w) if "argument" not in why and a.ndim > 1
+        )
+
+    r = n * k  # 128: a multiple of moe_hopper.ROW_ALIGN, no padding
+    assert kept("mgpu_ws") == sorted([(r, d), (r, f), (r, 2 * f)])
+    assert len(kept("mgpu")) > 3
 
 
 @pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])
@@ -294,9 +317,9 @@ def test_mgpu_is_refused_where_it_cannot_run():
 
 @pytest.mark.slow
 def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
-    """A CPU host compiling for deviceless H100s (cisjax plan's targets, XLA's CUDA plugin): auto picks "mgpu" on
+    """A CPU host compiling for deviceless H100s (cisjax plan's targets, XLA's CUDA plugin): auto picks "mgpu_ws" on
     compute capability 9.0 and "triton" on an A100's 8.0, and the MoE's forward and backward compile for sm_90a (the
-    weight-gradient kernel sized by the target's SM count, not the host's devices). In a fresh process: the plugin."""
+    persistent grids sized by the target's SM count, not the host's devices). In a fresh process: the plugin."""
     out = fresh_process_json(
         """
         import json, sys
@@ -326,15 +349,17 @@ def test_h100_target_picks_and_compiles_the_hopper_kernels(tmp_path):
         print(json.dumps(out))
         """
     )
-    assert out["a100x1"] == "triton" and out["h100x1"] == "mgpu"
-    assert out["hlo_mosaic_calls"] == 9  # 3 grouped matmuls: forward, input gradient, weight gradient
+    assert out["a100x1"] == "triton" and out["h100x1"] == "mgpu_ws"
+    # swiglu_ws: gate/up with the SwiGLU and down forward; dh with the dSwiGLU, dx, dW of gate/up, dWo backward
+    assert out["hlo_mosaic_calls"] == 6
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["mgpu", "mgpu_ws"])
 def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy(impl):
     """Two MoE layers in one lax.scan without remat (the model's stack), forward and backward, compiled for a
-    deviceless H100: one layer's 9 kernel calls, each launched once (XLA's dynamic-slice fusion would launch a kernel
+    deviceless H100: one layer's kernel calls (mgpu: 9, three grouped matmuls forward, input and weight gradient;
+    mgpu_ws: 6, swiglu_ws's two forward and four backward), each launched once (XLA's dynamic-slice fusion would launch a kernel
     a second time where its output is both stored as the scan's residual and read in the body: gmm's optimization
     barrier), and no [N, k, D] array outside a fusion (the combine keeps the sorted rows: no un-sorted copy stored
     per layer); JAX's kernels (mgpu) and cisjax's (mgpu_ws) alike. In a fresh process: the plugin."""
@@ -372,7 +397,7 @@ def test_h100_layer_scan_launches_each_kernel_once_and_stores_no_unsorted_copy(i
         print(json.dumps({"mosaic_calls": hlo.count('custom_call_target="mosaic_gpu'), "unsorted": stored}))
         """.replace("IMPL", repr(impl))
     )
-    assert out["mosaic_calls"] == 9
+    assert out["mosaic_calls"] == {"mgpu": 9, "mgpu_ws": 6}[impl]
     assert out["unsorted"] == []
 
 

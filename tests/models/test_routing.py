@@ -164,6 +164,42 @@ def test_through_sorted_by_hand():
     assert dx.tolist() == [[3.5, 3.5], [4.5, 4.5], [4.0, 4.0]]
 
 
+def test_through_sorted_weighted_by_hand():
+    """fn gets the sorted rows and each one's routing weight (sorted row r holds assignment order[r]: weight
+    w.flat[order[r]]) and returns the weighted rows; each token's two are summed unweighted (gather_sum). Gradients by
+    gathers: the weights' come back from sorted place inv[a] to assignment a, the rows' to their tokens."""
+    order = jnp.asarray(ORDER, jnp.int32)
+    x = jnp.asarray([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    w = jnp.asarray([[1.0, 0.5], [0.25, 1.0], [2.0, -1.0]])
+    seen = []
+
+    def fn(xs_RxD, w_R):
+        seen.append(w_R)
+        return xs_RxD * jnp.arange(1.0, 7.0)[:, None] * w_R[:, None]
+
+    y = routing.through_sorted_weighted(fn, x, order, w)
+    assert seen[0].tolist() == [0.5, 0.25, 1.0, 1.0, 2.0, -1.0]  # w.flat at ORDER = [1, 2, 0, 3, 4, 5]
+    # as test_through_sorted_by_hand: token 0: 1 * 3 + 0.5 * 1; token 1: 0.25 * 2 + 1 * 4; token 2: 2 * 5 - 1 * 6
+    assert y.tolist() == [[3.5, 35.0], [9.0, 90.0], [12.0, 120.0]]
+    dx, dw = jax.grad(lambda x, w: jnp.sum(routing.through_sorted_weighted(fn, x, order, w)), argnums=(0, 1))(x, w)
+    assert dx.tolist() == [[3.5, 3.5], [4.5, 4.5], [4.0, 4.0]]
+    # d y / d w[n, j] = scale(place of (n, j)) * (x[n] summed over columns: 11, 22, 33): places 2, 0 / 1, 3 / 4, 5
+    assert dw.tolist() == [[33.0, 11.0], [44.0, 88.0], [165.0, 198.0]]
+
+
+def test_gather_sum_sums_in_fp32_and_keeps_nothing_of_the_rows():
+    """bf16 rows summed in fp32 in slot order and rounded once (1 + 2^-8 + 2^-8 = 1 + 2^-7); the backward keeps the
+    order only (no [R, D] residual: the weighted kernels give their weights' gradient themselves)."""
+    order = jnp.asarray([0, 1, 2], jnp.int32)
+    inv = routing.inverse_permutation(order)
+    ys = jnp.asarray([[1.0], [2.0**-8], [2.0**-8]], jnp.bfloat16)
+    y, vjp = jax.vjp(lambda ys: routing.gather_sum(ys, order, inv, 3), ys)
+    assert y.dtype == jnp.bfloat16 and float(y[0, 0]) == 1.0 + 2.0**-7
+    assert [leaf.shape for leaf in jax.tree.leaves(vjp) if leaf.ndim == 2] == []
+    (dys,) = vjp(jnp.asarray([[3.0]], jnp.bfloat16))
+    assert dys.dtype == jnp.bfloat16 and dys.tolist() == [[3.0], [3.0], [3.0]]
+
+
 def test_bf16_gradient_sums_in_fp32():
     """A token's k cotangents summed in fp32 and rounded once: 1 + 2^-8 + 2^-8 = 1 + 2^-7, one bf16 unit above 1
     (bf16 adds one at a time would round the tie 1 + 2^-8 back to 1, twice)."""

@@ -308,11 +308,11 @@ def test_fit_flips_when_rows_grow(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moe_impl", ["triton", "auto", "mgpu_ws"])
+@pytest.mark.parametrize("moe_impl", ["triton", "auto", "mgpu"])
 def test_gpu_target_in_a_fresh_process(tmp_path, moe_impl):
     """8 H100s through XLA's CUDA plugin, with no GPU: memory from the compiler, FLOPs from its cost model (Qwen1.5-MoE's
-    narrow cut, given as --hf-config); the MoE on cisjax's Triton kernels, on what "auto" picks there, JAX's
-    Mosaic GPU kernels (mgpu), and on cisjax's warp-specialized ones (mgpu_ws)."""
+    narrow cut, given as --hf-config); the MoE on cisjax's Triton kernels, on what "auto" picks there (cisjax's
+    warp-specialized kernels, mgpu_ws), and on JAX's Mosaic GPU kernels (mgpu, by name)."""
     out, hf = tmp_path / "plan.json", tmp_path / "narrow.json"
     cfg = config_lib.load(ROOT / "configs" / f"{PAPER_WIDTHS}.py")
     hf.write_text(json.dumps({**json.loads(Path(cfg.model.hf_config).read_text()), **NARROW[PAPER_WIDTHS]}))
@@ -359,17 +359,17 @@ def test_gpu_target_in_a_fresh_process(tmp_path, moe_impl):
     if moe_impl == "triton":
         assert report["model"]["moe_impl_resolved"] == "triton"
         assert 1.0 < kinds["moe"]["ratio"] < 1.6
-    elif moe_impl == "mgpu_ws":
-        # ragged_ws.kernel_flops' bound: per device 1,024 assignments in 16 groups (64-row tasks: at most 33 of them,
-        # 2,112 rows) and the weight gradient's 1,024 + 16 x 64 rows
-        assert report["model"]["moe_impl_resolved"] == "mgpu_ws"
-        assert 1.3 < kinds["moe"]["ratio"] < 2.4
-    else:
+    elif moe_impl == "mgpu":
         # the Mosaic kernels carry no estimate: the plan counts moe_hopper.kernel_flops, an upper bound: per device
         # 1,024 assignments plus a 128-row tile per boundary of the 16 groups = 2,944 rows, 2.9x the routed work (the
         # shared expert, counted by XLA, is exact)
         assert report["model"]["moe_impl_resolved"] == "mgpu"
         assert 1.5 < kinds["moe"]["ratio"] < 2.4
+    else:
+        # swiglu_ws.kernel_flops' bound: per device 1,024 assignments in 16 groups (64-row tasks: at most 33 of them,
+        # 2,112 rows) and the weight gradients' 1,024 + 16 x 64 rows
+        assert report["model"]["moe_impl_resolved"] == "mgpu_ws"
+        assert 1.3 < kinds["moe"]["ratio"] < 2.4
         off, params = report["offload"], report["model"]["total_params"]
         assert off["host_memory"] == "counted from the state (not compiled)"
         assert off["moments_bytes_per_chip"] == pytest.approx(8 * params / 8, rel=0.02)  # two fp32 moments, 8 GPUs
