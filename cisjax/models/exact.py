@@ -33,6 +33,11 @@ from cisjax.models import exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs
 
 TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
+# rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
+# (then the trainer's key length need not be the cache's), MoE experts dense over each tile (the cheaper at the
+# tests' and the demo's sizes: NOTES section 5)
+BLOCK = 32
+MOE_IMPL = "dense"
 
 
 def tiled(fn, *args, tile: int = TILE):
