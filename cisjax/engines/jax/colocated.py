@@ -49,7 +49,8 @@ class Colocated:
         self.target = f"127.0.0.1:{port}"
         self.client = RolloutClient(self.target, token=token, timeout_s=timeout_s, retry_s=retry_s)
         self.client.wait_ready(startup_s)
-        log.info("colocated JAX sampler (%s) serving in this process on %s", dtype, self.target)
+        kind = f"{self.dtype}, exact" if exact else self.dtype
+        log.info("colocated JAX sampler (%s) serving in this process on %s", kind, self.target)
 
     def publish(self, params, version: int) -> int:
         """Serve the trainer's `params` (its nnx.State) as `version`; returns the version the engine now serves.
