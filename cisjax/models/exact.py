@@ -17,9 +17,9 @@ training forward's keys give the same reduction. The logprob is the trainer's fo
 
 The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts per token, shared experts),
 exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the prototype:
-Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Not wired into the
-train step or the engine yet (exact_forward is what a train step in exact mode would call instead of model.__call__
-and token_logprobs)."""
+Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
+rollout.exact: cisjax.engines.jax.exact_engine samples with exact_step, cisjax.exact_forward gives the train step
+exact_forward's value."""
 
 from __future__ import annotations
 
@@ -174,64 +174,6 @@ def exact_step(
 def logprob(z_RxV, lse_R, tok_R, keep_RxV, has_R):
     """The sampled tokens' q [R]: exact_head.renormalised in its own tile (the trainer's head runs it isolated)."""
     return tiled(exact_head.renormalised, z_RxV, lse_R, tok_R, keep_RxV, has_R)
-
-
-def sample(
-    model: CausalLM,
-    prompts: list,
-    max_new: int,
-    key,
-    *,
-    slots: int,
-    temperature: float = 1.0,
-    top_k=None,
-    top_p=None,
-    moe_impl: str = "gather",
-    block: int | None = None,
-):
-    """Sample max_new tokens per prompt with the exact decode (rows = prompts; prompts fed one position per step, so
-    a row's prompt and response go through the same program). top_k / top_p: per prompt (0 / 1.0: no truncation).
-    Returns (tokens [R, max_new], q [R, max_new], keep [R, max_new, V]): q the logprob of each sampled token under the
-    distribution it was drawn from (renormalised over its support where the row truncates), by the trainer's formula
-    on the same logits row; keep each step's support (all True on rows that do not truncate)."""
-    r = len(prompts)
-    plen = [len(p) for p in prompts]
-    total = max(plen) + max_new
-    if total > slots:
-        raise ValueError(f"{total} positions > slots={slots}")
-    feed = jnp.zeros((r, total), jnp.int32)
-    for i, p in enumerate(prompts):
-        feed = feed.at[i, : len(p)].set(jnp.asarray(p, jnp.int32))
-    plen_R = jnp.asarray(plen, jnp.int32)
-    top_k_R = jnp.asarray(top_k if top_k is not None else [0] * r, jnp.int32)
-    top_p_R = jnp.asarray(top_p if top_p is not None else [1.0] * r, jnp.float32)
-    step = jax.jit(functools.partial(exact_step, temperature=temperature, moe_impl=moe_impl, block=block))
-
-    @jax.jit
-    def draw(z, lse, k):
-        keep, has = exact_head.sampling_support(z, top_k_R, top_p_R)
-        tok = jax.random.categorical(k, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
-        return tok, logprob(z, lse, tok, keep, has), keep
-
-    cache = init_cache(model, r, slots)
-    v = model.cfg.vocab_size
-    out_tok = jnp.zeros((r, max_new), jnp.int32)
-    out_q = jnp.zeros((r, max_new), jnp.float32)
-    out_keep = jnp.ones((r, max_new, v), bool)
-    ar = jnp.arange(r)
-    # row i feeds its prompt then its samples: at step s its position is s; it samples at positions >= plen - 1
-    for s in range(total - 1):
-        z, lse, cache = step(model, cache, feed[:, s], jnp.full((r,), s, jnp.int32))
-        key, sub = jax.random.split(key)
-        drawn, qv, keep = draw(z, lse, sub)
-        j = s + 1 - plen_R  # the response index this step samples (< 0: still in the prompt)
-        sampling = (j >= 0) & (j < max_new)
-        feed = feed.at[:, s + 1].set(jnp.where(sampling, drawn, feed[:, s + 1]))
-        jj = jnp.clip(j, 0, max_new - 1)
-        out_tok = out_tok.at[ar, jj].set(jnp.where(sampling, drawn, out_tok[ar, jj]))
-        out_q = out_q.at[ar, jj].set(jnp.where(sampling, qv, out_q[ar, jj]))
-        out_keep = out_keep.at[ar, jj].set(jnp.where(sampling[:, None], keep, out_keep[ar, jj]))
-    return out_tok, out_q, out_keep
 
 
 def with_plain_gradient(exact_fn, plain_fn):

@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.engines.jax.sampling import sampling_logprobs
-
 
 def isolated(fn, *args):
     """fn(*args) behind optimization barriers on its inputs and outputs: XLA fuses nothing around it into it."""
@@ -66,14 +64,3 @@ def train_tile(model, x_TxD, t_T, ids_TxS, temperature: float):
     else:
         keep_TxV, has_T = isolated(lambda s: support_mask(s, v), ids_TxS)
     return isolated(renormalised, z_TxV, lse_T, t_T, keep_TxV, has_T)
-
-
-def sampling_support(z_TxV, top_k_T, top_p_T):
-    """The sampler's truncation of z (already divided by the temperature): (keep [T, V] bool, has [T] bool), with the
-    JAX engine's definition (sampling.sampling_logprobs: top-k with ties kept, then top-p); has where a row truncates
-    (top_k > 0 or top_p < 1, even where that keeps every token: a truncating row's support always reaches the trainer,
-    whose p subtracts its log mass where it has one)."""
-    ones_T = jnp.ones(z_TxV.shape[:1], jnp.float32)
-    lp_TxV = sampling_logprobs(z_TxV, ones_T, top_k_T, top_p_T, jnp.zeros(z_TxV.shape[:1], bool))
-    has_T = (top_k_T > 0) | (top_p_T < 1.0)  # the engine's SamplingParams.truncates: it then sends the support
-    return (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cisjax import logprobs
+from cisjax.engines.jax import exact_engine
 from cisjax.engines.jax.sampling import sampling_logprobs
 from cisjax.models import exact, hf_io
 
@@ -26,7 +27,7 @@ def _run(tiny_hf_dir, family, dtype, truncate=True, block=None, moe_impl="gather
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(ROWS)]
     ks, ps = zip(*TRUNCATION) if truncate else ([0] * ROWS, [1.0] * ROWS)
-    toks, q, keep = exact.sample(
+    toks, q, keep = exact_engine.sample(
         model, prompts, NEW, jax.random.key(0), slots=SLOTS, top_k=ks, top_p=ps, block=block, moe_impl=moe_impl
     )
     return model, prompts, np.asarray(toks), np.asarray(q), np.asarray(keep), rng

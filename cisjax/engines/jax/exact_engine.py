@@ -17,8 +17,8 @@ import numpy as np
 
 from cisjax import runtime, sharding
 from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket
-from cisjax.engines.jax.sampling import key_data
-from cisjax.models import exact, exact_head
+from cisjax.engines.jax.sampling import key_data, sampling_logprobs
+from cisjax.models import exact
 from cisjax.rollout.backend import SampleResult, sample_seed
 from cisjax.rollout.params import SamplingParams
 
@@ -152,7 +152,7 @@ def _advance(graphdef, mesh, rules, temperature: float, support: bool, params, c
             z, lse, cache = exact.exact_step(
                 model, cache, fed, pos, temperature=temperature, moe_impl=exact.MOE_IMPL, block=exact.BLOCK
             )
-            keep, has = exact_head.sampling_support(z, state["top_k"], state["top_p"])
+            keep, has = sampling_support(z, state["top_k"], state["top_p"])
             draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), s), zr)  # noqa: E731
             tok = jax.vmap(draw)(state["keys"], jnp.where(keep, z, -jnp.inf)).astype(jnp.int32)
             tok = jnp.where(state["greedy"], jnp.argmax(z, axis=-1).astype(jnp.int32), tok)
@@ -203,3 +203,73 @@ def _support(keep_MxV, m: int, params: SamplingParams) -> tuple[list, list]:
         return [], [0] * m
     ids = [np.flatnonzero(keep_MxV[t]).tolist() for t in range(m)]
     return [i for row in ids for i in row], [len(row) for row in ids]
+
+
+def sampling_support(z_TxV, top_k_T, top_p_T):
+    """The sampler's truncation of z (already divided by the temperature): (keep [T, V] bool, has [T] bool), with the
+    JAX engine's definition (sampling.sampling_logprobs: top-k with ties kept, then top-p); has where a row truncates
+    (top_k > 0 or top_p < 1, even where that keeps every token: a truncating row's support always reaches the trainer,
+    whose p subtracts its log mass where it has one)."""
+    ones_T = jnp.ones(z_TxV.shape[:1], jnp.float32)
+    lp_TxV = sampling_logprobs(z_TxV, ones_T, top_k_T, top_p_T, jnp.zeros(z_TxV.shape[:1], bool))
+    has_T = (top_k_T > 0) | (top_p_T < 1.0)  # the engine's SamplingParams.truncates: it then sends the support
+    return (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T
+
+
+def sample(
+    model,
+    prompts: list,
+    max_new: int,
+    key,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    top_k=None,
+    top_p=None,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
+    """The exact decode's reference loop (the tests'; ExactEngine is the served one): max_new tokens per prompt of the
+    CausalLM `model` (rows = prompts; prompts fed one position per step, so
+    a row's prompt and response go through the same program). top_k / top_p: per prompt (0 / 1.0: no truncation).
+    Returns (tokens [R, max_new], q [R, max_new], keep [R, max_new, V]): q the logprob of each sampled token under the
+    distribution it was drawn from (renormalised over its support where the row truncates), by the trainer's formula
+    on the same logits row; keep each step's support (all True on rows that do not truncate)."""
+    r = len(prompts)
+    plen = [len(p) for p in prompts]
+    total = max(plen) + max_new
+    if total > slots:
+        raise ValueError(f"{total} positions > slots={slots}")
+    feed = jnp.zeros((r, total), jnp.int32)
+    for i, p in enumerate(prompts):
+        feed = feed.at[i, : len(p)].set(jnp.asarray(p, jnp.int32))
+    plen_R = jnp.asarray(plen, jnp.int32)
+    top_k_R = jnp.asarray(top_k if top_k is not None else [0] * r, jnp.int32)
+    top_p_R = jnp.asarray(top_p if top_p is not None else [1.0] * r, jnp.float32)
+    step = jax.jit(functools.partial(exact.exact_step, temperature=temperature, moe_impl=moe_impl, block=block))
+
+    @jax.jit
+    def draw(z, lse, k):
+        keep, has = sampling_support(z, top_k_R, top_p_R)
+        tok = jax.random.categorical(k, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
+        return tok, exact.logprob(z, lse, tok, keep, has), keep
+
+    cache = exact.init_cache(model, r, slots)
+    v = model.cfg.vocab_size
+    out_tok = jnp.zeros((r, max_new), jnp.int32)
+    out_q = jnp.zeros((r, max_new), jnp.float32)
+    out_keep = jnp.ones((r, max_new, v), bool)
+    ar = jnp.arange(r)
+    # row i feeds its prompt then its samples: at step s its position is s; it samples at positions >= plen - 1
+    for s in range(total - 1):
+        z, lse, cache = step(model, cache, feed[:, s], jnp.full((r,), s, jnp.int32))
+        key, sub = jax.random.split(key)
+        drawn, qv, keep = draw(z, lse, sub)
+        j = s + 1 - plen_R  # the response index this step samples (< 0: still in the prompt)
+        sampling = (j >= 0) & (j < max_new)
+        feed = feed.at[:, s + 1].set(jnp.where(sampling, drawn, feed[:, s + 1]))
+        jj = jnp.clip(j, 0, max_new - 1)
+        out_tok = out_tok.at[ar, jj].set(jnp.where(sampling, drawn, out_tok[ar, jj]))
+        out_q = out_q.at[ar, jj].set(jnp.where(sampling, qv, out_q[ar, jj]))
+        out_keep = out_keep.at[ar, jj].set(jnp.where(sampling[:, None], keep, out_keep[ar, jj]))
+    return out_tok, out_q, out_keep
