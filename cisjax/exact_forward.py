@@ -12,7 +12,7 @@ from cisjax.models import exact
 
 def exact_value(graphdef, mesh, rules, temperature: float, params, tokens_BxT, positions_BxT, targets_BxT, support):
     """exact.exact_forward's logprobs [B, T] (fp32) of the targets: keys in exact.BLOCK blocks over T rounded up to a
-    block, experts exact.MOE_IMPL, renormalised over the support ids where a row has them: the exact sampler's q."""
+    block, experts exact.moe_impl, renormalised over the support ids where a row has them: the exact sampler's q."""
     t = tokens_BxT.shape[1]
     with sharding.use_mesh(mesh, rules):
         model = nnx.merge(graphdef, params)
@@ -25,7 +25,7 @@ def exact_value(graphdef, mesh, rules, temperature: float, params, tokens_BxT, p
                 slots=-(-t // exact.BLOCK) * exact.BLOCK,
                 temperature=temperature,
                 support_BxTxS=support,
-                moe_impl=exact.MOE_IMPL,
+                moe_impl=exact.moe_impl(model),
                 block=exact.BLOCK,
             )
 

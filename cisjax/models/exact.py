@@ -29,15 +29,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.models import exact_attention, exact_head, exact_moe
+from cisjax.models import deepseek_v2, exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs
 
 TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
-# (then the trainer's key length need not be the cache's), each token's experts gathered ("dense", every expert on
-# every token of a tile, is cheaper at the demo's sizes but not exact for DeepSeek-V2 in fp32: 42-91% of tokens)
+# (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
-MOE_IMPL = "gather"
+
+
+def moe_impl(model: CausalLM) -> str:
+    """rollout.exact's MoE experts for `model`: every expert on every token of a tile ("dense": E / k times the FLOPs
+    and no weight gathers, 1.7-3x faster at the demo's sizes), except DeepSeek-V2's, gathered per token: dense is not
+    exact there in fp32 (42-91% of tokens q == p; every family and dtype is tested at this choice)."""
+    return "gather" if isinstance(model.cfg, deepseek_v2.Config) else "dense"
 
 
 def tiled(fn, *args, tile: int = TILE):

@@ -23,7 +23,9 @@ TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (0, 1.0), (5, 1.0))
 
 
 def _run(tiny_hf_dir, family, dtype, truncate=True, block=None, moe_impl="gather"):
+    """The reference decode's samples of ROWS prompts; moe_impl None: rollout.exact's (exact.moe_impl)."""
     model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
+    moe_impl = moe_impl or exact.moe_impl(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(ROWS)]
     ks, ps = zip(*TRUNCATION) if truncate else ([0] * ROWS, [1.0] * ROWS)
@@ -66,11 +68,12 @@ def _sampled(q, order, new):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype):
-    """With rollout.exact's constants (key blocks of exact.BLOCK, exact.MOE_IMPL experts): the trainer's rows in
+    """With rollout.exact's constants (key blocks of exact.BLOCK, exact.moe_impl's experts): the trainer's rows in
     another order, cut to other lengths, with random rows added, in batches of other T (its keys over T rounded up to
     a block, as the train step lays them: not the cache's slot count), support ids at other widths: p == q."""
-    block, moe_impl = exact.BLOCK, exact.MOE_IMPL
-    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype, block=block, moe_impl=moe_impl)
+    block = exact.BLOCK
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype, block=block, moe_impl=None)
+    moe_impl = exact.moe_impl(model)
     assert not keep[1].all() and keep[0].all()  # the top-k row truncated; the plain one did not
     forward = jax.jit(
         functools.partial(exact.exact_forward, block=block, moe_impl=moe_impl), static_argnames=("slots",)
@@ -121,7 +124,14 @@ def test_exact_forward_is_the_models_forward(tiny_hf_dir, family):
         ref = logprobs.token_logprobs(hidden, model.unembedding_DxV(), targets, support=sup)
         want = ref.logprobs_N if sup is None else ref.logprobs_N - ref.support_logmass_N
         got = exact.exact_forward(
-            model, tokens, positions, targets, slots=32, support_BxTxS=sup, block=exact.BLOCK, moe_impl=exact.MOE_IMPL
+            model,
+            tokens,
+            positions,
+            targets,
+            slots=32,
+            support_BxTxS=sup,
+            block=exact.BLOCK,
+            moe_impl=exact.moe_impl(model),
         )
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
 

@@ -150,7 +150,7 @@ def _advance(graphdef, mesh, rules, temperature: float, support: bool, params, c
             fed = state["feed"][:, s]
             pos = jnp.full((r,), s, jnp.int32)
             z, lse, cache = exact.exact_step(
-                model, cache, fed, pos, temperature=temperature, moe_impl=exact.MOE_IMPL, block=exact.BLOCK
+                model, cache, fed, pos, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK
             )
             keep, has = sampling_support(z, state["top_k"], state["top_p"])
             draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), s), zr)  # noqa: E731
