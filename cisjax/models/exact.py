@@ -141,6 +141,38 @@ def init_cache(model: CausalLM, rows: int, slots: int):
     ]
 
 
+def exact_prefill(
+    model: CausalLM,
+    tokens_RxP,
+    plen_R,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
+    """The prompts [R, P] (left-aligned: slot = position) through the layers at once, as exact_forward lays them out
+    -> (z [R, V] and logsumexp(z) [R] of each row's next token after its plen_R prompt tokens, the cache of `slots`
+    slots). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
+    Every per-token value is exact_step's (the same tiles): the samples' q do not depend on the prompts going in at
+    once."""
+    r, p = tokens_RxP.shape
+    x = jnp.take(model.embed_VxD[...], tokens_RxP, axis=0).astype(model.cfg.dtype).reshape(r * p, -1)
+    pos = jnp.tile(jnp.arange(p, dtype=jnp.int32), r)
+    row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), p)
+    cache = []
+    for layer in _layers(model):
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
+        axes = exact_attention.slot_axes(layer.attn)
+        lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
+        cache.append(lay)
+        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    last_RxD = x.reshape(r, p, -1)[jnp.arange(r), plen_R - 1]
+    z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), last_RxD)
+    return z, lse, cache
+
+
 def _write(c, e_RxE, pos_R, axis: int):
     """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
     at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)

@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class ExactEngine:
-    """Generates with exact.exact_step on the model `graphdef` + `params` (the trainer's: its compute dtype, its fp32
-    master weights). Prompts sit at slot 0 (slot = position, as the trainer's rows) and are fed one position per step
-    through the same program as the responses; every row samples once its prompt is in. A call's rows share one
+    """Generates with cisjax.models.exact on the model `graphdef` + `params` (the trainer's: its compute dtype, its
+    fp32 master weights). Prompts sit at slot 0 (slot = position, as the trainer's rows); each distinct prompt goes
+    through exact_prefill once, its cache rows copied to its n samples, then every row decodes a token per step
+    (exact_step at its own position): the same per-token programs as the train step's. A call's rows share one
     temperature (requests of other temperatures run apart); greedy rows take the argmax. `params` may be swapped
     whole between calls. Attributes as Engine's where the Backend reads them (params, graphdef, version, rules,
     phases, device_kind, compiled)."""
@@ -78,41 +79,51 @@ class ExactEngine:
                 out[i] = samples
         return out
 
-    def _program(self, rows: int, total: int, slots: int, new: int, temperature: float, support: bool):
-        key = ("exact", rows, total, slots, new, temperature, support)
+    def _program(self, key: tuple, fn, donate: tuple):
+        """The program `key` (fn jitted at its first use)."""
         with self._lock:
             if key not in self._programs:
-                fn = functools.partial(_advance, self.graphdef, self.mesh, self.rules, temperature, support)
-                self._programs[key] = jax.jit(fn, donate_argnums=(1, 2))
-                log.info("compiling exact sampler program %d: %s", len(self._programs), key[1:])
+                self._programs[key] = jax.jit(fn, donate_argnums=donate)
+                log.info("compiling exact sampler program %d: %s %s", len(self._programs), key[0], key[1:])
             return self._programs[key]
 
     def _generate(self, requests: list, temperature: float) -> list:
-        rows = [(r, j) for r in requests for j in range(r.params.n)]
-        plen = max(len(r.prompt) for r in requests)
+        rows = [(i, r, j) for i, r in enumerate(requests) for j in range(r.params.n)]
+        p = bucket(max(len(r.prompt) for r in requests), 16)
         new = bucket(max(r.params.max_new_tokens for r in requests), 16)
-        total = plen + new
-        slots = -(-bucket(total, exact.BLOCK) // exact.BLOCK) * exact.BLOCK
-        width = bucket(len(rows), exact.TILE)
+        slots = -(-(p + new) // exact.BLOCK) * exact.BLOCK
+        b, width = bucket(len(requests), 1), bucket(len(rows), exact.TILE)
         support = any(r.params.return_sampling_mask and r.params.truncates for r in requests)
+        tokens_BxP, plen_B = np.zeros((b, p), np.int32), np.ones(b, np.int32)
+        for i, r in enumerate(requests):
+            tokens_BxP[i, : len(r.prompt)], plen_B[i] = r.prompt, len(r.prompt)
         version, params = self.version, self.params
-        model = nnx.merge(self.graphdef, params)
-        state = {k: jnp.asarray(a) for k, a in _initial(rows, width, total, new).items()}
-        state["keep"] = jnp.ones((width, new, model.cfg.vocab_size) if support else (width, 1, 1), bool)
-        cache = exact.init_cache(model, width, slots)
-        advance = self._program(width, total, slots, new, temperature, support)
-        for s in range(total - 1):
-            cache, state = advance(params, cache, state, jnp.int32(s))
-            if (s + 1) % CHECK_EVERY == 0 and bool(jnp.all(state["done"])):
+        state = {k: jnp.asarray(a) for k, a in _initial(rows, width, new).items()}
+        v = nnx.merge(self.graphdef, params).cfg.vocab_size
+        state["keep"] = jnp.ones((width, new, v) if support else (width, 1, 1), bool)
+        on = (self.graphdef, self.mesh, self.rules, temperature, support)
+        prefill = self._program(
+            ("prefill", b, p, slots, width, new, temperature, support),
+            functools.partial(_prefill, *on, slots),
+            (3,),
+        )
+        decode = self._program(
+            ("decode", width, slots, new, temperature, support), functools.partial(_decode, *on), (1, 2)
+        )
+        cache, state = prefill(params, jnp.asarray(tokens_BxP), jnp.asarray(plen_B), state)
+        for t in range(1, new):
+            if t % CHECK_EVERY == 0 and bool(jnp.all(state["done"])):
                 break
+            cache, state = decode(params, cache, state, jnp.int32(t))
         host = jax.tree.map(np.asarray, state)
         return _results(requests, host, version, support)
 
 
-def _initial(rows: list, width: int, total: int, new: int) -> dict:
-    """The decode's starting state of `rows` (request, sample index) padded to `width` rows (padding rows start done)."""
-    feed = np.zeros((width, total), np.int32)
+def _initial(rows: list, width: int, new: int) -> dict:
+    """The decode's starting state of `rows` (prompt index, request, sample index) padded to `width` rows (padding
+    rows start done, on prompt 0)."""
     per = dict(
+        prompt=np.zeros(width, np.int32),
         plen=np.ones(width, np.int32),
         max_new=np.zeros(width, np.int32),
         top_k=np.zeros(width, np.int32),
@@ -122,17 +133,16 @@ def _initial(rows: list, width: int, total: int, new: int) -> dict:
         keys=np.zeros((width, 2), np.uint32),
         done=np.ones(width, bool),
     )
-    for i, (r, j) in enumerate(rows):
+    for row, (i, r, j) in enumerate(rows):
         q = r.params
-        feed[i, : len(r.prompt)] = r.prompt
-        per["plen"][i], per["max_new"][i], per["done"][i] = len(r.prompt), q.max_new_tokens, False
-        per["top_k"][i], per["top_p"][i], per["greedy"][i] = q.top_k, q.top_p, q.greedy
-        per["stop"][i, : len(q.stop_token_ids)] = sorted(q.stop_token_ids)
+        per["prompt"][row], per["plen"][row], per["max_new"][row] = i, len(r.prompt), q.max_new_tokens
+        per["done"][row] = q.max_new_tokens <= 0
+        per["top_k"][row], per["top_p"][row], per["greedy"][row] = q.top_k, q.top_p, q.greedy
+        per["stop"][row, : len(q.stop_token_ids)] = sorted(q.stop_token_ids)
         seed = q.seed if q.seed is not None else secrets.randbits(62)
-        per["keys"][i] = key_data(sample_seed(seed, r.prompt_id, j))
+        per["keys"][row] = key_data(sample_seed(seed, r.prompt_id, j))
     return dict(
         per,
-        feed=feed,
         tokens=np.zeros((width, new), np.int32),
         q=np.zeros((width, new), np.float32),
         lengths=np.zeros(width, np.int32),
@@ -140,39 +150,53 @@ def _initial(rows: list, width: int, total: int, new: int) -> dict:
     )
 
 
-def _advance(graphdef, mesh, rules, temperature: float, support: bool, params, cache, state: dict, s):
-    """One decode step of every row: position s fed (its prompt token, or the token it sampled), the next token drawn
-    where a row samples (response index s + 1 - plen, below its max_new and not ended), its q and support kept."""
+@contextlib.contextmanager
+def _model(graphdef, params, mesh, rules):
     with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, params)
         with runtime.matmul_precision(model.cfg.dtype):
-            r = state["feed"].shape[0]
-            fed = state["feed"][:, s]
-            pos = jnp.full((r,), s, jnp.int32)
-            z, lse, cache = exact.exact_step(
-                model, cache, fed, pos, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK
-            )
-            keep, has = sampling_support(z, state["top_k"], state["top_p"])
-            draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), s), zr)  # noqa: E731
-            tok = jax.vmap(draw)(state["keys"], jnp.where(keep, z, -jnp.inf)).astype(jnp.int32)
-            tok = jnp.where(state["greedy"], jnp.argmax(z, axis=-1).astype(jnp.int32), tok)
-            q = exact.logprob(z, lse, tok, keep, has)
-    j = s + 1 - state["plen"]
-    on = (j >= 0) & (j < state["max_new"]) & ~state["done"]
-    jj = jnp.clip(j, 0, state["tokens"].shape[1] - 1)
-    ar = jnp.arange(r)
+            yield model
+
+
+def _prefill(graphdef, mesh, rules, temperature, support, slots, params, tokens_BxP, plen_B, state):
+    """The prompts through exact.exact_prefill (each once), their cache rows and next-token logits taken by every
+    sample row of theirs, and every row's first token drawn."""
+    with _model(graphdef, params, mesh, rules) as model:
+        kw = dict(slots=slots, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
+        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, **kw)
+        rows = state["prompt"]
+        cache = [tuple(jnp.take(c, rows, axis=0) for c in arrays) for arrays in cache]
+        return cache, _draw(state, jnp.take(z, rows, axis=0), jnp.take(lse, rows, axis=0), 0, support)
+
+
+def _decode(graphdef, mesh, rules, temperature, support, params, cache, state, t):
+    """Decode step t of every row: its token t - 1 fed at position plen + t - 1, its token t drawn."""
+    with _model(graphdef, params, mesh, rules) as model:
+        pos_R = state["plen"] + t - 1
+        kw = dict(temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
+        z, lse, cache = exact.exact_step(model, cache, state["tokens"][:, t - 1], pos_R, **kw)
+        return cache, _draw(state, z, lse, t, support)
+
+
+def _draw(state: dict, z_RxV, lse_R, t, support: bool) -> dict:
+    """Response token t of every row that still samples, from z (logits / temperature) truncated by its top-k / top-p
+    (greedy rows: the argmax), its q = exact.logprob (the trainer's formula and tile), its support kept."""
+    keep, has = sampling_support(z_RxV, state["top_k"], state["top_p"])
+    draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), t), zr)  # noqa: E731
+    tok = jax.vmap(draw)(state["keys"], jnp.where(keep, z_RxV, -jnp.inf)).astype(jnp.int32)
+    tok = jnp.where(state["greedy"], jnp.argmax(z_RxV, axis=-1).astype(jnp.int32), tok)
+    q = exact.logprob(z_RxV, lse_R, tok, keep, has)
+    on = (t < state["max_new"]) & ~state["done"]
     st = dict(state)
-    put = lambda a, x: a.at[ar, jj].set(jnp.where(on.reshape(-1, *[1] * (x.ndim - 1)), x, a[ar, jj]))  # noqa: E731
+    put = lambda a, x: a.at[:, t].set(jnp.where(on.reshape(-1, *[1] * (x.ndim - 1)), x, a[:, t]))  # noqa: E731
     st["tokens"], st["q"] = put(state["tokens"], tok), put(state["q"], q)
     if support:
         st["keep"] = put(state["keep"], keep)
-    nxt = jnp.minimum(s + 1, state["feed"].shape[1] - 1)
-    st["feed"] = state["feed"].at[:, nxt].set(jnp.where(on, tok, state["feed"][:, nxt]))
     stop = on & jnp.any(tok[:, None] == state["stop"], axis=-1)
-    st["lengths"] = jnp.where(on, j + 1, state["lengths"])
+    st["lengths"] = jnp.where(on, t + 1, state["lengths"])
     st["stopped"] = state["stopped"] | stop
-    st["done"] = state["done"] | stop | (on & (j + 1 >= state["max_new"]))
-    return cache, st
+    st["done"] = state["done"] | stop | (on & (t + 1 >= state["max_new"]))
+    return st
 
 
 def _results(requests: list, host: dict, version: int, support: bool) -> list:
