@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cisjax import exact_forward, runtime, sharding
 from cisjax import logprobs as logprobs_lib
-from cisjax import runtime, sharding
 from cisjax.records import TrainBatch
 
 
@@ -51,13 +51,25 @@ def chunk_tokens(chunk_size: int, mesh, rules) -> int:
     return int(chunk_size) * sharding.axis_multiple(mesh, rules, "batch")
 
 
-def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, chunk_size: int, top_k: int = 0):
+def make_forward(
+    graphdef,
+    mesh,
+    rules,
+    *,
+    precision: str,
+    temperature: float,
+    chunk_size: int,
+    top_k: int = 0,
+    exact: bool = False,
+):
     """`(params, tokens, positions, segments, targets[, routing[, support]]) [B, T] -> Output`: the model's hidden
     states, then the chunked token_logprobs at `temperature` (never a [B, T, V] logits tensor). `routing_BxTxXxK` (the
     rollout's expert ids per position and MoE layer) replays the engine's routing in every MoE layer.
     `support_BxTxS` (each target's sampling support, -1 padded) renormalises: the stats' logprobs_N is then log p
     over the support, log p(target) - log sum_{v in S} p(v), and support_logmass_N the subtracted log mass. Refuses
-    a model whose compute dtype is not the one `precision` asks for (runtime.check_compute_dtype)."""
+    a model whose compute dtype is not the one `precision` asks for (runtime.check_compute_dtype).
+    `exact` (rollout.exact): logprobs_N is the exact path's value (exact_forward.exact_logprobs: bit for bit the exact
+    sampler's q), differentiated as the plain forward; entropy, top-k and the gradient sums stay the plain forward's."""
     temperature, top_k = float(temperature), int(top_k)
     rules = sharding.freeze(rules)  # the caller's table (a run's spec.rules is already frozen)
     chunk = chunk_tokens(chunk_size, mesh, rules)
@@ -91,6 +103,8 @@ def make_forward(graphdef, mesh, rules, *, precision: str, temperature: float, c
                 stats = stats._replace(logprobs_N=stats.logprobs_N - stats.support_logmass_N)
         return Output(stats, out.expert_ids_XxBxLxK, out.grad_acc)
 
+    if exact:
+        return exact_forward.exact_logprobs(graphdef, mesh, rules, forward, temperature=temperature)
     return forward
 
 
@@ -128,12 +142,15 @@ def make_batch_logprobs(
     params_shardings=None,
     round_to=None,
     flips: bool = False,
+    exact: bool = False,
 ):
     """Jitted `(params, TrainBatch [M, B, T]) -> logprobs_MxBxT` (fp32), one micro-batch at a time: the proximal
     rescoring at the start of a step and, with `round_to` (the published dtype) at temperature 1, the canary's
     trainer side. `params_shardings` defaults to the params' own. A batch with routing replays it; `flips` (such a
     batch only) returns `(logprobs_MxBxT, Flips)` with layers [M, B, T] and per_layer summed over micro-batches."""
-    forward = make_forward(graphdef, mesh, rules, precision=precision, temperature=temperature, chunk_size=chunk_size)
+    forward = make_forward(
+        graphdef, mesh, rules, precision=precision, temperature=temperature, chunk_size=chunk_size, exact=exact
+    )
     bsh = sharding.batch_sharding(mesh, rules)
 
     def logprobs(params, batch: TrainBatch):

@@ -193,6 +193,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Sampling and training share the devices (the producer samples while the step trains, within max_staleness).
     # One process only: a pod slice serves rollouts with `cisjax serve --backend jax` (rollout.server). docs/rollout.md
     c.rollout.colocated = False  # the JAX sampler in the trainer process (above)
+    # exact: the colocated sampler samples with the batch-invariant exact path (cisjax.models.exact) on the trainer's own
+    # fp32 master weights and compute dtype, and the train step's p is the same path's value (the plain forward's
+    # gradient): q == p bit for bit on every token (train/exact_frac = 1 with max_staleness=0), every CIS weight 1.
+    # Needs colocated, mesh.tensor = mesh.expert = 1, no routing replay, no perturb / lag, fp32 or bf16; rollout.dtype unused.
+    # Costs about 2x the forward on CPU (docs/rollout.md)
+    c.rollout.exact = False  # q == p to the last bit (above)
     c.rollout.kv_cache_gib = 0  # embedded vLLM on CPU: VLLM_CPU_KVCACHE_SPACE in GiB (0 = leave the environment's)
     c.rollout.group_size = 4  # samples per prompt (the GRPO group)
     c.rollout.temperature = 1.0  # sampling temperature (p is computed at the same temperature: logprobs.temperature)

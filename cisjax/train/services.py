@@ -207,6 +207,7 @@ def _rollout_service(run, run_dir: Path, model_dir):
             runtime=spec.runtime.model_kwargs(),
             timeout_s=r.timeout_s,
             startup_s=r.startup_s,
+            exact=r.exact,
         )
         return engine, engine.client
     return service.connect(

@@ -58,6 +58,8 @@ class RolloutSpec:
     sampling_mask: bool = False
     # rollout.colocated: the JAX sampler in the trainer's process, on its mesh (cisjax.engines.jax.colocated)
     colocated: bool = False
+    # rollout.exact: the colocated sampler and the step on the exact path (cisjax.models.exact): q == p bit for bit
+    exact: bool = False
 
 
 # The engines that return each token's sampling support (rollout.proto SamplingMask); for a running server
@@ -177,6 +179,7 @@ def step_of(cfg) -> StepSpec:
         optim=section(OptimSpec, cfg.train),
         loss_scale=float(cfg.train.loss_scale) if runtime.precision == "fp16" else 1.0,
         proximal=proximal(cfg.train.proximal, int(cfg.train.updates_per_batch)),
+        exact=bool(cfg.rollout.get("exact", False)),
     )
 
 
@@ -219,9 +222,11 @@ def from_config(cfg) -> TrainSpec:
             RolloutSpec,
             r,
             token=r.token or os.environ.get("CISJAX_ROLLOUT_TOKEN") or None,
+            # exact: a truncating row's support always reaches the trainer (its p renormalises over it)
             sampling_mask=sampling_mask(
                 float(r.top_p), int(r.top_k), str(cfg.correction.method), str(r.backend), str(r.server)
-            ),
+            )
+            or (bool(r.exact) and (float(r.top_p) < 1 or int(r.top_k) > 0)),
             tls=ClientTLS.of(r.tls_ca, r.tls_cert, r.tls_key, r.tls_server_name),
         ),
         perturb=perturb,

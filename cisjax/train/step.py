@@ -41,10 +41,17 @@ class StepSpec:
     # is the step's own forward, stop-gradient (the step's params are the proximal policy when it takes one optimizer
     # step per rollout batch): no rescoring program, and the step returns p_prox (and the routing flips) itself
     proximal: str = "step"
+    # rollout.exact: the forward's logprobs are the exact path's (cisjax.models.exact), its gradient the plain one's
+    exact: bool = False
 
     def forward_kwargs(self) -> dict:
-        """The step's forward (forward.make_forward / make_batch_logprobs): precision, temperature, chunking."""
-        return dict(precision=self.runtime.precision, temperature=self.temperature, chunk_size=self.chunk_size)
+        """The step's forward (forward.make_forward / make_batch_logprobs): precision, temperature, chunking, exact."""
+        return dict(
+            precision=self.runtime.precision,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            exact=self.exact,
+        )
 
 
 class StepOutputs(NamedTuple):
@@ -112,9 +119,12 @@ def make_loss_fn(graphdef, spec: StepSpec, mesh, rules):
             **loss_kw,
         )
         entropy_sum = jnp.sum(jnp.where(mask_BxT, lax.stop_gradient(entropy_BxT), 0.0))
+        # tokens whose p (this forward's, fp32) equals the engine's q bit for bit (all of them under rollout.exact)
+        same_BxT = lax.stop_gradient(logp_BxT.astype(jnp.float32)) == mb.infer_logprobs_MxBxT
         aux = dict(
             loss=loss,
             entropy_sum=entropy_sum,
+            exact_sum=jnp.sum((mask_BxT & same_BxT).astype(jnp.float32)),
             tokens=jnp.sum(mask_BxT.astype(jnp.float32)),
             corr=corr_metrics,
             loss_metrics=loss_metrics,
@@ -190,7 +200,7 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
          returned bitwise unchanged, skipped_steps is incremented and metrics["skipped"] is 1; step always increments.
 
     metrics (replicated fp32 scalars): loss, grad_norm (before clipping), clip_frac, entropy (mean over valid
-    tokens), lr (the learning rate of this update), tokens, skipped, and every correction and loss metric combined
+    tokens), exact_frac (the valid tokens whose p equals q bit for bit: 1 under rollout.exact, on-policy), lr (the learning rate of this update), tokens, skipped, and every correction and loss metric combined
     over micro-batches (token-weighted means; keys ending "_max" by max).
 
     outputs (with_outputs): under spec.proximal="step", p_prox of every token [M, B, T] (the step's own forward,
@@ -263,6 +273,7 @@ def make_train_step(graphdef, tx, spec: StepSpec, mesh, rules, state_shardings) 
             loss=loss,
             grad_norm=grad_norm,
             entropy=jnp.sum(aux["entropy_sum"]) / jnp.maximum(tokens, 1.0),
+            exact_frac=jnp.sum(aux["exact_sum"]) / jnp.maximum(tokens, 1.0),
             tokens=tokens,
             lr=schedule(state.step - state.skipped_steps),  # optax's count: the updates applied so far
             skipped=(~ok).astype(jnp.float32),

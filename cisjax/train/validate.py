@@ -341,6 +341,7 @@ def _run_data_rollout(c: _Checker, inputs: bool) -> None:
     c.one_of("rollout.backend", BACKENDS)
     c.one_of("rollout.dtype", ENGINE_DTYPES)
     _colocated(c)
+    _exact(c)
     c.number("rollout.kv_cache_gib", low=0)
     top_p = c.number("rollout.top_p", low=0, high=1, low_open=True)
     top_k = c.number("rollout.top_k", low=0, integer=True, why=" (0 = off)")
@@ -407,6 +408,31 @@ def _colocated(c: _Checker) -> None:
         c.add(f"rollout.colocated with rollout.replicas={c.get('rollout.replicas')!r}: one engine, the trainer's")
     if c.get("publish.delta") is True:
         c.add("rollout.colocated with publish.delta: nothing travels, the params are swapped in memory")
+
+
+def _exact(c: _Checker) -> None:
+    """rollout.exact: the colocated sampler and the train step on the exact path (cisjax.models.exact), so nothing
+    that makes q and p differ on purpose, and only what that path covers."""
+    on = c.get("rollout.exact")
+    if not isinstance(on, bool):
+        c.add(f"rollout.exact={on!r}: True or False")
+        return
+    if not on:
+        return
+    if c.get("rollout.colocated") is not True:
+        c.add("rollout.exact needs rollout.colocated=True: the exact sampler runs the trainer's model in its process")
+    if c.get("routing.replay") != "none":
+        c.add(
+            f"rollout.exact with routing.replay={c.get('routing.replay')!r}: the exact path routes alike on both sides"
+        )
+    if c.get("rollout.perturb") != "none" or c.get("rollout.lag"):
+        c.add("rollout.exact with rollout.perturb or rollout.lag: these make q differ from p on purpose")
+    if c.get("mesh.tensor") != 1 or c.get("mesh.expert") != 1:
+        c.add("rollout.exact with mesh.tensor or mesh.expert > 1: the exact path shards rows only (data, fsdp)")
+    if c.get("train.precision") not in ("fp32", "bf16") or c.get("correction.method") == "fp16":
+        c.add(
+            f"rollout.exact with train.precision={c.get('train.precision')!r}: the exact path computes in fp32 or bf16"
+        )
 
 
 def _replica_sets(spec: str, gpus: bool, replicas) -> None:

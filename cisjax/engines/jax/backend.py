@@ -19,6 +19,7 @@ import numpy as np
 
 from cisjax import runtime, sharding
 from cisjax.engines.jax.engine import Engine, Request, bucket
+from cisjax.engines.jax.exact_engine import ExactEngine
 from cisjax.errors import CheckpointError
 from cisjax.models import hf_io
 from cisjax.rollout import backend as backend_lib
@@ -41,7 +42,8 @@ class Backend(backend_lib.Backend):
     `mesh` (with its resolved logical `rules`, default sharding.DEFAULT_TABLE): the weights, the activations and the
     KV cache sharded over it as the trainer shards them (a serving mesh; the trainer's own in colocated mode).
     `runtime`: hf_io.load's model options (the trainer's moe_impl, moe_tile, router_dtype, ...); dtype and param_dtype
-    are always `dtype`."""
+    are always `dtype`, except with `exact` (rollout.exact): then the runtime's own (the trainer's compute dtype and
+    fp32 master weights) and the samples come from exact_engine.ExactEngine, q bit for bit the train step's p."""
 
     engine = "jax"
 
@@ -53,21 +55,27 @@ class Backend(backend_lib.Backend):
         mesh=None,
         rules: sharding.FrozenRules = sharding.DEFAULT_TABLE,
         runtime: dict | None = None,
+        exact: bool = False,
     ):
         self.model = str(model_dir)
         self.dtype = dtype
         self.mesh, self.rules = mesh, rules
-        self.runtime = {k: v for k, v in (runtime or {}).items() if k not in ("dtype", "param_dtype", "remat")}
+        self.exact = exact
+        dropped = ("remat",) if exact else ("dtype", "param_dtype", "remat")
+        self.runtime = {k: v for k, v in (runtime or {}).items() if k not in dropped}
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
         model, cfg = self._open(model_dir)
         self.architecture = (self.config_json.get("architectures") or [type(model).__name__])[0]
         self.vocab_size = int(cfg.vocab_size)
         self.max_model_len = int(cfg.max_position_embeddings)
-        self.supports_routing = bool(model.moe_layers)
-        self.routing_unsupported = "" if self.supports_routing else "the model has no MoE layer"
+        self.supports_routing = bool(model.moe_layers) and not exact
+        self.routing_unsupported = (
+            "" if self.supports_routing else ("exact mode" if exact else "the model has no MoE layer")
+        )
         self.supports_sampling_mask = True
         self.version = 0
-        self.sampler = Engine(*nnx.split(model), max_len=self.max_model_len, mesh=mesh, rules=rules)
+        engine = ExactEngine if exact else Engine
+        self.sampler = engine(*nnx.split(model), max_len=self.max_model_len, mesh=mesh, rules=rules)
         self._cast = _cast_program(self.sampler.params)
         if mesh is not None:
             log.info("weights, activations and KV cache sharded over the mesh %s", dict(mesh.shape))
@@ -82,9 +90,8 @@ class Backend(backend_lib.Backend):
 
     def _open(self, model_dir):
         """The model at `model_dir` (CheckpointError naming a missing or misshapen tensor: nothing is swapped)."""
-        model, cfg, _ = hf_io.load(
-            model_dir, mesh=self.mesh, rules=self.rules, dtype=self.dtype, param_dtype=self.dtype, **self.runtime
-        )
+        dtypes = {} if self.exact else dict(dtype=self.dtype, param_dtype=self.dtype)
+        model, cfg, _ = hf_io.load(model_dir, mesh=self.mesh, rules=self.rules, **dtypes, **self.runtime)
         return model, cfg
 
     # ------------------------------------------------------------------ the engine thread

@@ -19,6 +19,7 @@ class Colocated:
     rollouts, canary and in-loop evaluation go through the same protocol, checks and client as with a separate
     server. `publish` swaps the trainer's params in (cast to the engine's dtype, copied: no export, no stream); it
     waits for the work queued before it and holds back the work after it, so every sample comes from one version.
+    `exact` (rollout.exact): the engine holds the trainer's master weights and samples on the exact path.
     `stop` / `kill` as an embedded server's."""
 
     def __init__(
@@ -32,9 +33,11 @@ class Colocated:
         timeout_s: float = 3600.0,
         retry_s: float = 60.0,
         startup_s: float = 60.0,
+        exact: bool = False,
     ):
-        self.dtype = dtype
-        self.backend = Backend(str(model_dir), dtype=dtype, mesh=mesh, rules=rules, runtime=runtime)
+        # what the engine serves the params in: rollout.exact serves the trainer's master weights as they are
+        self.dtype = str((runtime or {}).get("param_dtype", "float32")) if exact else dtype
+        self.backend = Backend(str(model_dir), dtype=dtype, mesh=mesh, rules=rules, runtime=runtime, exact=exact)
         token = secrets.token_urlsafe(24)  # only this process's client may call it
         try:
             self.server, self.health, port = server_lib.build_server(
@@ -46,7 +49,8 @@ class Colocated:
         self.target = f"127.0.0.1:{port}"
         self.client = RolloutClient(self.target, token=token, timeout_s=timeout_s, retry_s=retry_s)
         self.client.wait_ready(startup_s)
-        log.info("colocated JAX sampler (%s) serving in this process on %s", dtype, self.target)
+        kind = f"{self.dtype}, exact" if exact else self.dtype
+        log.info("colocated JAX sampler (%s) serving in this process on %s", kind, self.target)
 
     def publish(self, params, version: int) -> int:
         """Serve the trainer's `params` (its nnx.State) as `version`; returns the version the engine now serves.

@@ -1,0 +1,236 @@
+"""Batch-invariant ("exact") forward and KV-cache decode: a token's values do not depend on the other tokens, rows,
+batch shape or sequence length, so the sampler's q and the trainer's p agree to the last bit (issue 49, prototype).
+
+Why: on XLA:CPU a row's result depends on the shape of the op it is computed in. A [M, K] x [K, N] dot takes other
+kernels (YNNPACK's tilings, Eigen, strength-reduced multiply-reduce at M = 1) by shape, and a reduction over the
+minor axis is emitted differently for few rows and for many (measured: NOTES_issue49.md). The decode (R rows, one
+query each, over a cache) and the train step ([B, T] rows, T queries each) therefore compute every op in another
+order, and so do two train batches of other shapes.
+
+How: every per-token computation runs in ROW tiles of a fixed shape (`tiled`: a lax.map over [TILE, ...] tiles, one
+loop body compiled the same in every program; its inputs and outputs behind optimization barriers, so that XLA
+fuses nothing of the surrounding program into it). A tile's rows are independent: a row's result is the same
+whatever the other rows of its tile are (measured on XLA:CPU: position in the tile and neighbours do not matter).
+Attention is per query: each query attends over its row's keys laid out slot = position, over a fixed number of
+slots `slots` (masked slots contribute exact zeros: exp(finfo.min - max) = 0), so the decode's cache and the
+training forward's keys give the same reduction. The logprob is the trainer's formula, z_t - logsumexp(z).
+
+The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts per token, shared experts),
+exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the prototype:
+Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
+rollout.exact: cisjax.engines.jax.exact_engine samples with exact_step, cisjax.exact_forward gives the train step
+exact_forward's value."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cisjax.models import deepseek_v2, exact_attention, exact_head, exact_moe
+from cisjax.models.transformer import CausalLM, layer_of, layer_runs
+
+TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
+# rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
+# (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
+BLOCK = 32
+
+
+def moe_impl(model: CausalLM) -> str:
+    """rollout.exact's MoE experts for `model`: every expert on every token of a tile ("dense": E / k times the FLOPs
+    and no weight gathers, 1.7-3x faster at the demo's sizes), except DeepSeek-V2's, gathered per token: dense is not
+    exact there in fp32 (42-91% of tokens q == p; every family and dtype is tested at this choice)."""
+    return "gather" if isinstance(model.cfg, deepseek_v2.Config) else "dense"
+
+
+def tiled(fn, *args, tile: int = TILE):
+    """fn over fixed-shape row tiles: args [N, ...] (the same N) -> fn's outputs [N, ...], N padded to a multiple
+    of `tile` with zero rows (their results dropped). One loop body of [tile, ...] shapes in every program."""
+    n = args[0].shape[0]
+    pad = -(-n // tile) * tile - n
+
+    def chunks(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(-1, tile, *a.shape[1:])
+
+    def body(xs):
+        xs = lax.optimization_barrier(xs)  # nothing of the surrounding program fuses into the body
+        return lax.optimization_barrier(fn(*xs))
+
+    out = lax.map(body, tuple(chunks(a) for a in args))
+    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
+
+
+def _layers(model: CausalLM):
+    return [layer_of(model.stacks[r], j) for r, run in enumerate(layer_runs(model.cfg)) for j in range(len(run))]
+
+
+def _post(layer, moe_impl: str, x_TxD, o_TxQ):
+    """The output projection, the residual, the MLP (or MoE) block and its residual, on a tile."""
+    x_TxD = x_TxD + exact_attention.out(layer, o_TxQ)
+    h_TxD = layer.mlp_norm(x_TxD)
+    if layer.is_moe:
+        return x_TxD + exact_moe.block(layer.mlp, h_TxD, moe_impl)
+    return x_TxD + layer.mlp(h_TxD[:, None])[:, 0]
+
+
+def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
+    """A layer's entries of the B x T tokens [B T, ...] as the cache lays them out: [B, ...per-row] with the slots
+    (T of them, padded to `slots` with zeros) at per-row `axis`."""
+    e = e_NxE.reshape(b, t, *e_NxE.shape[1:])
+    e = jnp.pad(e, [(0, 0), (0, slots - t)] + [(0, 0)] * (e.ndim - 2))
+    return jnp.moveaxis(e, 1, 1 + axis)
+
+
+def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T):
+    """A tile's queries over their rows of `arrays` (a layer's [B, ...per-row]: the cache or the trainer's layout):
+    over all slots at once (block None: exact_attention.attend) or in key blocks (exact_attention.attend_blocked)."""
+    if block is not None:
+        return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block)
+    slots = arrays[0].shape[1 + exact_attention.slot_axes(layer.attn)[0]]
+    mask_TxS = jnp.arange(slots)[None] <= pos_T[:, None]
+    return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in arrays), mask_TxS)
+
+
+def exact_forward(
+    model: CausalLM,
+    tokens_BxT,
+    positions_BxT,
+    targets_BxT,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    support_BxTxS=None,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
+    """The trainer's side: logprobs [B, T] of targets, rows left-aligned (position = slot), each query attending over
+    its row's slots up to its own (one sequence per row). `slots` >= T: the fixed key length of the decode's cache.
+    support_BxTxS: each target's sampling support (ids, -1 padded; a target without any: no truncation), over which
+    its logprob is renormalised (exact_head.renormalised). moe_impl: exact_moe's; block: attention in key blocks of
+    that many slots (None: over all slots at once); the decode must use the same."""
+    b, t = tokens_BxT.shape
+    if slots < t:
+        raise ValueError(f"slots={slots} < T={t}")
+    x = jnp.take(model.embed_VxD[...], tokens_BxT, axis=0).astype(model.cfg.dtype).reshape(b * t, -1)
+    pos = positions_BxT.reshape(-1).astype(jnp.int32)
+    row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    for layer in _layers(model):
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
+        axes = exact_attention.slot_axes(layer.attn)
+        lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
+        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
+    head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
+    lp = tiled(head, x, targets_BxT.reshape(-1), *(() if ids is None else (ids,)))
+    return lp.reshape(b, t)
+
+
+def init_cache(model: CausalLM, rows: int, slots: int):
+    """Per layer, its attention's cache arrays [R, ...per-row] (attn.cache_shapes(), `slots` slots) in the compute
+    dtype: slot = position."""
+    return [
+        tuple(
+            jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
+            for shape in layer.attn.cache_shapes()
+        )
+        for layer in _layers(model)
+    ]
+
+
+def exact_prefill(
+    model: CausalLM,
+    tokens_RxP,
+    plen_R,
+    *,
+    slots: int,
+    temperature: float = 1.0,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
+    """The prompts [R, P] (left-aligned: slot = position) through the layers at once, as exact_forward lays them out
+    -> (z [R, V] and logsumexp(z) [R] of each row's next token after its plen_R prompt tokens, the cache of `slots`
+    slots). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
+    Every per-token value is exact_step's (the same tiles): the samples' q do not depend on the prompts going in at
+    once."""
+    r, p = tokens_RxP.shape
+    x = jnp.take(model.embed_VxD[...], tokens_RxP, axis=0).astype(model.cfg.dtype).reshape(r * p, -1)
+    pos = jnp.tile(jnp.arange(p, dtype=jnp.int32), r)
+    row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), p)
+    cache = []
+    for layer in _layers(model):
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
+        axes = exact_attention.slot_axes(layer.attn)
+        lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
+        cache.append(lay)
+        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    last_RxD = x.reshape(r, p, -1)[jnp.arange(r), plen_R - 1]
+    z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), last_RxD)
+    return z, lse, cache
+
+
+def _write(c, e_RxE, pos_R, axis: int):
+    """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
+    at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)
+    return c.at[at].set(e_RxE.astype(c.dtype))
+
+
+def exact_step(
+    model: CausalLM,
+    cache,
+    tok_R,
+    pos_R,
+    *,
+    temperature: float = 1.0,
+    moe_impl: str = "gather",
+    block: int | None = None,
+):
+    """One token per row at its position pos_R (its slot) through the cache -> (z = logits / temperature [R, V] of the
+    next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
+    own tile: `logprob`), the formula and program of exact_forward's head."""
+    r = tok_R.shape[0]
+    layers = _layers(model)
+    x = jnp.take(model.embed_VxD[...], tok_R, axis=0).astype(model.cfg.dtype)
+    rows = jnp.arange(r, dtype=jnp.int32)
+    new = []
+    for layer, arrays in zip(layers, cache):
+        q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
+        axes = exact_attention.slot_axes(layer.attn)
+        arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
+        new.append(arrays)
+        o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
+        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+    z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), x)
+    return z, lse, new
+
+
+def logprob(z_RxV, lse_R, tok_R, keep_RxV, has_R):
+    """The sampled tokens' q [R]: exact_head.renormalised in its own tile (the trainer's head runs it isolated)."""
+    return tiled(exact_head.renormalised, z_RxV, lse_R, tok_R, keep_RxV, has_R)
+
+
+def with_plain_gradient(exact_fn, plain_fn):
+    """f(params, *args) whose value is exact_fn's and whose gradient (VJP in params) is plain_fn's: the train step's
+    p bit for bit as the sampler's q, differentiated through the model's own fast forward (plain_fn: the same function
+    up to rounding, e.g. model.__call__ + token_logprobs). The exact pieces' own backward (per-token weight gathers,
+    per-query key gathers, loops of tiles) costs several times the plain one; the gradient only needs to be the
+    gradient of the same function, not bitwise anything. No gradient flows to args (token ids, positions, ...)."""
+
+    @jax.custom_vjp
+    def f(params, *args):
+        return exact_fn(params, *args)
+
+    def fwd(params, *args):
+        _, vjp = jax.vjp(lambda p: plain_fn(p, *args), params)
+        return exact_fn(params, *args), (vjp, len(args))
+
+    def bwd(res, g):
+        vjp, n = res
+        return (*vjp(g), *(None,) * n)
+
+    f.defvjp(fwd, bwd)
+    return f

@@ -1,0 +1,171 @@
+"""cisjax.models.exact (issue 49 prototype): the batch-invariant KV-cache decode's q equals the batch-invariant
+forward's p bit for bit for every family (GQA and MLA, dense and MoE), plain and top-k / top-p rows, whatever the
+trainer's batch (other rows, their order, response lengths, its length T); and one reduction done in another order
+breaks it. (p inside the train step, under differentiation: tests/train/test_loop_exact.py.)"""
+
+import functools
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cisjax import logprobs
+from cisjax.engines.jax import exact_engine
+from cisjax.engines.jax.sampling import sampling_logprobs
+from cisjax.models import exact, hf_io
+
+SLOTS, NEW, ROWS = 64, 12, 6
+FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "deepseek_v2")
+# per row: (top_k, top_p): plain, top-k, top-k + top-p, top-p
+TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (0, 1.0), (5, 1.0))
+
+
+def _run(tiny_hf_dir, family, dtype, truncate=True, block=None, moe_impl="gather"):
+    """The reference decode's samples of ROWS prompts; moe_impl None: rollout.exact's (exact.moe_impl)."""
+    model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
+    moe_impl = moe_impl or exact.moe_impl(model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 90, int(rng.integers(2, 12))).tolist() for _ in range(ROWS)]
+    ks, ps = zip(*TRUNCATION) if truncate else ([0] * ROWS, [1.0] * ROWS)
+    toks, q, keep = exact_engine.sample(
+        model, prompts, NEW, jax.random.key(0), slots=SLOTS, top_k=ks, top_p=ps, block=block, moe_impl=moe_impl
+    )
+    return model, prompts, np.asarray(toks), np.asarray(q), np.asarray(keep), rng
+
+
+def _batch(prompts, toks, keep, order, new, extra, t, rng, pad):
+    """The trainer's rows: sample i's prompt and its first new[b] response tokens (in `order`), then `extra` random
+    rows; support ids [B, T, S] (S: the largest support plus `pad`; -1 padded) at the response targets of truncating
+    rows."""
+    width = int(keep.sum(-1).max()) + pad
+    rows = [prompts[i] + toks[i, :n].tolist() for i, n in zip(order, new)]
+    rows += [rng.integers(2, 90, int(rng.integers(3, t))).tolist() for _ in range(extra)]
+    tokens, targets = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), np.int32)
+    support = np.full((len(rows), t, width), -1, np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+        targets[b, : len(r) - 1] = r[1:]
+    for b, (i, n) in enumerate(zip(order, new)):
+        if TRUNCATION[i] != (0, 1.0):
+            for j in range(n):
+                ids = np.flatnonzero(keep[i, j])
+                support[b, len(prompts[i]) - 1 + j, : len(ids)] = ids
+    return tokens, np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape), targets, support
+
+
+def _response(p, prompts, order, new):
+    return np.concatenate(
+        [p[b, len(prompts[i]) - 1 : len(prompts[i]) - 1 + n] for b, (i, n) in enumerate(zip(order, new))]
+    )
+
+
+def _sampled(q, order, new):
+    return np.concatenate([q[i, :n] for i, n in zip(order, new)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_q_equals_forward_p_bitwise(tiny_hf_dir, family, dtype):
+    """With rollout.exact's constants (key blocks of exact.BLOCK, exact.moe_impl's experts): the trainer's rows in
+    another order, cut to other lengths, with random rows added, in batches of other T (its keys over T rounded up to
+    a block, as the train step lays them: not the cache's slot count), support ids at other widths: p == q."""
+    block = exact.BLOCK
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, family, dtype, block=block, moe_impl=None)
+    moe_impl = exact.moe_impl(model)
+    assert not keep[1].all() and keep[0].all()  # the top-k row truncated; the plain one did not
+    forward = jax.jit(
+        functools.partial(exact.exact_forward, block=block, moe_impl=moe_impl), static_argnames=("slots",)
+    )
+    layouts = (([4, 2, 0, 1, 5, 3], [12, 3, 9, 1, 12, 6], 3, 64, 5), ([3, 1], [7, 12], 6, 40, 11))
+    for order, new, extra, t, pad in layouts:
+        tokens, positions, targets, support = _batch(prompts, toks, keep, list(order), new, extra, t, rng, pad)
+        p = forward(model, tokens, positions, targets, slots=-(-t // block) * block, support_BxTxS=support)
+        np.testing.assert_array_equal(_response(np.asarray(p), prompts, order, new), _sampled(q, order, new))
+
+
+def test_one_reduction_in_another_order_breaks_it(tiny_hf_dir):
+    """The trainer's attention over 40 key slots instead of the decode's 64 (the softmax's sum and the values' matmul
+    over S in another order: the masked slots alone differ) and the sampler's own log_softmax instead of the
+    trainer's z - logsumexp(z): each alone leaves most tokens' q != p (by an ulp or so)."""
+    model, prompts, toks, q, keep, rng = _run(tiny_hf_dir, "qwen2", "float32", truncate=False)
+    order, new = range(ROWS), [NEW] * ROWS
+    tokens, positions, targets, _ = _batch(prompts, toks, keep, order, new, 0, 32, rng, 0)
+    forward = jax.jit(exact.exact_forward, static_argnames=("slots",))
+    same = _response(np.asarray(forward(model, tokens, positions, targets, slots=SLOTS)), prompts, order, new)
+    np.testing.assert_array_equal(same, q.reshape(-1))
+    other_s = _response(np.asarray(forward(model, tokens, positions, targets, slots=40)), prompts, order, new)
+    assert np.mean(other_s == q.reshape(-1)) < 0.9
+    np.testing.assert_allclose(other_s, q.reshape(-1), rtol=0, atol=1e-5)
+    # the sampler's formula on the decode's own logits
+    cache = exact.init_cache(model, ROWS, SLOTS)
+    z, lse, _ = jax.jit(exact.exact_step)(model, cache, jnp.asarray(tokens[:, 0]), jnp.zeros(ROWS, jnp.int32))
+    ones = jnp.ones(ROWS)
+    theirs = sampling_logprobs(z, ones, jnp.zeros(ROWS, jnp.int32), ones, jnp.zeros(ROWS, bool))
+    assert np.mean(np.asarray(theirs) == np.asarray(z - lse[:, None])) < 0.9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_forward_is_the_models_forward(tiny_hf_dir, family):
+    """The exact forward computes the model's function: its logprobs (plain, and renormalised over distinct support
+    ids) equal the model's forward + token_logprobs' within fp32 rounding (another summation order, MLA absorbed)."""
+    model, _, _ = hf_io.load(tiny_hf_dir(family), dtype="float32", param_dtype="float32")
+    rng = np.random.default_rng(1)
+    b, t, s = 3, 20, 10
+    tokens = jnp.asarray(rng.integers(2, 90, (b, t)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    targets = jnp.roll(tokens, -1, axis=1)
+    sizes = rng.integers(0, s + 1, (b, t, 1))
+    ids = np.stack([np.stack([rng.permutation(97)[:s] for _ in range(t)]) for _ in range(b)])
+    support = jnp.asarray(np.where(np.arange(s) < sizes, ids, -1), jnp.int32)
+    hidden = model(tokens, positions).hidden_BxLxD
+    for sup in (None, support):
+        ref = logprobs.token_logprobs(hidden, model.unembedding_DxV(), targets, support=sup)
+        want = ref.logprobs_N if sup is None else ref.logprobs_N - ref.support_logmass_N
+        got = exact.exact_forward(
+            model,
+            tokens,
+            positions,
+            targets,
+            slots=32,
+            support_BxTxS=sup,
+            block=exact.BLOCK,
+            moe_impl=exact.moe_impl(model),
+        )
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_with_plain_gradient_values_exact_gradient_plain(tiny_hf_dir):
+    """with_plain_gradient: the value is the exact forward's, bit for bit, and the gradient plain_fn's. Shown with a
+    plain_fn of twice the model's logprobs (model + token_logprobs): the gradient is twice the model's (to rounding:
+    another program), the exact forward's own gradient once."""
+    model, _, _ = hf_io.load(tiny_hf_dir("qwen2_moe"), dtype="float32", param_dtype="float32")
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(2, 90, (3, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (3, 16))
+    targets = jnp.roll(tokens, -1, axis=1)
+    weights = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+
+    def twice_plain(p, *a):
+        m = nnx.merge(graphdef, p)
+        return 2.0 * logprobs.token_logprobs(m(*a[:2]).hidden_BxLxD, m.unembedding_DxV(), a[2]).logprobs_N
+
+    def exact_fn(p, *a):
+        return exact.exact_forward(nnx.merge(graphdef, p), *a, slots=16)
+
+    def value_and_grad(fn):
+        def loss(p):
+            lp = fn(p, tokens, positions, targets)
+            return jnp.sum(weights * lp), lp
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, lp), grads = value_and_grad(exact.with_plain_gradient(exact_fn, twice_plain))
+    (_, lp_exact), grads_exact = value_and_grad(exact_fn)
+    _, grads_twice = value_and_grad(twice_plain)
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_exact))
+    for g, g2, ge in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_twice), jax.tree.leaves(grads_exact)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g2), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g) / 2, np.asarray(ge), rtol=1e-3, atol=1e-5)
