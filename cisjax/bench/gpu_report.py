@@ -263,6 +263,19 @@ FUSED_NOTE = (
 )
 
 
+def _show_tune(console, tune: dict) -> None:
+    """The sweep's tables: per call, the BLOCKS lines, and the fused calls against the JAX calls they replace."""
+    if tune.get("skipped"):
+        console.print(f"[yellow]tune: skipped[/] {escape(tune['skipped'])}")
+        return
+    console.print(harness.table("Hopper grouped-matmul block sweep", TUNE_COLUMNS, list(_tune_rows(tune)), TUNE_NOTE))
+    for line in tune.get("table", []):
+        console.print(escape(line), soft_wrap=True)
+    if tune.get("fused"):
+        rows = list(_fused_rows(tune["fused"]))
+        console.print(harness.table("mgpu_ws's fused calls", FUSED_COLUMNS, rows, FUSED_NOTE))
+
+
 def _fused_rows(fused: dict):
     for key, r in fused.items():
         yield (
@@ -379,17 +392,7 @@ def show(res: dict) -> None:
         rows = list(_exactness_rows(ex))
         console.print(harness.table("exactness", ("kernel", "fp32", "bf16"), rows, note))
     if "tune" in secs:
-        tune = secs["tune"]
-        if tune.get("skipped"):
-            console.print(f"[yellow]tune: skipped[/] {escape(tune['skipped'])}")
-        else:
-            rows = list(_tune_rows(tune))
-            console.print(harness.table("Hopper grouped-matmul block sweep", TUNE_COLUMNS, rows, TUNE_NOTE))
-            for line in tune.get("table", []):
-                console.print(escape(line), soft_wrap=True)
-            if tune.get("fused"):
-                rows = list(_fused_rows(tune["fused"]))
-                console.print(harness.table("mgpu_ws's fused calls", FUSED_COLUMNS, rows, FUSED_NOTE))
+        _show_tune(console, secs["tune"])
     if "moe_layer" in secs:
         layer = secs["moe_layer"]
         title = f"MoE layer fwd+bwd, hidden {layer.get('hidden')}, bf16"
