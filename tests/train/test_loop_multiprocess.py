@@ -146,8 +146,11 @@ def test_two_processes_train_as_one(prepared, tmp_path):
         for k in ("rollout/tokens", "rollout/response_len", "reward/mean", "rollout/staleness_max", "publish/version"):
             assert a[k] == b[k], (a["step"], k)
         assert a["train/grad_norm"] > 0
-        for k in ("train/loss", "train/grad_norm", "train/entropy", "train/abs_logk_mean"):
+        for k in ("train/loss", "train/grad_norm", "train/entropy"):
             np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=f"step {a['step']} {k}")
+        # a mean of |log p - log q| (about 6e-4 here) of logprobs up to about 10 in magnitude: the two programs (4
+        # devices in one process, 2 x 2) may round a logprob an fp32 unit apart (up to 9.5e-7 at 8), not more
+        np.testing.assert_allclose(b["train/abs_logk_mean"], a["train/abs_logk_mean"], rtol=0, atol=2e-6)
     for k in ("train/loss", "train/grad_norm"):
         print(f"{k} (1 process, 2 processes):", [(a[k], b[k]) for a, b in zip(rows_one, rows_two)])
 
