@@ -56,6 +56,17 @@ PHASE_KEYS = (
 log = logging.getLogger(__name__)
 
 
+def check_request(prompt: Sequence[int], params: SamplingParams, max_len: int) -> None:
+    """ValueError naming what a JAX sampler cannot take: an empty prompt, one too long for max_len with its new
+    tokens, more stop ids than STOP_SLOTS."""
+    if not prompt:
+        raise ValueError("an empty prompt")
+    if len(prompt) + params.max_new_tokens > max_len:
+        raise ValueError(f"prompt + max_new_tokens = {len(prompt) + params.max_new_tokens} > {max_len}")
+    if len(params.stop_token_ids) > STOP_SLOTS:
+        raise ValueError(f"{len(params.stop_token_ids)} stop token ids: at most {STOP_SLOTS}")
+
+
 class Request(NamedTuple):
     prompt: list  # token ids
     prompt_id: int  # mixed into the per-sample seeds (cisjax.rollout.backend.sample_seed)
@@ -284,12 +295,7 @@ class Engine:
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """ValueError naming what this engine cannot take (the server checks requests first; a library caller may not)."""
-        if not prompt:
-            raise ValueError("an empty prompt")
-        if len(prompt) + params.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt + max_new_tokens = {len(prompt) + params.max_new_tokens} > {self.max_len}")
-        if len(params.stop_token_ids) > STOP_SLOTS:
-            raise ValueError(f"{len(params.stop_token_ids)} stop token ids: at most {STOP_SLOTS}")
+        check_request(prompt, params, self.max_len)
 
     def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int], params: SamplingParams):
         """Per prompt, its params.n samples as SampleResults (the logprobs of the distribution sampled from)."""

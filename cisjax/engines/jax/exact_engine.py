@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cisjax import runtime, sharding
-from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket
+from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket, check_request
 from cisjax.engines.jax.sampling import key_data, sampling_logprobs
 from cisjax.models import exact
 from cisjax.rollout.backend import SampleResult, sample_seed
@@ -52,13 +52,8 @@ class ExactEngine:
         return len(self._programs)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """ValueError naming what this engine cannot take."""
-        if not prompt:
-            raise ValueError("an empty prompt")
-        if len(prompt) + params.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt + max_new_tokens = {len(prompt) + params.max_new_tokens} > {self.max_len}")
-        if len(params.stop_token_ids) > STOP_SLOTS:
-            raise ValueError(f"{len(params.stop_token_ids)} stop token ids: at most {STOP_SLOTS}")
+        """ValueError naming what this engine cannot take (engine.check_request's, and neither top logprobs nor routing)."""
+        check_request(prompt, params, self.max_len)
         if params.logprobs or params.return_routing:
             raise ValueError("the exact sampler returns neither top logprobs nor routing")
 
