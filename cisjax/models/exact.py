@@ -212,26 +212,3 @@ def exact_step(
 def logprob(z_RxV, lse_R, tok_R, keep_RxV, has_R):
     """The sampled tokens' q [R]: exact_head.renormalised in its own tile (the trainer's head runs it isolated)."""
     return tiled(exact_head.renormalised, z_RxV, lse_R, tok_R, keep_RxV, has_R)
-
-
-def with_plain_gradient(exact_fn, plain_fn):
-    """f(params, *args) whose value is exact_fn's and whose gradient (VJP in params) is plain_fn's: the train step's
-    p bit for bit as the sampler's q, differentiated through the model's own fast forward (plain_fn: the same function
-    up to rounding, e.g. model.__call__ + token_logprobs). The exact pieces' own backward (per-token weight gathers,
-    per-query key gathers, loops of tiles) costs several times the plain one; the gradient only needs to be the
-    gradient of the same function, not bitwise anything. No gradient flows to args (token ids, positions, ...)."""
-
-    @jax.custom_vjp
-    def f(params, *args):
-        return exact_fn(params, *args)
-
-    def fwd(params, *args):
-        _, vjp = jax.vjp(lambda p: plain_fn(p, *args), params)
-        return exact_fn(params, *args), (vjp, len(args))
-
-    def bwd(res, g):
-        vjp, n = res
-        return (*vjp(g), *(None,) * n)
-
-    f.defvjp(fwd, bwd)
-    return f
