@@ -20,7 +20,7 @@ M = sum(SIZES)
 R, D, F = 304, 128, 192
 STARTS = np.concatenate([[0], np.cumsum(SIZES)[:-1]])
 TILES = ragged_ws.Tiles(block_m=64, block_n=64, block_k=64, stages=2)
-SMS = 4  # CTAs of the persistent grids in the interpreter
+SMS = 2  # CTAs of the persistent grids in the interpreter (each costs there: 4 took about 3x the time)
 
 
 def _f64(a) -> np.ndarray:
