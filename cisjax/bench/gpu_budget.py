@@ -62,8 +62,9 @@ TUNE_S = 150.0  # the block sweep fills its time box: measured 144 s of a 192 s 
 # The loop, measured on 2026-11-30 with its stages one after another: the demo's warm-up (800 tiny-model steps, its
 # held-out sampling) 67.3 s, 64 colocated steps (the first compiling the sampler, step, canary and evaluation programs)
 # 83.1 s, gpu_local.sh's server start and 4 steps with the transformers engine on the GPU 67.3 s. The two runs now go
-# at once (gpu_loop.run); assumed: the longer one slowed by LOOP_BESIDE by the other beside it.
+# at once (gpu_loop.run); assumed: the longest slowed by LOOP_BESIDE by the others beside it.
 LOOP_S = {"prepare": 67.3, "colocated": 83.1, "gpu_local": 67.3}
+LOOP_EXACT_S = 60.0  # rollout.exact's run beside them (8 steps, eval off): never run on a GPU, assumed
 LOOP_BESIDE = 1.2
 # The sampler section, measured on 2026-11-30: the JAX part 150.3 s (the cut's weights 17.1 s, batch 64 21.2 s, batch
 # 256 29.4 s, the decode trace 9.3 s, the bf16 agreement 8.8 s, the fp32 one 59.9 s: its sampler and trainer programs
@@ -116,7 +117,7 @@ def part_s(section: str, plan: dict) -> float:
     if section == "env":
         return ENV_S
     if section == "loop":
-        return LOOP_S["prepare"] + LOOP_BESIDE * max(LOOP_S["colocated"], LOOP_S["gpu_local"])
+        return LOOP_S["prepare"] + LOOP_BESIDE * max(LOOP_S["colocated"], LOOP_EXACT_S, LOOP_S["gpu_local"])
     if section == "sampler":
         return (TORCH_PROCESS_S if plan["which"] == "torch" else PROCESS_S) + SAMPLER_S[plan["which"]]
     if section == "tune":

@@ -1,6 +1,6 @@
-"""The GPU check's loop section: the demo's warm-up, `cisjax train` with the colocated JAX sampler, and
-launchers/gpu_local.sh with the transformers engine as a server on the same GPU; each a subprocess, read back from its
-metrics."""
+"""The GPU check's loop section: the demo's warm-up, `cisjax train` with the colocated JAX sampler (plain and
+rollout.exact), and launchers/gpu_local.sh with the transformers engine as a server on the same GPU; each a
+subprocess, read back from its metrics."""
 
 from __future__ import annotations
 
@@ -18,8 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 # full: the demo's own recipe on a GPU (800 warm-up steps, 64 RL steps; the learning verdict compares the last
 # WINDOW steps' reward with the first WINDOW's); small: every path end to end on a CPU in a minute or two.
 SIZES = {
-    "full": dict(warmup_steps=800, heldout=512, eval_size=256, steps=64, local_steps=4, window=16, prompts=32, group=8),
-    "small": dict(warmup_steps=8, heldout=64, eval_size=0, steps=4, local_steps=4, window=2, prompts=4, group=4),
+    "full": dict(
+        warmup_steps=800,
+        heldout=512,
+        eval_size=256,
+        steps=64,
+        local_steps=4,
+        exact_steps=8,
+        window=16,
+        prompts=32,
+        group=8,
+    ),
+    "small": dict(
+        warmup_steps=8, heldout=64, eval_size=0, steps=4, local_steps=4, exact_steps=3, window=2, prompts=4, group=4
+    ),
 }
 # gpu_local.sh's engine dtype: bf16 as the demo serves it; float32 on a CPU's toy run (torch's CPU bf16 is slow)
 ENGINE_DTYPE = {"full": "bfloat16", "small": "float32"}
@@ -31,9 +43,12 @@ STOP_S = 15.0  # a stage past its deadline: seconds between TERM (the launcher s
 # windows, with step-to-step spread of about 0.05: a gain of 0.10 is well outside noise and well inside learning.
 MARGIN = 0.10
 # Each process's share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; gpu_local.sh's GPU_MEM and TRAIN_MEM):
-# the colocated run and gpu_local.sh's two processes run at once (on an H200 on 2026-11-30 each run, alone, peaked at
-# 1.1 GiB: the demo's model is small), the warm-up before them alone.
-MEM_SHARES = dict(prepare="0.93", colocated="0.3", gpu_local_server="0.3", gpu_local_trainer="0.3")
+# the two colocated runs and gpu_local.sh's two processes run at once (on an H200 on 2026-11-30 each run, alone,
+# peaked at 1.1 GiB: the demo's model is small), the warm-up before them alone.
+MEM_SHARES = dict(prepare="0.93", colocated="0.22", exact="0.22", gpu_local_server="0.22", gpu_local_trainer="0.22")
+# rollout.exact's run: the colocated sampler computing each token's logprob as the train step does, bit for bit
+# (train/exact_frac 1 at every step, every correction weight 1); fed one position per step, no staleness
+EXACT_ARGS = ("--config.rollout.exact=True", "--config.rollout.max_staleness=0", "--config.eval.sets=")
 # Phases read from metrics.jsonl (time/<phase>_s): the rollout side's generation, what the trainer waited for it,
 # the update, the publish (swap or export + reload, and the canary), the in-loop evaluation, the whole step.
 PHASES = ("generate", "rollout_wait", "train", "publish", "eval", "step")
@@ -67,6 +82,10 @@ def summarize(rows: list[dict], window: int) -> dict:
     out["peak_gib"] = max(peaks) if peaks else None
     evals = {k: v for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith("/accuracy")}
     out["eval"] = evals
+    # the fraction of response tokens whose sampler logprob q equals the step's p bit for bit, per step
+    out["exact_frac"] = [r.get("train/exact_frac") for r in rows]
+    logk = [r["train/abs_logk_max"] for r in rows if r.get("train/abs_logk_max") is not None]
+    out["abs_logk_max"] = max(logk) if logk else None
     return out
 
 
@@ -140,15 +159,16 @@ def _train_args(init: Path, run_dir: Path, steps: int, spec: dict) -> list[str]:
 
 
 def run(size: str, deadline: float, save, work_dir: str) -> dict:
-    """prepare, then the colocated train and gpu_local.sh (transformers server) at once, each recorded as it ends; a
-    stage that would start past `deadline` is skipped, saying so. `work_dir` holds the runs (the warm-up model,
-    metrics, logs). The two runs share the GPU (MEM_SHARES): their learning verdict and end-to-end checks are theirs
-    alone, their phase seconds are measured beside each other."""
+    """prepare, then the colocated train, the colocated train in exact mode and gpu_local.sh (transformers server) at
+    once, each recorded as it ends; a stage that would start past `deadline` is skipped, saying so. `work_dir` holds
+    the runs (the warm-up model, metrics, logs). The three runs share the GPU (MEM_SHARES): their learning verdict,
+    exact fractions and end-to-end checks are theirs alone, their phase seconds are measured beside each other."""
     spec = SIZES[size]
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     init = work / "init"
-    out: dict = dict(size=size, spec=spec, stages={}, concurrent=["colocated", "gpu_local"], mem_shares=MEM_SHARES)
+    concurrent = ["colocated", "exact", "gpu_local"]
+    out: dict = dict(size=size, spec=spec, stages={}, concurrent=concurrent, mem_shares=MEM_SHARES)
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_SHARES["prepare"], PYTHONUNBUFFERED="1")
     py = [sys.executable, "-m", "cisjax"]
 
@@ -169,24 +189,23 @@ def run(size: str, deadline: float, save, work_dir: str) -> dict:
         return out
     warm = json.loads((init / "warmup.json").read_text()) if (init / "warmup.json").is_file() else {}
     out["stages"]["prepare"]["warmup"] = {k: v for k, v in warm.items() if not isinstance(v, (list, dict))}
-    if late("colocated") or late("gpu_local"):
+    if any(late(name) for name in concurrent):
         return out
 
-    colo = work / "colocated"
-    cmd = [*py, "train", *_train_args(init, colo, spec["steps"], spec)]
-    cmd += ["--config.rollout.backend=jax", "--config.rollout.colocated=True"]
-    started = dict(
-        colocated=_start(cmd, work / "colocated.log", dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_SHARES["colocated"]))
-    )
+    dirs = dict(colocated=work / "colocated", exact=work / "exact", gpu_local=work / "local")
+    started = {}
+    for name, steps, extra in (("colocated", spec["steps"], ()), ("exact", spec["exact_steps"], EXACT_ARGS)):
+        cmd = [*py, "train", *_train_args(init, dirs[name], steps, spec)]
+        cmd += ["--config.rollout.backend=jax", "--config.rollout.colocated=True", *extra]
+        started[name] = _start(cmd, work / f"{name}.log", dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_SHARES[name]))
 
-    local = work / "local"
     launcher_env = dict(
         env,
         CONFIG="configs/demo_cpu.py",
         BACKEND="transformers",
         DTYPE=ENGINE_DTYPE[size],
         MODEL=str(init / "model"),
-        RUN=str(local),
+        RUN=str(dirs["gpu_local"]),
         PORT=str(_free_port()),
         STARTUP_S="300",
         PYTHON=sys.executable,
@@ -194,12 +213,12 @@ def run(size: str, deadline: float, save, work_dir: str) -> dict:
         TRAIN_MEM=MEM_SHARES["gpu_local_trainer"],
     )
     launcher_env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION")  # the launcher splits the GPU between the two (TRAIN_MEM)
-    args = _train_args(init, local, spec["local_steps"], spec)[2:] + ["--config.eval.sets="]
+    args = _train_args(init, dirs["gpu_local"], spec["local_steps"], spec)[2:] + ["--config.eval.sets="]
     started["gpu_local"] = _start(["bash", "launchers/gpu_local.sh", *args], work / "gpu_local.log", launcher_env)
 
-    for name, run_dir in (("colocated", colo), ("gpu_local", local)):
+    for name in concurrent:
         out["stages"][name] = _wait(started[name], deadline)
-        out["stages"][name]["run"] = summarize(_rows(run_dir / "metrics.jsonl"), spec["window"])
+        out["stages"][name]["run"] = summarize(_rows(dirs[name] / "metrics.jsonl"), spec["window"])
         save(out)
     log = work / "gpu_local.log"
     split = (

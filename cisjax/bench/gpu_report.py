@@ -80,7 +80,22 @@ def _loop_targets(res: dict) -> list[dict]:
         ok = st.get("status") == "ok" and run.get("steps", 0) > 0 and (stage != "gpu_local" or canary > 0)
         value = f"{st.get('status')}: {run.get('steps', 0)} steps, {canary} canaries"
         out.append(_target(46, name, "runs end to end (publish and canary pass)", value, ok))
+    out.append(_exact_target(res, stages.get("exact")))
     return out
+
+
+def _exact_target(res: dict, st: dict | None) -> dict:
+    """Issue 49 on the hardware: rollout.exact's run has every sampled token's q equal to the step's p, bit for bit,
+    at every step (train/exact_frac 1.0)."""
+    name, goal = "loop: rollout.exact, q == p", "train/exact_frac = 1 at every step"
+    if st is None:
+        return _target(49, name, goal, None, None, _absent(res, "loop"))
+    run = st.get("run", {})
+    fracs = [f for f in run.get("exact_frac", []) if f is not None]
+    if st.get("status") != "ok" or not fracs:
+        return _target(49, name, goal, None, None, f"{st.get('status')}; {len(fracs)} steps logged exact_frac")
+    value = f"min {min(fracs):.6f} over {len(fracs)} steps, max |log k| {run.get('abs_logk_max')}"
+    return _target(49, name, goal, value, all(f == 1.0 for f in fracs))
 
 
 def _sampler_targets(res: dict) -> list[dict]:
@@ -329,6 +344,7 @@ def _loop_rows(loop: dict):
             med("step"),
             _num(run.get("peak_gib"), ".2f"),
             _num(run.get("canary", {}).get("mean_abs_max"), ".3f"),
+            _num(min((f for f in run.get("exact_frac", []) if f is not None), default=None), ".6f"),
         )
 
 
@@ -371,8 +387,9 @@ def show(res: dict) -> None:
         console.print(f"[red]the environment probe {env['run']['status']}[/]\n{escape(env['run'].get('log_tail', ''))}")
     if "loop" in secs:
         cols = ("stage", "status", "s", "steps", "reward", "gen s", "train s", "publish s", "eval s", "step s")
-        cols += ("peak GiB", "canary |d|")
-        note = "phases: median seconds over the steps after the first (which compiles); reward: first -> last window"
+        cols += ("peak GiB", "canary |d|", "q == p (min)")
+        note = "phases: median seconds over the steps after the first (which compiles); reward: first -> last window; "
+        note += "q == p: the least train/exact_frac of a step (1 under rollout.exact)"
         console.print(harness.table("the RL loop on the device", cols, list(_loop_rows(secs["loop"])), note))
     if "sampler" in secs:
         cols = ("rows", "prefill tok/s", "decode tok/s", "decode roofline", "generate tok/s", "transformers tok/s")

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from cisjax.bench import gpu_budget, gpu_check, gpu_exact, gpu_parts, mfu, torch_step
+from cisjax.bench import gpu_budget, gpu_check, gpu_exact, gpu_parts, gpu_report, mfu, torch_step
 from cisjax.models import attention, moe
 from cisjax.plan import hardware
 from tests.support import xla_flags
@@ -63,7 +63,7 @@ def _check(tmp_path, sections) -> tuple[dict, str]:
     assert all(run["status"] == "ok" for s in secs.values() for run in s["runs"]), output[-3000:]
     assert all(_real(s["estimate_s"]) and _real(s["seconds"]) for s in secs.values())  # the budget's columns
     targets = {t["name"]: t for t in res["summary"]["targets"]}
-    assert {t["issue"] for t in targets.values()} == {45, 46, 47}
+    assert {t["issue"] for t in targets.values()} == {45, 46, 47, 49}
     assert all(t["verdict"] in ("met", "missed", "not measured") for t in targets.values())
     assert all(t["why"] for t in targets.values() if t["verdict"] == "not measured")
     assert targets["the check fits its budget"]["verdict"] == "met"
@@ -82,7 +82,7 @@ def _real(x) -> bool:
 def test_gpu_check_loop_beside_the_moe_layer_small_on_cpu(tmp_path):
     res, output = _check(tmp_path, CALLS["loop"])
     loop = res["sections"]["loop"]["stages"]
-    assert [loop[k]["status"] for k in ("prepare", "colocated", "gpu_local")] == ["ok"] * 3, output[-3000:]
+    assert [loop[k]["status"] for k in ("prepare", "colocated", "exact", "gpu_local")] == ["ok"] * 4, output[-3000:]
     for stage in ("colocated", "gpu_local"):  # four steps each, end to end, the canary read at every publish
         run = loop[stage]["run"]
         assert run["steps"] == 4 and all(0.0 <= r <= 1.0 for r in run["rewards"])
@@ -90,6 +90,11 @@ def test_gpu_check_loop_beside_the_moe_layer_small_on_cpu(tmp_path):
     assert loop["colocated"]["run"]["eval"]  # the in-loop evaluation ran on the colocated sampler
     targets = {t["name"]: t for t in res["summary"]["targets"]}
     assert targets["loop: gpu_local.sh"]["verdict"] == "met"
+    # rollout.exact's run: q == p for every token of every step; the plain colocated run's fraction is below 1
+    exact = loop["exact"]["run"]
+    assert exact["steps"] == 3 and exact["exact_frac"] == [1.0] * 3 and exact["abs_logk_max"] == 0.0
+    assert min(loop["colocated"]["run"]["exact_frac"]) < 1.0
+    assert targets["loop: rollout.exact, q == p"]["verdict"] == "met"
 
     layer = res["sections"]["moe_layer"]
     tokens = gpu_parts.MOE_LAYER["small"]["tokens"]
@@ -313,3 +318,21 @@ def test_exactness_workers_merge_failures_and_unfinished_cases():
     bad = dict(w2, result=dict(w2["result"], ok=False, failures=["moe mgpu bfloat16"]))
     merged = gpu_check._merge("exactness", [w1, bad, killed])
     assert merged["ok"] is False and merged["failures"] == ["moe mgpu bfloat16"]
+
+
+def test_the_exact_target_needs_every_step_bitwise():
+    """rollout.exact's verdict on the hardware: met only when train/exact_frac is 1.0 at every step (one token of
+    9,335 an fp32 unit off at one step is a miss), not measured without the stage or its figures."""
+
+    def verdict(stage):
+        res = dict(size="full", sections=dict(loop=dict(stages={} if stage is None else dict(exact=stage))))
+        (target,) = [t for t in gpu_report._loop_targets(res) if t["issue"] == 49]
+        return target["verdict"]
+
+    def stage(fracs, status="ok"):
+        return dict(status=status, run=dict(exact_frac=fracs, abs_logk_max=0.0))
+
+    assert verdict(stage([1.0, 1.0, 1.0])) == "met"
+    assert verdict(stage([1.0, 0.99989, 1.0])) == "missed"
+    assert verdict(stage([1.0], status="timed out")) == "not measured"
+    assert verdict(stage([])) == "not measured" and verdict(None) == "not measured"
