@@ -15,7 +15,8 @@ from cisjax.models.gpu_grouped import triton_swiglu
 from cisjax.models.padding import pad_axes, round_up
 
 ROW_ALIGN = 128  # mgpu_swiglu pads the rows once to a multiple of every row block the kernels use (64 or 128)
-INTERPRET_SMS = 2  # "SMs" of the persistent grids in Mosaic GPU's interpreter (each CTA costs there; JAX's forward: 132, fixed)
+# "SMs" of the persistent grids in Mosaic GPU's interpreter (each CTA costs there; JAX's forward: 132, fixed)
+INTERPRET_SMS = 2
 # mgpu_ws's persistent grids where neither the mesh nor JAX's default device says its SMs (a GPU program traced on a
 # CPU host without a mesh): an H100's. Only the grid's size: any count computes the same
 DEFAULT_SMS = 132
