@@ -118,6 +118,8 @@ def test_config_command_prints_overrides(capsys):
                 "--repeats",
                 "1",
                 "--exact",
+                "--precision",
+                "bf16",
             ],
             marks=pytest.mark.slow,
         ),

@@ -188,7 +188,7 @@ def _batches(args, run: Run, params, vocab: int) -> tuple[TrainBatch, dict]:
     batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
     batches = {m: batch for m in (*STEPS, EXACT)}
     # replay: the routers' own ids as the engine's routing (an engine that agrees: the same work as any other ids)
-    routed = _own_routing(run.graphdef, mesh, rules, params, host)
+    routed = _own_routing(run.graphdef, mesh, rules, params, host, args.precision)
     batches["cis+replay"] = sharding.place(host._replace(routing_MxBxTxXxK=routed), mesh, rules, sharding.BATCH_AXES)
     return host, batches
 
@@ -311,9 +311,10 @@ def _rescore_overhead(runs, params, batches, repeats: int) -> dict:
     )
 
 
-def _own_routing(graphdef, mesh, rules, params, host):
-    """The model's own expert ids of every position of the host batch, [M, B, T, X, k] uint8."""
-    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=1024))
+def _own_routing(graphdef, mesh, rules, params, host, precision: str):
+    """The model's own expert ids of every position of the host batch, [M, B, T, X, k] uint8 (the forward at the
+    step's train.precision, the one the model was built for)."""
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision=precision, temperature=1.0, chunk_size=1024))
     out = []
     for i in range(host.tokens_MxBxT.shape[0]):
         args = (host.tokens_MxBxT[i], host.positions_MxBxT[i], host.segment_ids_MxBxT[i], host.targets_MxBxT[i])

@@ -58,6 +58,17 @@ def test_exact_frac(model, tmp_path, capsys, dtype, exact):
         assert frac < 1.0 and 0 < m.meta["max_abs_log_k"] < (1e-4 if dtype == "float32" else 0.2)
 
 
+@pytest.mark.slow  # a rollout server subprocess
+def test_exact_frac_of_truncated_sampling(model, tmp_path):
+    """--top-k / --top-p with --exact: p renormalised over each token's support by the exact forward, still q bit for
+    bit."""
+    out = tmp_path / "out"
+    assert command.run(_args(model, out, "--exact", "--top-k", "6", "--top-p", "0.9"), []) == 0
+    m = records.load(out / "xla-jax")
+    assert m.meta["top_k"] == 6 and m.meta["exact_frac"] == 1.0 and m.n_tokens > N_PROMPTS * N
+    np.testing.assert_array_equal(m.tokens["logp"], m.tokens["logq"])
+
+
 @pytest.mark.parametrize(
     "changes,match",
     [
