@@ -117,6 +117,9 @@ def test_config_command_prints_overrides(capsys):
                 "16",
                 "--repeats",
                 "1",
+                "--exact",
+                "--precision",
+                "bf16",
             ],
             marks=pytest.mark.slow,
         ),
@@ -135,6 +138,13 @@ def test_bench_runs_tiny_and_writes_json(argv, tmp_path, capsys):
         p = res["proximal"]
         assert p["rescore_s"] > 0 and p["step_s"] > 0 and p["ratio"] == p["step_s"] / p["rescore_s"], p
         assert isinstance(res["meets_proximal_target"], bool)
+        # --exact: the step of rollout.exact timed beside the CIS step, and their ratio
+        rows = {r["candidate"]: r for r in res["rows"]}
+        assert rows["JAX step (cis+exact)"]["median_s"] > 0 and rows["JAX step (cis)"]["median_s"] > 0
+        assert res["exact_step_ratio"] > 0 and isinstance(res["meets_exact_target"], bool)
+        assert res["exact_step_ratio_of_medians"] == pytest.approx(
+            rows["JAX step (cis+exact)"]["median_s"] / rows["JAX step (cis)"]["median_s"]
+        )
 
 
 def test_command_imports_only_its_own_module():

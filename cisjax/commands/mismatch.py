@@ -94,6 +94,14 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
         help="the engine that samples the tokens every pair is measured on; its side is the sampling step's logprobs, "
         "another engine's side its Score of those tokens (default vllm; jax: cisjax's own sampler, serve --backend jax)",
     )
+    add(
+        "--exact",
+        action="store_true",
+        help="bitwise on-policy (rollout.exact): the JAX sampler is the exact one (serve --backend jax --exact: fp32 "
+        "master weights computed in --dtype) and the XLA side the trainer's exact forward, so every token's p equals "
+        "its q (exact_frac 1); needs --sampler jax --pairs xla-jax, no --perturb, --topk, --routing or --replay, and "
+        "--engine-dtype equal to --dtype",
+    )
     add("--server", default=None, help="a running vLLM rollout server HOST:PORT (default: start one as a child)")
     add(
         "--transformers-server",
@@ -183,7 +191,12 @@ def _measure(args: argparse.Namespace, overrides) -> int:
         m = records.load(d)
         full = m.meta.get("control_mean_k_full_vocabulary")
         also = "" if full is None else f" (p over the whole vocabulary: {full})"
-        print(f"{m.meta['pair']}: {m.n_tokens} tokens, mean k {m.meta.get('mean_k')}{also} -> {d}")
+        exact = (
+            f", exact_frac {m.meta['exact_frac']}, max |log k| {m.meta['max_abs_log_k']}"
+            if "exact_frac" in m.meta
+            else ""
+        )
+        print(f"{m.meta['pair']}: {m.n_tokens} tokens, mean k {m.meta.get('mean_k')}{exact}{also} -> {d}")
     return 0
 
 

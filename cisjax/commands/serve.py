@@ -97,6 +97,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "trainer shards them (default: one device)",
     )
     p.add_argument(
+        "--exact",
+        action="store_true",
+        help="jax: rollout.exact's sampler (cisjax.engines.jax.exact_engine): fp32 master weights computed in --dtype, "
+        "each sampled token's logprob bit for bit the exact forward's (cisjax.exact_forward) on the same weights",
+    )
+    p.add_argument(
         "--cpus",
         default="",
         help="hold the server (engine threads included) to these cores, e.g. 0-3 or 0,2 (default: unrestricted); "
@@ -109,6 +115,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     UserError when they are given to another engine."""
     if args.mesh and args.backend != "jax":
         raise errors.UserError("--mesh is a jax option (vllm shards with --tensor-parallel-size)")
+    if args.exact and args.backend != "jax":
+        raise errors.UserError("--exact is a jax option (the exact sampler is cisjax's own)")
     if args.backend == "vllm":
         if args.device == "cpu":  # vLLM picks its platform when imported
             os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -126,7 +134,15 @@ def _engine_options(args: argparse.Namespace) -> dict:
         return dict(device=args.device, gpu_memory_utilization=args.gpu_memory_utilization or None)
     if args.gpu_memory_utilization or args.device != "auto":
         raise errors.UserError("--gpu-memory-utilization and --device are vllm and transformers options")
-    return {"mesh": _serving_mesh(args.mesh)} if args.mesh else {}
+    options = {"mesh": _serving_mesh(args.mesh)} if args.mesh else {}
+    if args.exact:  # the trainer's master weights (fp32) computed in --dtype, as rollout.exact's colocated engine
+        options.update(exact=True, runtime=exact_runtime(args.dtype))
+    return options
+
+
+def exact_runtime(dtype: str) -> dict:
+    """hf_io.load's options of `serve --exact` on --dtype `dtype`: the trainer's compute dtype, fp32 master weights."""
+    return {"dtype": dtype, "param_dtype": "float32"}
 
 
 def _serving_mesh(text: str):
@@ -143,6 +159,10 @@ def _placed(backend) -> str:
         return ""
     share = getattr(backend, "memory_fraction", None)
     return f" on {device}" + (f" (at most {share:.0%} of its memory)" if share else "")
+
+
+def _dtypes(args: argparse.Namespace) -> str:
+    return f"{args.dtype}, fp32 weights" if args.exact else args.dtype
 
 
 def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
@@ -181,7 +201,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     )
     stop = server_lib.stop_event(exit_with_parent=args.exit_with_parent, grace=args.grace)
     print(
-        f"cisjax serve: {backend.engine} engine{_placed(backend)}, {args.model} ({args.dtype}), listening on "
+        f"cisjax serve: {backend.engine} engine{_placed(backend)}, {args.model} ({_dtypes(args)}), listening on "
         f"{args.host}:{port}" + (" (TLS" + (", mutual" if args.tls_client_ca else "") + ")" if tls is not None else ""),
         flush=True,
     )

@@ -105,8 +105,12 @@ def _summary(m: records.Measurement, lp, lq, eps, finite, logk, spec: ReportSpec
     tok = m.tokens
     with np.errstate(over="ignore"):
         k = np.exp(logk[np.isfinite(logk)])
+    finite_logk = np.abs(logk[np.isfinite(logk)])
     summary = {
         "meta": m.meta,
+        # bitwise agreement: the tokens whose p equals q exactly (1 under rollout.exact), the largest |log k|
+        "exact_frac": float(np.mean(lp == lq)) if lp.size else math.nan,
+        "max_abs_logk": float(finite_logk.max()) if finite_logk.size else math.nan,
         "identity": {"max_error": S.identity_max_error(lp, lq, eps), "finite_tokens": int(finite.sum())},
         "controls": {
             **{key: v for key, v in m.meta.items() if key.startswith("control_")},

@@ -39,6 +39,11 @@ class Servers:
         where = target or "the child server"
         if info["engine"] and backend not in info["engine"].lower():
             raise errors.UserError(f"{where} runs the {info['engine']!r} engine, expected {backend}")
+        if self.spec.exact and backend == "jax" and (info["engine"], info["dtype"]) != ("jax-exact", self.spec.dtype):
+            raise errors.UserError(
+                f"--exact: {where} runs the {info['engine']!r} engine in {info['dtype']}, expected the exact sampler "
+                f"in {self.spec.dtype} (cisjax serve --backend jax --exact --dtype {self.spec.dtype})"
+            )
         if info["vocab_size"] != self.vocab_size:
             raise errors.UserError(
                 f"{where} serves a model with vocab_size {info['vocab_size']} ({info['model']}), but --model "
@@ -63,6 +68,7 @@ class Servers:
             log_path=self.spec.out / "servers" / f"{backend}.log",
             startup_s=self.spec.startup_s,
             restart=True,
+            extra_args=("--exact",) if self.spec.exact and backend == "jax" else (),
         )
         self.children.append(server)
         client = RolloutClient(server.target)

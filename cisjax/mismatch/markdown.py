@@ -29,6 +29,13 @@ def _num(x, pct=False):
     return str(x)
 
 
+def _exact_frac(x) -> str:
+    """The share of tokens with p = q bit for bit: "1" only when every token is (never rounded up to it)."""
+    if x is None or math.isnan(x):
+        return "—"
+    return "1" if x == 1 else f"{math.floor(x * 1e6) / 1e6:.6f}"
+
+
 def _cell(c):
     return str(c).replace("|", "\\|")  # |δ| inside a cell would end it
 
@@ -140,7 +147,7 @@ def _header(labels, summaries, warnings, spec: ReportSpec, elapsed) -> list[str]
     md = ["# Training-inference mismatch report (paper Appendix A)\n"]
     md.append(
         _table(
-            ["", "pair", "side p (train)", "side q (infer)", "model", "tokens"],
+            ["", "pair", "side p (train)", "side q (infer)", "model", "tokens", "exact frac (p = q)", "max |log k|"],
             [
                 [
                     lab,
@@ -149,6 +156,8 @@ def _header(labels, summaries, warnings, spec: ReportSpec, elapsed) -> list[str]
                     s["meta"].get("side_q"),
                     s["meta"].get("model", "—"),
                     _num(s["eps_stats"]["tokens"]),
+                    _exact_frac(s["exact_frac"]),
+                    _num(s["max_abs_logk"]),
                 ]
                 for lab, s in zip(labels, summaries)
             ],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cisjax import errors
 from cisjax import score as score_lib
-from cisjax.mismatch import engines, prompts, records, scoring, sides, write
+from cisjax.mismatch import engines, exact_side, prompts, records, scoring, sides, write
 from cisjax.mismatch import sample as sample_lib
 from cisjax.mismatch import spec as spec_lib
 from cisjax.mismatch.spec import ENGINES, PAIRS, MeasureSpec
@@ -43,6 +43,8 @@ def _xla_sides(sampled, probes, spec: MeasureSpec, score_spec: score_lib.ScoreSp
     """2. Rescoring by the trainer (XLA), teacher forcing on the same ids and weights, once per dtype the XLA sides
     need: ([XlaScores of each dtype], {side name: Side})."""
     wanted = spec.sides
+    if spec.exact:  # the one pair xla-jax (spec.check_exact): the exact forward's value
+        return [], {"xla": exact_side.exact_side(sampled, spec.model, spec.dtype)}
     out = {}
     if "xla_replay" in wanted:
         out["xla_replay"] = sides.replay_side(sampled, probes, spec, score_spec)

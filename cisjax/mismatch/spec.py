@@ -27,6 +27,7 @@ PAIRS = {
     "xla_replay-vllm": ("xla_replay", "vllm"),
 }
 REPLAY_PAIR = "xla_replay-vllm"
+EXACT_PAIR = "xla-jax"  # --exact: the exact sampler's q against the trainer's exact forward's p
 ENGINES = ("vllm", "jax", "transformers")  # the sides served by a rollout server (cisjax serve --backend NAME)
 SAMPLERS = ("vllm", "jax")  # the engines that may sample the measured tokens
 MASK_SAMPLERS = ("jax",)  # ... and those that return each token's sampling support (--top-k / --top-p)
@@ -75,6 +76,8 @@ class MeasureSpec:
     token: str | None = field(default=None, repr=False)  # the running servers' bearer token
     tls: ClientTLS | None = None  # TLS to the running servers (None: plain text)
     progress: bool = True
+    # bitwise on-policy: the exact sampler (serve --backend jax --exact) against the trainer's exact forward
+    exact: bool = False
 
     @property
     def truncates(self) -> bool:
@@ -130,8 +133,29 @@ def check(spec: MeasureSpec) -> dict:
                 f"support; not {', '.join(other)}"
             )
     perturb_lib.check(spec.perturb, spec.perturb_scale)
+    if spec.exact:
+        check_exact(spec)
     if spec.tls is not None and not any(spec.target(e) for e in ENGINES):
         raise errors.UserError("--tls-ca is for running servers (--server, --jax-server, --transformers-server)")
     if spec.perturb != "none" and any(spec.target(e) for e in ENGINES):
         raise errors.UserError("--perturb serves a perturbed copy from the servers started here: drop --server")
     return json.loads((spec.model / "config.json").read_text())
+
+
+def check_exact(spec: MeasureSpec) -> None:
+    """--exact: the exact sampler against the exact forward, and nothing that makes them differ or that they lack."""
+    why = []
+    if spec.sampler != "jax":
+        why.append(f"--sampler {spec.sampler} (the exact sampler is cisjax's: --sampler jax)")
+    if spec.measured_pairs != (EXACT_PAIR,):
+        why.append(f"--pairs {','.join(spec.measured_pairs)} (only {EXACT_PAIR})")
+    if spec.perturb != "none":
+        why.append(f"--perturb {spec.perturb} (a perturbed copy differs on purpose)")
+    if spec.topk or spec.routing or spec.replay:
+        why.append("--topk, --routing or --replay (the exact sampler returns neither top logprobs nor routing)")
+    if spec.engine_dtype != spec.dtype:
+        why.append(f"--engine-dtype {spec.engine_dtype} with --dtype {spec.dtype} (both sides compute in --dtype)")
+    if why:
+        raise errors.UserError(
+            "--exact measures the exact sampler against the exact forward; not with " + "; ".join(why)
+        )

@@ -48,6 +48,7 @@ def run_meta(
         "probe_positions": probes.count,
         "topk": spec.topk,
         "xla_dtype": spec.dtype,
+        "exact": spec.exact,  # the exact sampler against the trainer's exact forward (measure --exact)
         "engine_dtypes": {k: v["dtype"] for k, v in engines.items()},
         "engines": engines,
         "timings": {k: round(v, 3) for k, v in timings.items()},
@@ -77,6 +78,7 @@ def pair_measurement(
         mean_k=float(np.mean(k)),
         mean_abs_log_k=float(np.mean(np.abs(logp - logq))),
         max_abs_log_k=float(np.max(np.abs(logp - logq))),
+        exact_frac=float(np.mean(logp == logq)),  # the tokens whose p equals q bit for bit
     )
     if p.logp_full_N is not None:
         # truncated sampling: logp is renormalised over each token's sampling support (mask replay); the same k with

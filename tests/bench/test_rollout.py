@@ -3,6 +3,7 @@ tests/bench/test_serving_benches.py)."""
 
 import pytest
 
+from cisjax import cli
 from cisjax.bench import rollout
 from cisjax.plan import hardware
 
@@ -23,3 +24,16 @@ def test_phase_figures_by_hand():
     cpu = rollout.phase_figures(on("cpu", before), on("cpu", after))
     assert cpu["decode_roofline"] is None and "'cpu'" in cpu["decode_roofline_omitted"]
     assert rollout.phase_figures(on("cpu", after), on("cpu", after))["decode_tokens_per_s"] is None  # nothing ran
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--exact"], "give --jax with it"),
+        (["--jax", "--exact", "--tls"], "not with --replicas or --tls"),
+        (["--jax", "--exact", "--replicas", "2"], "not with --replicas or --tls"),
+    ],
+)
+def test_exact_is_the_two_jax_samplers_alone(capsys, flags, error):
+    assert cli.main(["bench", "rollout", *flags]) == 2
+    assert error in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """`cisjax bench export` and `cisjax bench rollout` end to end at toy sizes, each in a subprocess (they start a rollout
 server; the rollout bench also runs a vLLM engine in its own process). The numbers are not checked: benches report,
-tests don't time. With CISJAX_SKIP_VLLM=1 the rollout bench is skipped and the export bench reloads into the
-transformers backend."""
+tests don't time. With CISJAX_SKIP_VLLM=1 the rollout bench is skipped (but for --jax --exact, which runs no vLLM)
+and the export bench reloads into the transformers backend."""
 
 import json
 import os
@@ -154,6 +154,21 @@ def test_bench_rollout_tiny(tmp_path):
     # the bytes its steps read, against no listed bandwidth on a CPU: the roofline omitted, said why
     assert ph["decode_bytes_per_s"] > 0 and ph["device_kind"] == "cpu" and ph["decode_roofline"] is None
     assert "no memory bandwidth listed" in ph["decode_roofline_omitted"]
+
+
+def test_bench_rollout_exact_tiny(tmp_path):
+    """--jax --exact: the exact and the plain JAX samplers alone (no vLLM), their tokens/s and the ratio."""
+    argv = ["rollout", *TINY_MODEL, "--prompts", "3", "--prompt-len", "8", "--n", "2", "--max-new-tokens", "8"]
+    res = _bench([*argv, "--repeats", "2", "--jax", "--exact"], tmp_path)
+    rows = {r["key"]: r for r in res["rows"]}
+    assert set(rows) == {"jax", "exact"} and res["mode"] == "exact"
+    for r in rows.values():  # --lengths fixed: every sample runs to its 8 tokens
+        assert r["tokens"] == 3 * 2 * 8 and r["median_s"] > 0 and r["tokens_per_s"] > 0, r
+    assert rows["jax"]["ratio"] == 1.0 and res["ratio"] == rows["exact"]["ratio"]
+    assert res["ratio"] == pytest.approx(rows["exact"]["tokens_per_s"] / rows["jax"]["tokens_per_s"])
+    assert res["ratio_paired"] > 0 and len(res["times_s"]["exact"]) == len(res["times_s"]["jax"]) == 2
+    assert isinstance(res["meets_target"], bool) and res["target_ratio"] == 0.5
+    assert res["server_exit_codes"] == {"jax": 0, "exact": 0}
 
 
 @pytest.mark.skipif(SKIP_VLLM, reason="CISJAX_SKIP_VLLM=1: this machine cannot run the vLLM engine")

@@ -157,6 +157,19 @@ def test_summary_json_matches_hand_values(two):
     assert raw["eps"].shape == (N,) and np.isnan(raw["eps"][-1])
 
 
+def test_bitwise_agreement_by_hand(two):
+    """996 of the 1,000 tokens have p = q bit for bit; the largest |log k| is the eps = -2.5 token's."""
+    _, out = two
+    doc = json.loads((out / "summary.json").read_text())
+    logk = [abs(math.log(P_MOVED) - logq_from_eps(math.log(P_MOVED), e)) for e in (EPS_UP, EPS_DOWN)]
+    for s in doc["measurements"].values():
+        assert s["exact_frac"] == 996 / N
+        assert s["max_abs_logk"] == pytest.approx(max(logk), rel=1e-5)  # float32 log q
+    md = (out / "report.md").read_text()
+    assert "exact frac (p = q) | max \\|log k\\| |" in md
+    assert f"| 1,000 | 0.996000 | {max(logk):.4g} |" in md
+
+
 def test_missing_input_is_a_clear_error(tmp_path, capsys):
     code = cli.main(["mismatch", "report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
     assert code == 2

@@ -30,6 +30,8 @@ from cisjax.rollout import backend
         ("transformers", ["--max-model-len", "64"], "--max-model-len and --tensor-parallel-size are vllm options"),
         ("jax", ["--device", "cuda"], "--gpu-memory-utilization and --device are vllm and transformers options"),
         ("jax", ["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization and --device are vllm and transformers"),
+        ("transformers", ["--exact"], "--exact is a jax option"),
+        ("vllm", ["--exact"], "--exact is a jax option"),
     ],
 )
 def test_engine_options_are_checked(capsys, backend_name, flags, error):
@@ -45,10 +47,22 @@ def test_transformers_engine_takes_its_device_and_memory_share():
         gpu_memory_utilization=0.45,
         tensor_parallel_size=1,
         max_model_len=0,
+        exact=False,
     )
     assert serve._engine_options(args) == {"device": "cuda", "gpu_memory_utilization": 0.45}
     args.device, args.gpu_memory_utilization = "auto", 0.0
     assert serve._engine_options(args) == {"device": "auto", "gpu_memory_utilization": None}
+
+
+def test_jax_exact_takes_fp32_weights_computed_in_its_dtype():
+    args = argparse.Namespace(
+        backend="jax", mesh="", device="auto", gpu_memory_utilization=0.0, tensor_parallel_size=1, max_model_len=0
+    )
+    for dtype in ("bfloat16", "float32"):
+        args.exact, args.dtype = True, dtype
+        assert serve._engine_options(args) == {"exact": True, "runtime": {"dtype": dtype, "param_dtype": "float32"}}
+    args.exact = False
+    assert serve._engine_options(args) == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals without a GPU")

@@ -61,6 +61,8 @@ class Backend(backend_lib.Backend):
         self.dtype = dtype
         self.mesh, self.rules = mesh, rules
         self.exact = exact
+        if exact:  # Info names it: a client (cisjax mismatch measure --exact) can tell the exact sampler from the plain
+            self.engine = "jax-exact"
         dropped = ("remat",) if exact else ("dtype", "param_dtype", "remat")
         self.runtime = {k: v for k, v in (runtime or {}).items() if k not in dropped}
         self.config_json = json.loads((Path(model_dir) / "config.json").read_text())
