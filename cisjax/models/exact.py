@@ -37,6 +37,7 @@ TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CP
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
+MIN_TRIPS = exact_head.MIN_TRIPS
 
 
 def moe_impl(model: CausalLM) -> str:
@@ -47,10 +48,12 @@ def moe_impl(model: CausalLM) -> str:
 
 
 def tiled(fn, *args, tile: int = TILE):
-    """fn over fixed-shape row tiles: args [N, ...] (the same N) -> fn's outputs [N, ...], N padded to a multiple
-    of `tile` with zero rows (their results dropped). One loop body of [tile, ...] shapes in every program."""
+    """fn over fixed-shape row tiles: args [N, ...] (the same N) -> fn's outputs [N, ...], N padded with zero rows
+    (their results dropped) to a multiple of `tile`, and to two tiles at least. One loop body of [tile, ...] shapes
+    in every program: XLA inlines a loop of one trip into its program, where its optimised code computes otherwise
+    (the rotary: some q and k an ulp off, so a lone request's q differed from p)."""
     n = args[0].shape[0]
-    pad = -(-n // tile) * tile - n
+    pad = max(-(-n // tile), MIN_TRIPS) * tile - n
 
     def chunks(a):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))

@@ -13,7 +13,7 @@ from jax import lax
 
 from cisjax.models.attention import cache_attention
 from cisjax.models.deepseek_v2 import MLAttention, absorbed_attention
-from cisjax.models.exact_head import isolated
+from cisjax.models.exact_head import MIN_TRIPS, isolated
 from cisjax.models.layers import apply_rope, dense
 from cisjax.models.transformer import slot_axis
 
@@ -169,7 +169,8 @@ def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int):
         return lax.cond(j < live, run, lambda c: c, carry), None
 
     init = (jnp.full(x_shape, -jnp.inf), jnp.zeros(x_shape), jnp.zeros((*x_shape, width)))
-    (_, l, acc), _ = lax.scan(body, init, jnp.arange(slots // block))
+    # at least MIN_TRIPS blocks (those past the slots are never live): a loop of one trip would be inlined
+    (_, l, acc), _ = lax.scan(body, init, jnp.arange(max(slots // block, MIN_TRIPS)))
     o = (acc / l[..., None]).astype(dt)
     t = q_TxNxH.shape[0]
     if is_mla(attn):
