@@ -18,6 +18,7 @@ from cisjax import logprobs
 from cisjax.engines.jax import exact_engine
 from cisjax.engines.jax.sampling import sampling_logprobs
 from cisjax.models import exact, hf_io
+from tests.support import xla_flags
 from tests.support.processes import REPO
 
 SLOTS, NEW, ROWS = 64, 12, 6
@@ -185,3 +186,23 @@ def test_one_tile_of_rows_is_computed_as_in_many(tiny_hf_dir):
     proc = subprocess.run([sys.executable, "-c", ONE_TILE, *dirs], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert dict(zip(FAMILIES, map(int, proc.stdout.split()))) == dict.fromkeys(FAMILIES, 0)
+
+
+@pytest.mark.slow
+def test_q_equals_p_in_the_optimised_code():
+    """The demo's family (Qwen2-MoE, fp32) through the decode and the trainer's forward, and the exact engine's q
+    against the forward's p, under XLA's default optimisation: the suite compiles at -O0 with the old fused emitters
+    (tests/support/xla_flags.py), where every loop body's code comes out alike; a run's code may not. (The one-trip
+    loops went unseen here too: these models' heads of 8-16 dims at positions < 64; the test above has 32.)"""
+    flags = ["--xla_backend_optimization_level=2"]
+    if any(f.startswith("--xla_cpu_use_fusion_emitters") for f in xla_flags.COMPILE):
+        flags.append("--xla_cpu_use_fusion_emitters=true")  # the flags the caller sets win over the suite's
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    tests = [
+        "tests/models/test_exact.py::test_decode_q_equals_forward_p_bitwise[qwen2_moe-float32]",
+        "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen2_moe-bfloat16]",
+    ]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *tests]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "2 passed" in proc.stdout
