@@ -37,6 +37,7 @@ TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CP
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
+MIN_TRIPS = exact_head.MIN_TRIPS
 
 
 def moe_impl(model: CausalLM) -> str:
@@ -47,10 +48,12 @@ def moe_impl(model: CausalLM) -> str:
 
 
 def tiled(fn, *args, tile: int = TILE):
-    """fn over fixed-shape row tiles: args [N, ...] (the same N) -> fn's outputs [N, ...], N padded to a multiple
-    of `tile` with zero rows (their results dropped). One loop body of [tile, ...] shapes in every program."""
+    """fn over fixed-shape row tiles: args [N, ...] (the same N) -> fn's outputs [N, ...], N padded with zero rows
+    (their results dropped) to a multiple of `tile`, and to two tiles at least. One loop body of [tile, ...] shapes
+    in every program: XLA inlines a loop of one trip into its program, where its optimised code computes otherwise
+    (the rotary: some q and k an ulp off, so a lone request's q differed from p)."""
     n = args[0].shape[0]
-    pad = -(-n // tile) * tile - n
+    pad = max(-(-n // tile), MIN_TRIPS) * tile - n
 
     def chunks(a):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
@@ -85,11 +88,12 @@ def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
     return jnp.moveaxis(e, 1, 1 + axis)
 
 
-def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T):
+def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T, shared: bool = False):
     """A tile's queries over their rows of `arrays` (a layer's [B, ...per-row]: the cache or the trainer's layout):
-    over all slots at once (block None: exact_attention.attend) or in key blocks (exact_attention.attend_blocked)."""
+    over all slots at once (block None: exact_attention.attend) or in key blocks (exact_attention.attend_blocked;
+    shared: every tile's queries in one row)."""
     if block is not None:
-        return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block)
+        return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block, shared=shared)
     slots = arrays[0].shape[1 + exact_attention.slot_axes(layer.attn)[0]]
     mask_TxS = jnp.arange(slots)[None] <= pos_T[:, None]
     return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in arrays), mask_TxS)
@@ -118,11 +122,12 @@ def exact_forward(
     x = jnp.take(model.embed_VxD[...], tokens_BxT, axis=0).astype(model.cfg.dtype).reshape(b * t, -1)
     pos = positions_BxT.reshape(-1).astype(jnp.int32)
     row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    shared = t % TILE == 0  # each tile is one row's consecutive positions
     for layer in _layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
-        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
+        o = tiled(functools.partial(_attend, layer, lay, block, shared=shared), q, row, pos)
         x = tiled(functools.partial(_post, layer, moe_impl), x, o)
     ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
     head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
@@ -167,7 +172,7 @@ def exact_prefill(
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
         cache.append(lay)
-        o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
+        o = tiled(functools.partial(_attend, layer, lay, block, shared=p % TILE == 0), q, row, pos)
         x = tiled(functools.partial(_post, layer, moe_impl), x, o)
     last_RxD = x.reshape(r, p, -1)[jnp.arange(r), plen_R - 1]
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), last_RxD)

@@ -13,7 +13,7 @@ from jax import lax
 
 from cisjax.models.attention import cache_attention
 from cisjax.models.deepseek_v2 import MLAttention, absorbed_attention
-from cisjax.models.exact_head import isolated
+from cisjax.models.exact_head import MIN_TRIPS, isolated
 from cisjax.models.layers import apply_rope, dense
 from cisjax.models.transformer import slot_axis
 
@@ -85,9 +85,14 @@ def out(layer, o_TxQ):
 # ----------------------------------------------------------------------------- blocked (online softmax) attention
 
 
-def _block_rows(a, row_T, slot_S, axis: int):
-    """Rows row_T of a layer's arrays [B, ...per-row], slots slot_S only -> [T, ...per-row with S' slots]."""
-    at = (row_T[:, None],) + (slice(None),) * axis + (slot_S[None, :],)
+def _block_rows(a, row_T, start, size: int, axis: int, shared: bool):
+    """Rows row_T of a layer's arrays [B, ...per-row], slots start .. start + size only -> [T, ...per-row with size
+    slots]. shared: every query of the tile is in row row_T[0]; its block is sliced once and broadcast to the tile
+    (the same array as the per-query gather's, at a fraction of its cost)."""
+    if shared:
+        blk = lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(a, row_T[0], keepdims=False), start, size, axis)
+        return jnp.broadcast_to(blk, (row_T.shape[0], *blk.shape))
+    at = (row_T[:, None],) + (slice(None),) * axis + ((start + jnp.arange(size))[None, :],)
     return jnp.moveaxis(a[at], 1, 1 + axis)
 
 
@@ -142,12 +147,13 @@ def _block_update(layer, qs, blk, valid_TxS, m, l, acc):
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + _values(layer, p, blk)
 
 
-def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int):
+def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int, shared: bool = False):
     """Each query over its row's slots up to its position, in key blocks of `block` slots aligned at slot 0 (a flash
     online softmax), each block's update isolated (the same compiled body in the decode and the trainer's forward);
     blocks past the tile's last position skipped (lax.cond: exactly what running them would leave) -> [T, N * V].
     arrays: the layer's per-row arrays [B, ...per-row] (the cache, or the trainer's layout of its keys); a query's
-    row in them is row_T."""
+    row in them is row_T. shared: all the tile's queries are in one row (the trainer's tiles of a row's consecutive
+    positions): each block is read once and broadcast to the tile instead of gathered per query."""
     attn = layer.attn
     cfg, dt = attn.cfg, attn.cfg.dtype
     axes = slot_axes(attn)
@@ -162,14 +168,15 @@ def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int):
     def body(carry, j):
         def run(carry):
             slot_S = j * block + jnp.arange(block)
-            blk = tuple(_block_rows(a, row_T, slot_S, ax) for a, ax in zip(arrays, axes))
+            blk = tuple(_block_rows(a, row_T, j * block, block, ax, shared) for a, ax in zip(arrays, axes))
             valid_TxS = slot_S[None] <= pos_T[:, None]
             return isolated(lambda *a: _block_update(layer, *a), qs, blk, valid_TxS, *carry)
 
         return lax.cond(j < live, run, lambda c: c, carry), None
 
     init = (jnp.full(x_shape, -jnp.inf), jnp.zeros(x_shape), jnp.zeros((*x_shape, width)))
-    (_, l, acc), _ = lax.scan(body, init, jnp.arange(slots // block))
+    # at least MIN_TRIPS blocks (those past the slots are never live): a loop of one trip would be inlined
+    (_, l, acc), _ = lax.scan(body, init, jnp.arange(max(slots // block, MIN_TRIPS)))
     o = (acc / l[..., None]).astype(dt)
     t = q_TxNxH.shape[0]
     if is_mla(attn):

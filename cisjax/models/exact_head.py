@@ -15,6 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# every loop over row tiles or key blocks runs at least this many trips (exact.tiled, exact_attention.attend_blocked):
+# XLA inlines a loop of one trip, and its optimised code then computes the body otherwise
+MIN_TRIPS = 2
+
 
 def isolated(fn, *args):
     """fn(*args) behind optimization barriers on its inputs and outputs: XLA fuses nothing around it into it."""
