@@ -16,9 +16,9 @@ Attention is per query: each query attends over its row's keys laid out slot = p
 slots `slots` (masked slots contribute exact zeros: exp(finfo.min - max) = 0), so the decode's cache and the
 training forward's keys give the same reduction. The logprob is the trainer's formula, z_t - logsumexp(z).
 
-The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts per token, shared experts),
-exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the prototype:
-Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
+The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts in expert tiles or per token, shared
+experts), exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the
+prototype: Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
 rollout.exact: cisjax.engines.jax.exact_engine samples with exact_step, cisjax.exact_forward gives the train step
 exact_forward's value."""
 
@@ -40,10 +40,12 @@ BLOCK = 32
 
 
 def moe_impl(model: CausalLM) -> str:
-    """rollout.exact's MoE experts for `model`: every expert on every token of a tile ("dense": E / k times the FLOPs
-    and no weight gathers, 1.7-3x faster at the demo's sizes), except DeepSeek-V2's, gathered per token: dense is not
-    exact there in fp32 (42-91% of tokens q == p; every family and dtype is tested at this choice)."""
-    return "gather" if isinstance(model.cfg, deepseek_v2.Config) else "dense"
+    """rollout.exact's MoE experts for `model`: "tiles" (exact_moe.expert_tiles: expert tiles of EXPERT_TILE rows over
+    all tokens, about the plain MoE's FLOPs, each expert's weights read once per tile), except DeepSeek-V2's, gathered
+    per token ("gather"). Measured on XLA:CPU (the tests' flags), q == p through ExactEngine and the reference decode:
+    tiles for Qwen2-MoE and Qwen3-MoE in fp32 and bf16 and DeepSeek-V2 in bf16; DeepSeek-V2 in fp32 only in the
+    reference decode (ExactEngine's prefill then differs by an ulp on most tokens, as "dense" did there)."""
+    return "gather" if isinstance(model.cfg, deepseek_v2.Config) else "tiles"
 
 
 def tiled(fn, *args, tile: int = TILE):
@@ -75,6 +77,32 @@ def _post(layer, moe_impl: str, x_TxD, o_TxQ):
     if layer.is_moe:
         return x_TxD + exact_moe.block(layer.mlp, h_TxD, moe_impl)
     return x_TxD + layer.mlp(h_TxD[:, None])[:, 0]
+
+
+def _pre_moe(layer, x_TxD, o_TxQ):
+    """impl "tiles", a tile's first part: _post's output projection and residual, the MLP norm and the router -> (x,
+    h, routing weights [T, k], expert ids [T, k])."""
+    x_TxD = x_TxD + exact_attention.out(layer, o_TxQ)
+    h_TxD = layer.mlp_norm(x_TxD)
+    w_TxK, ids_TxK = exact_moe.route_tile(layer.mlp.moe, h_TxD)
+    return x_TxD, h_TxD, w_TxK, ids_TxK
+
+
+def _post_moe(layer, x_TxD, h_TxD, y_TxKxD, w_TxK):
+    """impl "tiles", a tile's last part: the routed experts' outputs y [T, k, D] combined, the shared experts, the
+    residual."""
+    y_TxD = exact_moe.combine(y_TxKxD, w_TxK, layer.mlp.moe.dtype)
+    return x_TxD + exact_moe.with_shared(layer.mlp, h_TxD, y_TxD)
+
+
+def _post_all(layer, moe_impl: str, x_NxD, o_NxQ):
+    """_post over all N tokens in row tiles; a MoE layer under moe_impl "tiles": its routed experts in expert tiles
+    over all N tokens (exact_moe.expert_tiles) between two row-tiled parts."""
+    if not (layer.is_moe and moe_impl == "tiles"):
+        return tiled(functools.partial(_post, layer, moe_impl), x_NxD, o_NxQ)
+    x_NxD, h_NxD, w_NxK, ids_NxK = tiled(functools.partial(_pre_moe, layer), x_NxD, o_NxQ)
+    y_NxKxD = exact_moe.expert_tiles(layer.mlp.moe, h_NxD, ids_NxK)
+    return tiled(functools.partial(_post_moe, layer), x_NxD, h_NxD, y_NxKxD, w_NxK)
 
 
 def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
@@ -123,7 +151,7 @@ def exact_forward(
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
         o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
     head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
     lp = tiled(head, x, targets_BxT.reshape(-1), *(() if ids is None else (ids,)))
@@ -168,7 +196,7 @@ def exact_prefill(
         lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
         cache.append(lay)
         o = tiled(functools.partial(_attend, layer, lay, block), q, row, pos)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     last_RxD = x.reshape(r, p, -1)[jnp.arange(r), plen_R - 1]
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), last_RxD)
     return z, lse, cache
@@ -204,7 +232,7 @@ def exact_step(
         arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
         o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), x)
     return z, lse, new
 

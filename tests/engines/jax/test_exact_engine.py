@@ -39,7 +39,9 @@ def _trainer_p(model, prompt, sample):
     return np.asarray(p)[0, len(prompt) - 1 : len(seq) - 1]
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen2_moe", "bfloat16"), ("deepseek_v2", "float32")])
+@pytest.mark.parametrize(
+    "family,dtype", [("qwen2_moe", "bfloat16"), ("qwen3_moe", "float32"), ("deepseek_v2", "float32")]
+)
 def test_engine_q_equals_the_exact_forward_p(tiny_hf_dir, family, dtype):
     model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
     engine = ExactEngine(*nnx.split(model), max_len=128)
