@@ -4,13 +4,16 @@ overrides), its place in the run list, and the summary's recovery columns on han
 import importlib.util
 import json
 import math
+import subprocess
+
+import pytest
 
 from cisjax import cli
 from cisjax import config as config_lib
 from cisjax.sweep import runs as runs_lib
 from cisjax.sweep import summary
 from cisjax.train import validate
-from tests.support import runs
+from tests.support import processes, runs
 
 SWEEP_CONFIG = runs.REPO / "configs" / "demo_sweep.py"
 NOISE = ["--config.rollout.perturb=noise", "--config.rollout.perturb_scale=0.05", "--config.rollout.max_staleness=2"]
@@ -100,3 +103,27 @@ def test_the_markdown_has_the_recovery_columns(tmp_path):
     assert "| none | 1 (1) | 0.2 | 0.25 | — | 0.500 | 0.000 |" in md
     saved = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert math.isclose(saved["cis"]["recovery"]["gsm8k"]["gap closed"], 0.6)
+
+
+@pytest.mark.slow  # two train runs
+def test_a_sweep_with_the_exact_arm_runs_it_on_policy(prepared, jax_cache, tmp_path):
+    """`cisjax sweep --arms none,exact` with the engine perturbed by noise for the sweep: the none run's engine serves
+    the noisy copy, the exact run samples with q == p on every token (train/exact_frac 1, no staleness, no
+    perturbation), and sweep.md has the recovery columns."""
+    out = tmp_path / "sweep"
+    cmd = [*processes.cisjax_command(), "sweep", "--config", str(runs.DEMO_CONFIG), "--arms", "none,exact"]
+    cmd += ["--seeds", "1", "--out", str(out), f"--config.model.path={prepared / 'model'}"]
+    cmd += [f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}", "--config.data.prompts_per_step=4"]
+    cmd += ["--config.rollout.group_size=4", "--config.rollout.max_new_tokens=8", "--config.rollout.backend=jax"]
+    cmd += ["--config.rollout.dtype=float32", "--config.publish.dtype=float32", "--config.publish.canary.every=0"]
+    cmd += ["--config.reward.workers=1", "--config.run.dump_every=0", "--config.run.tensorboard=false"]
+    cmd += ["--config.checkpoint.every=0", "--config.eval.sets=gsm8k", "--config.eval.limit=4"]
+    cmd += [f"--config.eval.data=gsm8k={prepared / 'data' / 'test.jsonl'}", "--config.eval.max_new_tokens=8"]
+    cmd += ["--config.run.steps=2", *NOISE]
+    done = subprocess.run(cmd, env=processes.subprocess_env(jax_cache), capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout + done.stderr
+    none, exact = (runs.metrics(out / arm / "seed0") for arm in ("none", "exact"))
+    assert [r["step"] for r in exact] == [0, 1] and all(r["train/exact_frac"] == 1.0 for r in exact)
+    assert all(r["rollout/staleness_mean"] == 0 and not r.get("publish/perturb_rel_rms") for r in exact)
+    assert all(r["publish/perturb_rel_rms"] > 0 for r in none[:1]) and none[0]["train/exact_frac"] < 1.0
+    assert "gsm8k gap closed" in (out / "sweep.md").read_text()
