@@ -243,12 +243,37 @@ def get_config() -> ml_collections.ConfigDict:
     return c
 
 
+# The on-policy arm (`cisjax sweep --arms ...,exact`): the colocated JAX sampler on the exact path, q == p bit for bit,
+# synchronous and unperturbed, whatever the other arms' mismatch: the reference the corrections are measured against.
+# Every operator weighs 1 where q == p, so no correction. cisjax.sweep.runs.ON_POLICY pins the same fields after a
+# sweep's overrides (tests/sweep/test_exact_arm.py checks that the two agree).
+ON_POLICY_ARM = "exact"
+ON_POLICY = {
+    "rollout.backend": "jax",
+    "rollout.colocated": True,
+    "rollout.exact": True,
+    "rollout.max_staleness": 0,
+    "rollout.perturb": "none",
+    "rollout.perturb_scale": 0.0,
+    "rollout.lag": 0,
+    "routing.replay": "none",
+    "correction.method": "none",
+}
+
+
 def apply_arm(c: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
     """An experiment arm `<correction.method>[+replay]` (cis, cis+replay, tis+replay, none+replay, ...): the operator,
-    and routing replay on or off. Experiment files take it as get_config(arm) (`--config FILE.py:ARM`)."""
+    and routing replay on or off; or `exact`, the on-policy reference (ON_POLICY, above; so correction.method=exact is
+    no arm). Experiment files take it as get_config(arm) (`--config FILE.py:ARM`); one that sets rollout fields after
+    it applies it again last."""
+    if arm == ON_POLICY_ARM:
+        for path, value in ON_POLICY.items():
+            group, field = path.split(".")
+            c[group][field] = value
+        return c
     method, _, extra = arm.partition("+")
-    if extra not in ("", "replay") or not method:
-        raise ValueError(f"arm {arm!r}: <correction.method> or <correction.method>+replay")
+    if extra not in ("", "replay") or not method or method == ON_POLICY_ARM:
+        raise ValueError(f"arm {arm!r}: <correction.method> or <correction.method>+replay, or {ON_POLICY_ARM}")
     c.correction.method = method  # the operator
     c.routing.replay = "rollout" if extra else "none"  # "+replay": the engine's routing
     return c

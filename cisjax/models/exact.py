@@ -16,9 +16,9 @@ Attention is per query: each query attends over its row's keys laid out slot = p
 slots `slots` (masked slots contribute exact zeros: exp(finfo.min - max) = 0), so the decode's cache and the
 training forward's keys give the same reduction. The logprob is the trainer's formula, z_t - logsumexp(z).
 
-The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts per token, shared experts),
-exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the prototype:
-Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
+The families' pieces: exact_attention (GQA and MLA), exact_moe (router, experts in expert tiles or per token, shared
+experts), exact_head (the head and the one logprob formula, top-k / top-p renormalised over a [V] mask). Scope of the
+prototype: Qwen2, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; fp32 and bf16 compute; one unpacked sequence per row. Wired by
 rollout.exact: cisjax.engines.jax.exact_engine samples with exact_step, cisjax.exact_forward gives the train step
 exact_forward's value."""
 
@@ -38,13 +38,23 @@ TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CP
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
 MIN_TRIPS = exact_head.MIN_TRIPS
+# experts dense over each row tile while that is at most DENSE_MAX x the useful expert FLOPs (E / k): at the demo's
+# 8 experts top-2 dense took half the expert tiles' time on a CPU (their sort and masked loop over small tiles);
+# Qwen1.5-MoE's 60 top-4 (15x) and Qwen3-30B-A3B's 128 top-8 (16x) take tiles
+DENSE_MAX = 4
 
 
 def moe_impl(model: CausalLM) -> str:
-    """rollout.exact's MoE experts for `model`: every expert on every token of a tile ("dense": E / k times the FLOPs
-    and no weight gathers, 1.7-3x faster at the demo's sizes), except DeepSeek-V2's, gathered per token: dense is not
-    exact there in fp32 (42-91% of tokens q == p; every family and dtype is tested at this choice)."""
-    return "gather" if isinstance(model.cfg, deepseek_v2.Config) else "dense"
+    """rollout.exact's MoE experts for `model`: "dense" (every expert on every token of a row tile, E / k times the
+    useful FLOPs) while E / k <= DENSE_MAX, else "tiles" (exact_moe.expert_tiles: expert tiles of EXPERT_TILE rows over
+    all tokens, about the plain MoE's FLOPs, each expert's weights read once per tile); DeepSeek-V2's gathered per
+    token ("gather"). Measured on XLA:CPU (the tests' flags), q == p through ExactEngine and the reference decode:
+    dense and tiles for Qwen2-MoE and Qwen3-MoE in fp32 and bf16; for DeepSeek-V2 tiles in bf16, in fp32 only in the
+    reference decode (ExactEngine's prefill then differs by an ulp on most tokens, as "dense" did there)."""
+    if isinstance(model.cfg, deepseek_v2.Config):
+        return "gather"
+    experts, k = getattr(model.cfg, "num_experts", 0), getattr(model.cfg, "num_experts_per_tok", 1)
+    return "dense" if experts <= DENSE_MAX * k else "tiles"
 
 
 def tiled(fn, *args, tile: int = TILE):
@@ -78,6 +88,32 @@ def _post(layer, moe_impl: str, x_TxD, o_TxQ):
     if layer.is_moe:
         return x_TxD + exact_moe.block(layer.mlp, h_TxD, moe_impl)
     return x_TxD + layer.mlp(h_TxD[:, None])[:, 0]
+
+
+def _pre_moe(layer, x_TxD, o_TxQ):
+    """impl "tiles", a tile's first part: _post's output projection and residual, the MLP norm and the router -> (x,
+    h, routing weights [T, k], expert ids [T, k])."""
+    x_TxD = x_TxD + exact_attention.out(layer, o_TxQ)
+    h_TxD = layer.mlp_norm(x_TxD)
+    w_TxK, ids_TxK = exact_moe.route_tile(layer.mlp.moe, h_TxD)
+    return x_TxD, h_TxD, w_TxK, ids_TxK
+
+
+def _post_moe(layer, x_TxD, h_TxD, y_TxKxD, w_TxK):
+    """impl "tiles", a tile's last part: the routed experts' outputs y [T, k, D] combined, the shared experts, the
+    residual."""
+    y_TxD = exact_moe.combine(y_TxKxD, w_TxK, layer.mlp.moe.dtype)
+    return x_TxD + exact_moe.with_shared(layer.mlp, h_TxD, y_TxD)
+
+
+def _post_all(layer, moe_impl: str, x_NxD, o_NxQ):
+    """_post over all N tokens in row tiles; a MoE layer under moe_impl "tiles": its routed experts in expert tiles
+    over all N tokens (exact_moe.expert_tiles) between two row-tiled parts."""
+    if not (layer.is_moe and moe_impl == "tiles"):
+        return tiled(functools.partial(_post, layer, moe_impl), x_NxD, o_NxQ)
+    x_NxD, h_NxD, w_NxK, ids_NxK = tiled(functools.partial(_pre_moe, layer), x_NxD, o_NxQ)
+    y_NxKxD = exact_moe.expert_tiles(layer.mlp.moe, h_NxD, ids_NxK)
+    return tiled(functools.partial(_post_moe, layer), x_NxD, h_NxD, y_NxKxD, w_NxK)
 
 
 def _layout(e_NxE, b: int, t: int, slots: int, axis: int):
@@ -128,7 +164,7 @@ def exact_forward(
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
         o = tiled(functools.partial(_attend, layer, lay, block, shared=shared), q, row, pos)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     ids = None if support_BxTxS is None else support_BxTxS.reshape(b * t, -1).astype(jnp.int32)
     head = lambda x, tt, s=None: exact_head.train_tile(model, x, tt, s, temperature)  # noqa: E731
     lp = tiled(head, x, targets_BxT.reshape(-1), *(() if ids is None else (ids,)))
@@ -173,7 +209,7 @@ def exact_prefill(
         lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
         cache.append(lay)
         o = tiled(functools.partial(_attend, layer, lay, block, shared=p % TILE == 0), q, row, pos)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     last_RxD = x.reshape(r, p, -1)[jnp.arange(r), plen_R - 1]
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), last_RxD)
     return z, lse, cache
@@ -209,7 +245,7 @@ def exact_step(
         arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
         o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
-        x = tiled(functools.partial(_post, layer, moe_impl), x, o)
+        x = _post_all(layer, moe_impl, x, o)
     z, lse = tiled(lambda x: exact_head.logits(model, x, temperature), x)
     return z, lse, new
 

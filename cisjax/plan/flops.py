@@ -6,6 +6,7 @@ import math
 
 import flax.nnx as nnx
 import jax
+from jax.extend import core as jex_core
 
 from cisjax.models import transformer
 
@@ -93,3 +94,27 @@ def active_params(model) -> int:
 
 def total_params(model) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def jaxpr_flops(jaxpr) -> float:
+    """The matmul FLOPs of a (traced, unpartitioned: all chips together) jaxpr: 2 x out elements x contracted size
+    of every dot_general, a scan's body times its length (lax.map's loops counted whole, where XLA's cost_analysis
+    counts a loop body once), a while loop's body once (its trip count is a value), a cond's largest branch, a
+    custom_jvp / custom_vjp call's primal function only."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            (contract, _), _ = params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name == "scan":
+            total += params["length"] * jaxpr_flops(params["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(jaxpr_flops(b.jaxpr) for b in params["branches"])
+        elif name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
+            fun = params.get("call_jaxpr") or params.get("fun_jaxpr")
+            total += jaxpr_flops(getattr(fun, "jaxpr", fun))
+        else:
+            total += sum(jaxpr_flops(sub) for sub in jex_core.jaxprs_in_params(params))
+    return total

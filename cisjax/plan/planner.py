@@ -305,17 +305,24 @@ def _compile_programs(
         else:
             what = "canary batch" if name == "canary" else f"{m} x {b} rows x {t} tokens"
         log(f"compiling {name} ({what}) ...")
-        c = {
-            "train_step": lambda: progs.train_step(m, b, t),
-            "rescore": lambda: progs.rescore(m, b, t),
-            "canary": progs.canary,
-            "sampler": lambda: progs.sampler(*(out["sampler"][k] for k in ("batch", "prompt_len", "n", "new_tokens"))),
-        }[name]()
-        compiled[name] = c
-        d = c.as_dict()
-        _fit(d, c.total(), c.ok, usable, reserve, 0.0 if name == "train_step" else resident)
-        out["programs"][name] = d
-        log(f"  {name}: {report.fmt_compiled(c, usable - reserve)}")
+        sampler = [out["sampler"][k] for k in ("batch", "prompt_len", "n", "new_tokens")] if name == "sampler" else []
+        if name == "sampler" and progs.cfg.rollout.exact:  # rollout.exact: ExactEngine's prefill and decode step
+            done = progs.exact_sampler(*sampler)
+        else:
+            done = [
+                {
+                    "train_step": lambda: progs.train_step(m, b, t),
+                    "rescore": lambda: progs.rescore(m, b, t),
+                    "canary": progs.canary,
+                    "sampler": lambda s=sampler: progs.sampler(*s),
+                }[name]()
+            ]
+        for c in done:
+            compiled[c.name] = c
+            d = c.as_dict()
+            _fit(d, c.total(), c.ok, usable, reserve, 0.0 if c.name == "train_step" else resident)
+            out["programs"][c.name] = d
+            log(f"  {c.name}: {report.fmt_compiled(c, usable - reserve)}")
     return compiled
 
 

@@ -19,9 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cisjax import forward as forward_lib
 from cisjax import logprobs as logprobs_lib
 from cisjax import sharding
+from cisjax.engines.jax import exact_engine
 from cisjax.engines.jax import programs as sampler_programs
 from cisjax.models import attention, hf_io, moe, moe_hopper, swiglu_ws
 from cisjax.models.attention import Segments
+from cisjax.plan import flops as flops_lib
 from cisjax.plan.buffers import memory_of
 from cisjax.records import TrainBatch
 from cisjax.train import build, validate
@@ -44,6 +46,7 @@ class Compiled:
     flops: float = 0.0  # per chip, XLA's count (a loop body counts once, whatever its trip count)
     bytes: float = 0.0  # per chip, bytes accessed
     has_loops: bool = False  # a while loop runs matmuls or kernels: the cost figures undercount (see loops_with_work)
+    jaxpr_flops: float = 0.0  # all chips, the traced program's matmuls with loops counted whole (flops.jaxpr_flops)
     oom_temporaries: float | None = None  # when the compiler refused: the bytes of temporaries it said it needed
     error: str | None = None
     parts: list = dataclasses.field(default_factory=list)  # programs run one after the other, summed into this one
@@ -95,6 +98,7 @@ def compile_program(name: str, jitted, *args, compiler_options: dict | None = No
         flops=cost["flops"],
         bytes=cost["bytes"],
         has_loops=loops_with_work(compiled.as_text()),
+        jaxpr_flops=flops_lib.jaxpr_flops(jitted.trace(*args).jaxpr.jaxpr),
     )
 
 
@@ -221,6 +225,22 @@ class StepPrograms:
         return compile_program(
             "sampler", jax.jit(fn), self.params, *sampler_programs.abstract_inputs(batch, prompt_len, n)
         )
+
+    def exact_sampler(self, batch: int, prompt_len: int, n: int, new_tokens: int) -> list[Compiled]:
+        """ExactEngine's programs (rollout.exact's sampler) of one bucket on this mesh, the trainer's params: the
+        prefill of `batch` prompts and one decode step of their batch x n rows (the engine runs it new_tokens - 1
+        times). Their rows as ExactEngine puts them (unsharded arrays: each chip holds every row)."""
+        (prefill, pargs), (decode, dargs) = exact_engine.abstract_programs(
+            self.graphdef,
+            self.params,
+            self.mesh,
+            self.rules,
+            batch=batch,
+            prompt_len=prompt_len,
+            n=n,
+            new_tokens=new_tokens,
+        )
+        return [compile_program("exact_prefill", prefill, *pargs), compile_program("exact_decode", decode, *dargs)]
 
     def kv_cache_bytes(self, rows: int, slots: int) -> int:
         """Bytes of the sampler's KV cache for `rows` samples of `slots` positions, all chips together."""

@@ -18,7 +18,10 @@ def fmt_compiled(c, usable) -> str:
         need = f": its temporaries alone need {gib(c.oom_temporaries)} GiB" if c.oom_temporaries else ""
         return f"does not fit (the compiler refused{need}) in {c.seconds:.0f} s"
     total = c.memory["total"]
-    return f"{gib(total)} GiB per chip of {gib(usable)} ({'fits' if total <= usable else 'does NOT fit'}) in {c.seconds:.0f} s"
+    flops = f"; XLA {c.flops / 1e12:.3g} TFLOP per chip{' (loop bodies once)' if c.has_loops else ''}"
+    flops += f", jaxpr matmuls {c.jaxpr_flops / 1e12:.3g} TFLOP all chips" if c.jaxpr_flops else ""
+    fit = "fits" if total <= usable else "does NOT fit"
+    return f"{gib(total)} GiB per chip of {gib(usable)} ({fit}) in {c.seconds:.0f} s{flops}"
 
 
 def console_log(msg: str) -> None:

@@ -14,10 +14,29 @@ from cisjax import errors
 from cisjax.sweep.summary import read_rows
 from cisjax.train import validate
 
-__all__ = ["Run", "plan_runs", "check_arms", "write_commands", "run_all"]
+__all__ = ["ON_POLICY", "ON_POLICY_ARM", "Run", "arm_overrides", "plan_runs", "check_arms", "write_commands", "run_all"]
 
 # set per run by the sweep: a user's override of them would make every run the same
 OWN_OVERRIDES = ("--config.seed", "--config.rollout.seed", "--config.run.dir")
+# the on-policy arm (configs/base.py's ON_POLICY_ARM and ON_POLICY, the same fields): its runs take these after the
+# sweep's overrides, so a mismatch set for the other arms (--config.rollout.perturb=noise, lag, vllm) leaves it on-policy
+ON_POLICY_ARM = "exact"
+ON_POLICY = (
+    "--config.rollout.backend=jax",
+    "--config.rollout.colocated=true",
+    "--config.rollout.exact=true",
+    "--config.rollout.max_staleness=0",
+    "--config.rollout.perturb=none",
+    "--config.rollout.perturb_scale=0.0",
+    "--config.rollout.lag=0",
+    "--config.routing.replay=none",
+    "--config.correction.method=none",
+)
+
+
+def arm_overrides(arm: str, overrides: list[str]) -> list[str]:
+    """An arm's overrides: the sweep's, then (the on-policy arm) ON_POLICY's pins."""
+    return [*overrides, *ON_POLICY] if arm == ON_POLICY_ARM else list(overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +69,7 @@ def plan_runs(config: str, arms: list[str], seeds: int, out: Path, overrides: li
                 "train",
                 "--config",
                 f"{config}:{arm}",
-                *overrides,
+                *arm_overrides(arm, overrides),
                 f"--config.seed={seed}",
                 f"--config.rollout.seed={seed}",
                 f"--config.run.dir={run_dir}",
@@ -64,7 +83,7 @@ def check_arms(config: str, arms: list[str], overrides: list[str]) -> int:
     """Load and validate every arm's config before anything runs (a typo fails now, not after hours); its steps."""
     steps = None
     for arm in arms:
-        cfg = config_lib.load(f"{config}:{arm}", overrides)
+        cfg = config_lib.load(f"{config}:{arm}", arm_overrides(arm, overrides))
         validate.check(cfg)
         if cfg.run.steps <= 0:
             raise errors.UserError(f"{config}:{arm}: a sweep needs run.steps > 0 (every arm the same number of steps)")

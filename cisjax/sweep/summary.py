@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["arm_table", "read_rows", "write"]
+__all__ = ["arm_table", "read_rows", "recovery", "write"]
+
+ON_POLICY_ARM = "exact"  # cisjax.sweep.runs.ON_POLICY_ARM: the on-policy reference of the recovery columns
 
 # (column, metrics.jsonl key, how a run's rows reduce to one number)
 PER_RUN = [
@@ -20,6 +22,7 @@ PER_RUN = [
     ("step s", "time/step_s", "median"),
     ("train s", "time/train_s", "median"),
     ("staleness", "rollout/staleness_mean", "mean"),
+    ("q == p frac", "train/exact_frac", "mean"),
     ("engine perturbation (rel rms)", "publish/perturb_rel_rms", "mean"),
 ]
 
@@ -144,6 +147,31 @@ def arm_table(runs, steps: int, window: int = 0) -> dict:
     return out
 
 
+def recovery(table: dict, name: str) -> dict:
+    """Per arm, how much of the on-policy arm's held-out accuracy on set `name` it recovers, from the seed means:
+    {"of exact": a / e, "gap closed": (a - n) / (e - n)} (a the arm's, e the exact arm's, n the `none` arm's; NaN
+    where an arm is missing or not evaluated, and the gap where e == n). Empty without an evaluated exact arm."""
+
+    def mean(arm):
+        s = table.get(arm, {}).get("held_out", {}).get(name, {})
+        return s["mean"] if s.get("n") else float("nan")
+
+    e, n = mean(ON_POLICY_ARM), mean("none")
+    if not np.isfinite(e):
+        return {}
+    out = {}
+    for arm in table:
+        a = mean(arm)
+        of = a / e if e else float("nan")
+        gap = (a - n) / (e - n) if np.isfinite(n) and e != n else float("nan")
+        out[arm] = {"of exact": float(of), "gap closed": float(gap)}
+    return out
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.3f}" if np.isfinite(x) else "—"
+
+
 def _fmt(s: dict, digits: int = 3) -> str:
     if not s or not s["n"] or not np.isfinite(s["mean"]):
         return "—"
@@ -199,10 +227,13 @@ def write(out: Path, runs, steps: int, window: int = 0) -> Path:
     """sweep.md, sweep_summary.json and sweep.png in `out`; returns the markdown's path."""
     out = Path(out)
     table = arm_table(runs, steps, window)
+    sets = sorted({s for t in table.values() for s in t["held_out"]})
+    rec = {name: recovery(table, name) for name in sets}
+    for arm, t in table.items():
+        t["recovery"] = {name: r[arm] for name, r in rec.items() if arm in r}
     (out / "sweep_summary.json").write_text(json.dumps(table, indent=1))
     _plot(table, out / "sweep.png")
     meta = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").is_file() else {}
-    sets = sorted({s for t in table.values() for s in t["held_out"]})
     md = ["# cisjax sweep\n"]
     if meta:
         md.append(f"`{meta.get('config')}`, arms {', '.join(meta.get('arms', []))}, {meta.get('seeds')} seeds, ")
@@ -217,10 +248,18 @@ def write(out: Path, runs, steps: int, window: int = 0) -> Path:
             if sets
             else ""
         )
+        + (
+            f" Recovery of the on-policy `{ON_POLICY_ARM}` arm's held-out accuracy, from the seed means: of exact = "
+            "arm / exact; gap closed = (arm - none) / (exact - none), the share of the mismatch's loss the arm wins back "
+            "(1: as on-policy, 0: as no correction)."
+            if any(rec.values())
+            else ""
+        )
         + "\n\n"
     )
     head = ["arm", "runs (finished)", "final reward"]
     head += [h for s in sets for h in (f"held-out {s} accuracy", f"held-out {s} reward")]
+    head += [f"{s} {k}" for s in sets if rec[s] for k in ("of exact", "gap closed")]
     head += [c for c, _, _ in PER_RUN]
     head.append("cost vs none")
     md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
@@ -228,6 +267,7 @@ def write(out: Path, runs, steps: int, window: int = 0) -> Path:
     for arm, t in table.items():
         cells = [arm, f"{len(t['seeds'])} ({t['complete']})", _fmt(t["final_reward"])]
         cells += [_fmt(t[k].get(s, {})) for s in sets for k in ("held_out", "held_out_reward")]
+        cells += [_ratio(rec[s][arm][k]) for s in sets if rec[s] for k in ("of exact", "gap closed")]
         cells += [_fmt(t.get(c, {})) for c, _, _ in PER_RUN]
         own = t.get("train s", {})
         cost = own["mean"] / base if base and np.isfinite(base) and own.get("n") else float("nan")

@@ -191,7 +191,7 @@ def test_one_tile_of_rows_is_computed_as_in_many(tiny_hf_dir):
 @pytest.mark.slow
 def test_q_equals_p_in_the_optimised_code():
     """The demo's family (Qwen2-MoE, fp32) through the decode and the trainer's forward, and the exact engine's q
-    against the forward's p, under XLA's default optimisation: the suite compiles at -O0 with the old fused emitters
+    against the forward's p (Qwen2-MoE's dense experts, Qwen3-MoE's expert tiles), under XLA's default optimisation: the suite compiles at -O0 with the old fused emitters
     (tests/support/xla_flags.py), where every loop body's code comes out alike; a run's code may not. (The one-trip
     loops went unseen here too: these models' heads of 8-16 dims at positions < 64; the test above has 32.)"""
     flags = ["--xla_backend_optimization_level=2"]
@@ -200,9 +200,10 @@ def test_q_equals_p_in_the_optimised_code():
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
     tests = [
         "tests/models/test_exact.py::test_decode_q_equals_forward_p_bitwise[qwen2_moe-float32]",
-        "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen2_moe-bfloat16]",
+        "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen2_moe-bfloat16-dense]",
+        "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen3_moe-float32-tiles]",
     ]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *tests]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "2 passed" in proc.stdout
+    assert "3 passed" in proc.stdout

@@ -292,3 +292,19 @@ def sample(
         out_q = out_q.at[ar, jj].set(jnp.where(sampling, qv, out_q[ar, jj]))
         out_keep = out_keep.at[ar, jj].set(jnp.where(sampling[:, None], keep, out_keep[ar, jj]))
     return out_tok, out_q, out_keep
+
+
+def abstract_programs(graphdef, params, mesh, rules, *, batch: int, prompt_len: int, n: int, new_tokens: int):
+    """ExactEngine's two programs of one bucket on abstract inputs, as _generate builds them (temperature 1, no
+    support kept), for compiling without running (cisjax plan): ((prefill, its args), (decode step, its args)).
+    `batch` prompts of `prompt_len` tokens (buckets), n samples each, `new_tokens` new tokens."""
+    slots = -(-(prompt_len + new_tokens) // exact.BLOCK) * exact.BLOCK
+    width = bucket(batch * n, exact.TILE)
+    state = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in _initial([], width, new_tokens).items()}
+    state["keep"] = jax.ShapeDtypeStruct((width, 1, 1), jnp.bool_)
+    on = (graphdef, mesh, rules, 1.0, False)
+    prefill = jax.jit(functools.partial(_prefill, *on, slots), donate_argnums=(3,))
+    args = (params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    cache, state_after = jax.eval_shape(prefill, *args, state)
+    decode = jax.jit(functools.partial(_decode, *on), donate_argnums=(1, 2))
+    return (prefill, (*args, state)), (decode, (params, cache, state_after, jax.ShapeDtypeStruct((), jnp.int32)))
