@@ -52,6 +52,46 @@ def parity_reward(text: str, reference: str) -> float:
     return float(len(text) % 2 == 0)
 
 
+def colocated_cfg(prepared, run_dir, *extra):
+    """The demo config for a short colocated run on `prepared` (prepare's folder): 3 steps of 4 prompts x 4 samples,
+    12 new tokens, the JAX sampler in the trainer's process, every sample from the step's own weights; `extra`
+    overrides after these."""
+    from cisjax import config as config_lib
+
+    return config_lib.load(
+        str(DEMO_CONFIG),
+        [
+            f"--config.model.path={Path(prepared) / 'model'}",
+            f"--config.data.source={Path(prepared) / 'data' / 'heldout.jsonl'}",
+            f"--config.run.dir={run_dir}",
+            "--config.run.progress=off",
+            "--config.run.steps=3",
+            "--config.data.prompts_per_step=4",
+            "--config.rollout.group_size=4",
+            "--config.rollout.max_new_tokens=12",
+            "--config.rollout.backend=jax",
+            "--config.rollout.colocated=True",
+            "--config.rollout.max_staleness=0",  # every sample from the step's own weights
+            "--config.rollout.seed=3",
+            "--config.checkpoint.every=0",
+            "--config.reward.workers=1",
+            *extra,
+        ],
+    )
+
+
+def score_by_parity(monkeypatch) -> None:
+    """The train loop's reward pool scores with parity_reward (rewards that vary: the params change at every step)."""
+    from cisjax.rl import rewards
+    from cisjax.train import services
+
+    class Pool(rewards.RewardPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, fn="tests.support.runs:parity_reward", **kwargs)
+
+    monkeypatch.setattr(services, "RewardPool", Pool)
+
+
 def start_until_first_step(
     argv: list[str], run_dir, log_path, env: dict, timeout_s: float = 300
 ) -> tuple[subprocess.Popen, Tree]:

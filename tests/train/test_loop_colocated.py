@@ -8,57 +8,34 @@ import pytest
 
 from cisjax import config as config_lib
 from cisjax import errors
-from cisjax.rl import rewards
-from cisjax.train import loop, services, validate
+from cisjax.train import loop, validate
 from tests.support import processes, runs
 
 REPO = str(processes.REPO)
 
 
-def _cfg(prepared, run_dir, *extra):
-    return config_lib.load(
-        os.path.join(REPO, "configs", "demo_cpu.py"),
-        [
-            f"--config.model.path={prepared / 'model'}",
-            f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
-            f"--config.run.dir={run_dir}",
-            "--config.run.progress=off",
-            "--config.run.steps=3",
-            "--config.data.prompts_per_step=4",
-            "--config.rollout.group_size=4",
-            "--config.rollout.max_new_tokens=12",
-            "--config.rollout.backend=jax",
-            "--config.rollout.colocated=True",
-            "--config.rollout.dtype=float32",
-            "--config.rollout.max_staleness=0",  # every sample from the step's own weights
-            "--config.rollout.seed=3",
-            "--config.publish.canary.num_sequences=2",
-            "--config.publish.canary.response_len=8",
-            "--config.publish.canary.mean_abs=1e-5",
-            "--config.publish.canary.max_abs=1e-4",
-            "--config.checkpoint.every=0",
-            "--config.reward.workers=1",
-            "--config.eval.sets=gsm8k",
-            f"--config.eval.data=gsm8k={prepared / 'data' / 'heldout.jsonl'}",
-            "--config.eval.every=2",
-            "--config.eval.limit=4",
-            "--config.eval.max_new_tokens=12",
-            *extra,
-        ],
-    )
+# the engine in fp32 as the trainer: the canary's bounds fail a stale engine; the in-loop evaluation at step 2
+COLOCATED = (
+    "--config.rollout.dtype=float32",
+    "--config.publish.canary.num_sequences=2",
+    "--config.publish.canary.response_len=8",
+    "--config.publish.canary.mean_abs=1e-5",
+    "--config.publish.canary.max_abs=1e-4",
+    "--config.eval.sets=gsm8k",
+    "--config.eval.every=2",
+    "--config.eval.limit=4",
+    "--config.eval.max_new_tokens=12",
+)
 
 
 @pytest.mark.slow
 def test_colocated_run_publishes_in_memory(prepared, tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="cisjax.engines.jax.engine")
 
-    class Pool(rewards.RewardPool):  # rewards that vary: the params change at every step
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, fn="tests.support.runs:parity_reward", **kwargs)
-
-    monkeypatch.setattr(services, "RewardPool", Pool)
+    runs.score_by_parity(monkeypatch)
     run_dir = tmp_path / "run"
-    loop.train(_cfg(prepared, run_dir))
+    eval_data = f"--config.eval.data=gsm8k={prepared / 'data' / 'heldout.jsonl'}"
+    loop.train(runs.colocated_cfg(prepared, run_dir, *COLOCATED, eval_data))
     rows = runs.metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # swapped in memory; the last step alone exported (the trained model)

@@ -7,47 +7,21 @@ import pytest
 
 from cisjax import config as config_lib
 from cisjax import errors
-from cisjax.rl import rewards
-from cisjax.train import loop, services, validate
+from cisjax.train import loop, validate
 from tests.support import processes, runs
 
 REPO = str(processes.REPO)
 
 
-def _cfg(prepared, run_dir, *extra):
-    return config_lib.load(
-        os.path.join(REPO, "configs", "demo_cpu.py"),
-        [
-            f"--config.model.path={prepared / 'model'}",
-            f"--config.data.source={prepared / 'data' / 'heldout.jsonl'}",
-            f"--config.run.dir={run_dir}",
-            "--config.run.progress=off",
-            "--config.run.steps=3",
-            "--config.data.prompts_per_step=4",
-            "--config.rollout.group_size=4",
-            "--config.rollout.max_new_tokens=12",
-            "--config.rollout.backend=jax",
-            "--config.rollout.colocated=True",
-            "--config.rollout.exact=True",
-            "--config.rollout.max_staleness=0",  # every sample from the step's own weights
-            "--config.rollout.seed=3",
-            "--config.publish.canary.every=0",
-            "--config.checkpoint.every=0",
-            "--config.reward.workers=1",
-            *extra,
-        ],
-    )
+# the exact sampler holds the trainer's own weights: no canary to read between them
+EXACT = ("--config.rollout.exact=True", "--config.publish.canary.every=0")
 
 
 @pytest.mark.parametrize("extra", [(), ("--config.train.precision=bf16", "--config.rollout.top_k=20")])
 def test_exact_run_samples_q_equal_to_p(prepared, tmp_path, monkeypatch, extra):
-    class Pool(rewards.RewardPool):  # rewards that vary: the params change at every step
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, fn="tests.support.runs:parity_reward", **kwargs)
-
-    monkeypatch.setattr(services, "RewardPool", Pool)
+    runs.score_by_parity(monkeypatch)
     run_dir = tmp_path / "run"
-    loop.train(_cfg(prepared, run_dir, *extra))
+    loop.train(runs.colocated_cfg(prepared, run_dir, *EXACT, *extra))
     rows = runs.metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:

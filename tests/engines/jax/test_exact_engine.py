@@ -9,34 +9,10 @@ from cisjax.engines.jax.engine import Request
 from cisjax.engines.jax.exact_engine import ExactEngine
 from cisjax.models import exact, hf_io
 from cisjax.rollout.params import SamplingParams
+from tests.support.exact import trainer_p
 
 # per prompt: (top_k, top_p)
 TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (5, 1.0))
-
-
-def _trainer_p(model, prompt, sample):
-    """exact_forward's p of the sample's tokens, its row alone in a batch of T = 48 (not the engine's shapes)."""
-    seq = list(prompt) + sample.token_ids
-    t = 48
-    tokens, targets = np.zeros((1, t), np.int32), np.zeros((1, t), np.int32)
-    tokens[0, : len(seq)], targets[0, : len(seq) - 1] = seq, seq[1:]
-    ids, counts = sample.support
-    support = np.full((1, t, max(counts, default=0) + 3), -1, np.int32)
-    at = np.concatenate([[0], np.cumsum(counts)])
-    for j, c in enumerate(counts):
-        support[0, len(prompt) - 1 + j, :c] = ids[at[j] : at[j + 1]]
-    positions = np.arange(t, dtype=np.int32)[None]
-    p = exact.exact_forward(
-        model,
-        tokens,
-        positions,
-        targets,
-        slots=64,
-        support_BxTxS=support,
-        moe_impl=exact.moe_impl(model),
-        block=exact.BLOCK,
-    )
-    return np.asarray(p)[0, len(prompt) - 1 : len(seq) - 1]
 
 
 @pytest.mark.parametrize(
@@ -75,7 +51,7 @@ def test_engine_q_equals_the_exact_forward_p(tiny_hf_dir, family, dtype, experts
             assert (s.finish_reason == "stop") == (s.token_ids[-1] == 7)
             assert (sum(s.support[1]) > 0) == r.params.truncates
             q = np.asarray(s.logprobs, np.float32)
-            np.testing.assert_array_equal(_trainer_p(model, r.prompt, s), q)
+            np.testing.assert_array_equal(trainer_p(model, r.prompt, s.token_ids, s.support), q)
             tokens += len(q)
     assert tokens > 40
     # the same request alone: the same samples (a row's values do not depend on the batch)
