@@ -3,17 +3,14 @@ backend (greedy tokens, logprobs, routing) and `cisjax score` (sampled logprobs)
 
 import dataclasses
 
-import flax.nnx as nnx
 import grpc
-import jax
 import numpy as np
 import pytest
 
 from cisjax.engines import transformers_backend
-from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient, RolloutError
 from cisjax.rollout.params import SamplingParams
-from tests.support import engines, servers
+from tests.support import engines, hf, servers
 from tests.support.engines import engine_params
 from tests.support.hf import SERVER_QWEN2_MOE
 
@@ -114,14 +111,8 @@ def test_sampling_masks_travel(client):
 def test_weights_update_whole_or_not_at_all(client, dirs):
     model_dir, export_root = dirs
     v0 = client.info()["version"]
-    model, _, hf = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
-    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
-    keys = jax.random.split(jax.random.key(3), len(leaves))
-    nnx.update(
-        model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    )
     new_dir = export_root / "v1"
-    hf_io.save(model, new_dir, hf)
+    hf.perturbed_export(model_dir, new_dir, seed=3)
     greedy = SamplingParams(n=1, greedy=True, max_new_tokens=6)
     before = [(s.response_ids, s.logprobs) for s in client.generate(PROMPTS[:1], greedy)[0]]
 

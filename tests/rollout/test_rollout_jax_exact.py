@@ -3,15 +3,13 @@ bit for bit the trainer's exact forward on the same fp32 weights (bf16 compute),
 
 import dataclasses
 
-import flax.nnx as nnx
-import jax
 import numpy as np
 import pytest
 
 from cisjax.models import hf_io
 from cisjax.rollout.client import RolloutClient
 from cisjax.rollout.params import SamplingParams
-from tests.support import servers
+from tests.support import hf, servers
 from tests.support.exact import trainer_p
 
 pytestmark = pytest.mark.slow  # a server subprocess
@@ -65,14 +63,8 @@ def test_sampled_logprobs_are_the_exact_forwards(served):
 def test_published_weights_stay_exact(served):
     """A trainer's publish (UpdateWeights of an fp32 export): the samples are the exact forward's on the new weights."""
     client, model_dir, export_root = served
-    model, _, hf = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
-    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    nnx.update(
-        model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    )
     new_dir = export_root / "v1"
-    hf_io.save(model, new_dir, hf)
+    hf.perturbed_export(model_dir, new_dir, seed=7)
     before = client.generate(PROMPTS[:1], PARAMS)[0][0].logprobs
     v1 = client.update_weights(str(new_dir), version=client.info()["version"] + 1)
     assert client.info()["version"] == v1

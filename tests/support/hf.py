@@ -210,3 +210,20 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def perturbed_export(model_dir, out_dir, seed: int) -> None:
+    """The model at model_dir (fp32) with every parameter moved by 0.05 x N(0, 1) (keys from `seed`), saved to
+    out_dir: new weights for a server's UpdateWeights, as a trainer's publish."""
+    import flax.nnx as nnx
+    import jax
+
+    from cisjax.models import hf_io
+
+    model, _, hf = hf_io.load(model_dir, dtype="float32", param_dtype="float32")
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    nnx.update(
+        model, jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    )
+    hf_io.save(model, out_dir, hf)
