@@ -69,11 +69,15 @@ def tiled(fn, *args, tile: int = TILE):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape(-1, tile, *a.shape[1:])
 
-    def body(xs):
-        xs = lax.optimization_barrier(xs)  # nothing of the surrounding program fuses into the body
-        return lax.optimization_barrier(fn(*xs))
+    ins, outs = exact_head.dtypes_of(args), []
 
-    out = lax.map(body, tuple(chunks(a) for a in args))
+    def body(xs):
+        xs = lax.optimization_barrier(exact_head.from_bits(xs, ins))  # nothing around fuses into the body
+        out = lax.optimization_barrier(fn(*xs))
+        outs.append(exact_head.dtypes_of(out))
+        return exact_head.to_bits(out)  # bf16 tiles carried as bits (exact_head.to_bits: XLA:CPU's cost)
+
+    out = exact_head.from_bits(lax.map(body, exact_head.to_bits(tuple(chunks(a) for a in args))), outs[0])
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
@@ -218,7 +222,8 @@ def exact_prefill(
 def _write(c, e_RxE, pos_R, axis: int):
     """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
     at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)
-    return c.at[at].set(e_RxE.astype(c.dtype))
+    bits = exact_head.to_bits(c).at[at].set(exact_head.to_bits(e_RxE.astype(c.dtype)))  # not the whole cache in fp32
+    return exact_head.from_bits(bits, c.dtype)
 
 
 def exact_step(
