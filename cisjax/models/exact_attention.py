@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from cisjax.models import exact_head
 from cisjax.models.attention import cache_attention
 from cisjax.models.deepseek_v2 import MLAttention, absorbed_attention
-from cisjax.models import exact_head
 from cisjax.models.exact_head import MIN_TRIPS, isolated
 from cisjax.models.layers import apply_rope, dense
 from cisjax.models.transformer import slot_axis
