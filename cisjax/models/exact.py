@@ -38,23 +38,30 @@ TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CP
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
 MIN_TRIPS = exact_head.MIN_TRIPS
-# experts dense over each row tile while that is at most DENSE_MAX x the useful expert FLOPs (E / k): at the demo's
-# 8 experts top-2 dense took half the expert tiles' time on a CPU (their sort and masked loop over small tiles);
-# Qwen1.5-MoE's 60 top-4 (15x) and Qwen3-30B-A3B's 128 top-8 (16x) take tiles
+# experts dense over each row tile while that is at most DENSE_MAX x the useful expert FLOPs (E / k) and each expert
+# holds at most DENSE_MAX_WEIGHTS weights per matrix (hidden x moe_intermediate): where the experts are that small the
+# expert tiles' fixed work (the sort, the gathers, the loop over small tiles) costs more than the dense experts' FLOPs.
+# Measured on a CPU (docs/results.md): the demo's 8 experts top-2 of 64 x 32, dense's decode step 0.44x the tiles'
+# time; the benches' 8 top-2 of 256 x 256, the tiles' forward 0.42x dense's. Qwen1.5-MoE's 60 top-4 (15x) and
+# Qwen3-30B-A3B's 128 top-8 (16x) take tiles
 DENSE_MAX = 4
+DENSE_MAX_WEIGHTS = 8192
 
 
 def moe_impl(model: CausalLM) -> str:
     """rollout.exact's MoE experts for `model`: "dense" (every expert on every token of a row tile, E / k times the
-    useful FLOPs) while E / k <= DENSE_MAX, else "tiles" (exact_moe.expert_tiles: expert tiles of EXPERT_TILE rows over
-    all tokens, about the plain MoE's FLOPs, each expert's weights read once per tile); DeepSeek-V2's gathered per
-    token ("gather"). Measured on XLA:CPU (the tests' flags), q == p through ExactEngine and the reference decode:
-    dense and tiles for Qwen2-MoE and Qwen3-MoE in fp32 and bf16; for DeepSeek-V2 tiles in bf16, in fp32 only in the
-    reference decode (ExactEngine's prefill then differs by an ulp on most tokens, as "dense" did there)."""
+    useful FLOPs) while E / k <= DENSE_MAX and the experts are small (DENSE_MAX_WEIGHTS), else "tiles"
+    (exact_moe.expert_tiles: expert tiles of EXPERT_TILE rows over all tokens, about the plain MoE's FLOPs, each
+    expert's weights read once per tile); DeepSeek-V2's gathered per token ("gather"). Measured on XLA:CPU (the tests'
+    flags), q == p through ExactEngine and the reference decode: dense and tiles for Qwen2-MoE and Qwen3-MoE in fp32
+    and bf16; for DeepSeek-V2 tiles in bf16, in fp32 only in the reference decode (ExactEngine's prefill then differs
+    by an ulp on most tokens, as "dense" did there)."""
     if isinstance(model.cfg, deepseek_v2.Config):
         return "gather"
-    experts, k = getattr(model.cfg, "num_experts", 0), getattr(model.cfg, "num_experts_per_tok", 1)
-    return "dense" if experts <= DENSE_MAX * k else "tiles"
+    cfg = model.cfg
+    experts, k = getattr(cfg, "num_experts", 0), getattr(cfg, "num_experts_per_tok", 1)
+    weights = getattr(cfg, "hidden_size", 0) * getattr(cfg, "moe_intermediate_size", 0)
+    return "dense" if experts <= DENSE_MAX * k and weights <= DENSE_MAX_WEIGHTS else "tiles"
 
 
 def tiled(fn, *args, tile: int = TILE):

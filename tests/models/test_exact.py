@@ -231,8 +231,8 @@ def _writes_into_half_floats(jaxpr) -> list[str]:
 def test_bf16_arrays_go_through_loops_and_writes_as_bits(tiny_hf_dir, family, monkeypatch):
     """The exact path's loops (row tiles, expert tiles, key blocks) carry bf16 tiles, and its cache writes and the
     experts' scatter write bf16 arrays, as uint16 bits (exact_head.to_bits): XLA:CPU would otherwise convert the whole
-    stacked array to fp32 and back at every trip (the bench's bf16 exact forward 1.46x slower, the decode step 1.6x).
-    The dense, tiled and gathered experts; the trainer's forward, the prefill and the decode step."""
+    stacked array to fp32 and back at every trip (a cost quadratic in the trips: docs/results.md). The dense, tiled and
+    gathered experts; the trainer's forward, the prefill and the decode step."""
     model, _, _ = hf_io.load(tiny_hf_dir(family), dtype="bfloat16", param_dtype="float32")
     impls = ["dense", "tiles"] if family != "deepseek_v2" else ["gather"]
     b, t, slots = 2, 16, 32

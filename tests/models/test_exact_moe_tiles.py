@@ -103,20 +103,21 @@ def test_another_tile_height_in_the_trainer_breaks_q_equals_p(tiny_hf_dir, monke
 
 
 def test_moe_impl_takes_tiles_where_dense_would_cost_more_than_dense_max():
-    """dense while E / k <= exact.DENSE_MAX (the demo's and the tests' 8 experts top-2: 4), expert tiles past it
-    (Qwen1.5-MoE's 60 top-4: 15, Qwen3-30B-A3B's 128 top-8: 16), no MoE: dense (unused)."""
+    """dense while E / k <= exact.DENSE_MAX (the demo's and the tests' 8 experts top-2: 4) and each expert matrix holds
+    at most exact.DENSE_MAX_WEIGHTS (the demo's 64 x 32), expert tiles past either (Qwen1.5-MoE's 60 top-4: 15,
+    Qwen3-30B-A3B's 128 top-8: 16; the benches' 8 top-2 of 256 x 256), no MoE: dense (unused)."""
 
-    def pick(experts, k):
-        return exact.moe_impl(
-            types.SimpleNamespace(cfg=types.SimpleNamespace(num_experts=experts, num_experts_per_tok=k))
-        )
+    def pick(experts, k, d=64, f=32):
+        cfg = types.SimpleNamespace(num_experts=experts, num_experts_per_tok=k, hidden_size=d, moe_intermediate_size=f)
+        return exact.moe_impl(types.SimpleNamespace(cfg=cfg))
 
-    assert exact.DENSE_MAX == 4
-    assert (pick(8, 2), pick(9, 2), pick(60, 4), pick(128, 8), pick(16, 4)) == (
+    assert (exact.DENSE_MAX, exact.DENSE_MAX_WEIGHTS) == (4, 8192)
+    assert (pick(8, 2), pick(9, 2), pick(60, 4, 2048, 1408), pick(128, 8, 2048, 768), pick(16, 4)) == (
         "dense",
         "tiles",
         "tiles",
         "tiles",
         "dense",
     )
+    assert (pick(8, 2, 128, 64), pick(8, 2, 128, 65), pick(8, 2, 256, 256)) == ("dense", "tiles", "tiles")
     assert exact.moe_impl(types.SimpleNamespace(cfg=types.SimpleNamespace())) == "dense"
