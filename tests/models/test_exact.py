@@ -211,17 +211,14 @@ def test_q_equals_p_in_the_optimised_code():
 
 
 def _writes_into_half_floats(jaxpr) -> list[str]:
-    """Every loop that carries or stacks a 16-bit float array, and every scatter or dynamic-update-slice into one, in
+    """Every loop that carries or stacks a 16-bit float output, and every scatter or dynamic-update-slice into one, in
     a jaxpr and its sub-jaxprs: what XLA:CPU's bf16 normalization turns into converts of the whole array."""
     half = lambda v: jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype.itemsize == 2  # noqa: E731
     found = []
     for eqn, _ in jaxpr_eqns(jaxpr):
         name = eqn.primitive.name
-        if name == "scan":
-            carried = eqn.invars[eqn.params["num_consts"] :] + eqn.outvars  # carries, xs; carries, ys
-            found += [f"scan {v.aval}" for v in carried if half(v)]
-        if name == "while":
-            found += [f"while {v.aval}" for v in eqn.outvars if half(v)]
+        if name in ("scan", "while"):  # its carries and stacked outputs (jax 0.11's scan names no num_consts)
+            found += [f"{name} {v.aval}" for v in eqn.outvars if half(v)]
         if (name.startswith("scatter") or name == "dynamic_update_slice") and half(eqn.invars[0]):
             found.append(f"{name} {eqn.invars[0].aval}")
     return found
