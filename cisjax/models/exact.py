@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.models import deepseek_v2, exact_attention, exact_head, exact_moe
+from cisjax.models import cpu_bits, deepseek_v2, exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs
 
 TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
@@ -76,15 +76,15 @@ def tiled(fn, *args, tile: int = TILE):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape(-1, tile, *a.shape[1:])
 
-    ins, outs = exact_head.dtypes_of(args), []
+    ins, outs = cpu_bits.dtypes_of(args), []
 
     def body(xs):
-        xs = lax.optimization_barrier(exact_head.from_bits(xs, ins))  # nothing around fuses into the body
+        xs = lax.optimization_barrier(cpu_bits.from_bits(xs, ins))  # nothing around fuses into the body
         out = lax.optimization_barrier(fn(*xs))
-        outs.append(exact_head.dtypes_of(out))
-        return exact_head.to_bits(out)  # bf16 tiles carried as bits (exact_head.to_bits: XLA:CPU's cost)
+        outs.append(cpu_bits.dtypes_of(out))
+        return cpu_bits.to_bits(out)  # bf16 tiles carried as bits (cpu_bits.to_bits: XLA:CPU's cost)
 
-    out = exact_head.from_bits(lax.map(body, exact_head.to_bits(tuple(chunks(a) for a in args))), outs[0])
+    out = cpu_bits.from_bits(lax.map(body, cpu_bits.to_bits(tuple(chunks(a) for a in args))), outs[0])
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
@@ -229,8 +229,8 @@ def exact_prefill(
 def _write(c, e_RxE, pos_R, axis: int):
     """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
     at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)
-    bits = exact_head.to_bits(c).at[at].set(exact_head.to_bits(e_RxE.astype(c.dtype)))  # not the whole cache in fp32
-    return exact_head.from_bits(bits, c.dtype)
+    bits = cpu_bits.to_bits(c).at[at].set(cpu_bits.to_bits(e_RxE.astype(c.dtype)))  # not the whole cache in fp32
+    return cpu_bits.from_bits(bits, c.dtype)
 
 
 def exact_step(

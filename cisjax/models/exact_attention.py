@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.models import exact_head
+from cisjax.models import cpu_bits
 from cisjax.models.attention import cache_attention
 from cisjax.models.deepseek_v2 import MLAttention, absorbed_attention
 from cisjax.models.exact_head import MIN_TRIPS, isolated
@@ -165,13 +165,13 @@ def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int, shared: 
     live = jnp.max(pos_T) // block + 1  # the tile's blocks holding a key
     x_shape = qs[0].shape[:-1]
     width = cfg.kv_lora_rank if is_mla(attn) else arrays[1].shape[-1]
-    kinds, bits = exact_head.dtypes_of(arrays), exact_head.to_bits(arrays)  # sliced as bits: XLA:CPU's bf16 cost
+    kinds, bits = cpu_bits.dtypes_of(arrays), cpu_bits.to_bits(arrays)  # sliced as bits: XLA:CPU's bf16 cost
 
     def body(carry, j):
         def run(carry):
             slot_S = j * block + jnp.arange(block)
             blk = tuple(_block_rows(a, row_T, j * block, block, ax, shared) for a, ax in zip(bits, axes))
-            blk = exact_head.from_bits(blk, kinds)
+            blk = cpu_bits.from_bits(blk, kinds)
             valid_TxS = slot_S[None] <= pos_T[:, None]
             return isolated(lambda *a: _block_update(layer, *a), qs, blk, valid_TxS, *carry)
 

@@ -25,28 +25,6 @@ def isolated(fn, *args):
     return lax.optimization_barrier(fn(*lax.optimization_barrier(args)))
 
 
-def to_bits(tree):
-    """16-bit floats (bf16, fp16) as their uint16 bits, other leaves as they are: what the exact path's loops carry.
-    XLA:CPU has no bf16 arithmetic: its normalization rewrites a loop's dynamic-update-slice into a bf16 array as a
-    convert of the whole array to fp32 and back at every trip (quadratic in the trips: a lax.map of 512 [16, 1024]
-    bf16 tiles took 190 ms, its bits 7 ms). A bitcast moves no value: free on every platform."""
-    return jax.tree.map(lambda a: lax.bitcast_convert_type(a, jnp.uint16) if _half(a.dtype) else a, tree)
-
-
-def from_bits(tree, dtypes):
-    """to_bits undone: each leaf back to its dtype in `dtypes` (a tree of dtypes of the same structure)."""
-    return jax.tree.map(lambda a, d: lax.bitcast_convert_type(a, d) if _half(d) else a, tree, dtypes)
-
-
-def dtypes_of(tree):
-    """The tree of `tree`'s leaves' dtypes (from_bits' second argument)."""
-    return jax.tree.map(lambda a: jnp.dtype(a.dtype), tree)
-
-
-def _half(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
 def logits(model, x_TxD, temperature: float):
     """(z = logits / temperature [T, V] fp32, logsumexp(z) [T]) of a tile: the final norm, the unembedding in the
     compute dtype with fp32 accumulation."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cisjax.models import deepseek_v2, exact_head, qwen2_moe, qwen3_moe
+from cisjax.models import cpu_bits, deepseek_v2, qwen2_moe, qwen3_moe
 from cisjax.models.layers import dense
 from cisjax.models.routing import route
 
@@ -118,22 +118,22 @@ def expert_tiles(moe, h_NxD, ids_NxK, tile: int | None = None):
     x_JxHxD = jnp.where(valid_JxH[..., None], jnp.take(h_NxD.astype(dt), at_JxH // k, axis=0), 0).astype(dt)
 
     weights = (wg_ExDxF, wu_ExDxF, wo_ExFxD)
-    w_dtypes = exact_head.dtypes_of(weights)
-    weights = exact_head.to_bits(weights)  # sliced in the loop as bits (exact_head.to_bits: XLA:CPU's cost)
+    w_dtypes = cpu_bits.dtypes_of(weights)
+    weights = cpu_bits.to_bits(weights)  # sliced in the loop as bits (cpu_bits.to_bits: XLA:CPU's cost)
 
     def body(xs):
-        x_HxD, ex = lax.optimization_barrier((exact_head.from_bits(xs[0], jnp.dtype(dt)), xs[1]))  # the same loop body
+        x_HxD, ex = lax.optimization_barrier((cpu_bits.from_bits(xs[0], jnp.dtype(dt)), xs[1]))  # the same loop body
         # in every program: nothing fuses into it; the expert's weights sliced before the barrier too (a slice
         # fused into a dot changes its kernel)
-        w = exact_head.from_bits(tuple(a[ex] for a in weights), w_dtypes)
+        w = cpu_bits.from_bits(tuple(a[ex] for a in weights), w_dtypes)
         x_HxD, wg_DxF, wu_DxF, wo_FxD = lax.optimization_barrier((x_HxD, *w))
         g_HxF = jnp.einsum("hd,df->hf", x_HxD, wg_DxF)
         u_HxF = jnp.einsum("hd,df->hf", x_HxD, wu_DxF)
         y_HxD = lax.optimization_barrier(jnp.einsum("hf,fd->hd", jax.nn.silu(g_HxF) * u_HxF, wo_FxD))
-        return exact_head.to_bits(y_HxD)
+        return cpu_bits.to_bits(y_HxD)
 
-    y_JxHxD = exact_head.from_bits(lax.map(body, (exact_head.to_bits(x_JxHxD), e_J)), jnp.dtype(dt))
+    y_JxHxD = cpu_bits.from_bits(lax.map(body, (cpu_bits.to_bits(x_JxHxD), e_J)), jnp.dtype(dt))
     dest = jnp.where(valid_JxH, at_JxH, a).reshape(-1)
-    y_AxD = exact_head.to_bits(jnp.zeros((a, h_NxD.shape[1]), dt))  # scattered as bits (exact_head.to_bits)
-    y_AxD = y_AxD.at[dest].set(exact_head.to_bits(y_JxHxD.reshape(-1, y_JxHxD.shape[-1])), mode="drop")
-    return exact_head.from_bits(y_AxD, jnp.dtype(dt)).reshape(n, k, -1)
+    y_AxD = cpu_bits.to_bits(jnp.zeros((a, h_NxD.shape[1]), dt))  # scattered as bits (cpu_bits.to_bits)
+    y_AxD = y_AxD.at[dest].set(cpu_bits.to_bits(y_JxHxD.reshape(-1, y_JxHxD.shape[-1])), mode="drop")
+    return cpu_bits.from_bits(y_AxD, jnp.dtype(dt)).reshape(n, k, -1)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cisjax import errors, sharding
-from cisjax.models import grad_sink, stacked
+from cisjax.models import cpu_bits, grad_sink, stacked
 from cisjax.models.attention import Segments, cache_mask
 from cisjax.models.layers import MLP, RMSNorm, param
 from cisjax.models.moe import EXPERT_STACKS
@@ -119,17 +119,22 @@ def _write(cache, new_BxLx, index, axis: int, layer=None):
     slots on `axis`; or, with `layer`, its stack's [n, B, ...]) at slots index..index+L-1: `index` one for all rows
     (a slice update), or a [B] array, each row's own slot for L = 1 (a scatter of one entry per row: rows of a
     decode that entered at different steps)."""
-    new_BxLx = new_BxLx.astype(cache.dtype)
+    dtype = cache.dtype
+    # on the CPU a bf16 cache is written as its bits (cpu_bits: else a convert of the whole cache at every step)
+    cache, new_BxLx = cpu_bits.to_bits((cache, new_BxLx.astype(dtype)))
     lead = () if layer is None else (layer,)
     if jnp.ndim(index) == 1:  # the row and slot indices apart or side by side: the entries [B, ...] either way
         at = (*lead, jnp.arange(new_BxLx.shape[0])) + (slice(None),) * (axis - 1) + (index,)
-        return cache.at[at].set(new_BxLx[:, 0], indices_are_sorted=True, unique_indices=True)
-    new = jnp.moveaxis(new_BxLx, 1, axis)
-    start = [0] * new.ndim
-    start[axis] = index
-    if layer is None:
-        return jax.lax.dynamic_update_slice(cache, new, start)
-    return jax.lax.dynamic_update_slice(cache, new[None], [layer, *start])
+        out = cache.at[at].set(new_BxLx[:, 0], indices_are_sorted=True, unique_indices=True)
+    else:
+        new = jnp.moveaxis(new_BxLx, 1, axis)
+        start = [0] * new.ndim
+        start[axis] = index
+        if layer is None:
+            out = jax.lax.dynamic_update_slice(cache, new, start)
+        else:
+            out = jax.lax.dynamic_update_slice(cache, new[None], [layer, *start])
+    return cpu_bits.from_bits(out, dtype)
 
 
 def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:
