@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cisjax.models import cpu_bits, deepseek_v2, exact_attention, exact_head, exact_moe
-from cisjax.models.transformer import CausalLM, layer_of, layer_runs
+from cisjax.models.transformer import CausalLM, layer_of, layer_runs, write_cache
 
 TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
@@ -226,13 +226,6 @@ def exact_prefill(
     return z, lse, cache
 
 
-def _write(c, e_RxE, pos_R, axis: int):
-    """Each row's entry e [R, ...] into its cache array c [R, ...per-row] at slot pos_R (per-row `axis`)."""
-    at = (jnp.arange(c.shape[0]),) + (slice(None),) * axis + (pos_R,)
-    bits = cpu_bits.to_bits(c).at[at].set(cpu_bits.to_bits(e_RxE.astype(c.dtype)))  # not the whole cache in fp32
-    return cpu_bits.from_bits(bits, c.dtype)
-
-
 def exact_step(
     model: CausalLM,
     cache,
@@ -254,7 +247,8 @@ def exact_step(
     for layer, arrays in zip(layers, cache):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
         axes = exact_attention.slot_axes(layer.attn)
-        arrays = tuple(_write(c, e, pos_R, a) for c, e, a in zip(arrays, entries, axes))
+        # each row's entry into its cache array at its own slot (the plain decode's per-row write: on the CPU as bits)
+        arrays = tuple(write_cache(c, e[:, None], pos_R, 1 + a) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
         o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
         x = _post_all(layer, moe_impl, x, o)

@@ -82,7 +82,7 @@ class DecoderLayer(nnx.Module):
         seen = mask_BxLxS.shape[-1]
         axes = [1 + slot_axis(shape) for shape in self.attn.cache_shapes()]  # of a layer's arrays [B, ...]
         rows = new if repeat == 1 else tuple(jnp.repeat(n, repeat, axis=0) for n in new)
-        cache = tuple(_write(c, n, index, a, layer) for c, n, a in zip(cache, rows, axes))
+        cache = tuple(write_cache(c, n, index, a, layer) for c, n, a in zip(cache, rows, axes))
         if isinstance(index, int) and index == 0 and seen == x_BxLxD.shape[1]:
             # the new tokens see only one another: their own entries, as the cache holds them, not read back from it
             mine = tuple(jnp.moveaxis(n.astype(c.dtype), 1, a) for c, n, a in zip(cache, new, axes))
@@ -114,7 +114,7 @@ def slot_axis(shape: tuple) -> int:
     return shape.index(None)
 
 
-def _write(cache, new_BxLx, index, axis: int, layer=None):
+def write_cache(cache, new_BxLx, index, axis: int, layer=None):
     """new_BxLx (a layer's entries of L new tokens, token-major: kv()'s) into a cache array of a layer ([B, ...], its
     slots on `axis`; or, with `layer`, its stack's [n, B, ...]) at slots index..index+L-1: `index` one for all rows
     (a slice update), or a [B] array, each row's own slot for L = 1 (a scatter of one entry per row: rows of a

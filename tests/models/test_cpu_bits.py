@@ -35,7 +35,7 @@ def test_other_platforms_keep_their_program(monkeypatch):
 
 def _write_dtypes(cache, new, index, axis, layer=None):
     """The dtypes of the arrays the cache write's scatter / dynamic-update-slice writes into, and its output."""
-    jaxpr = jax.make_jaxpr(lambda c, n: transformer._write(c, n, index, axis, layer))(cache, new)
+    jaxpr = jax.make_jaxpr(lambda c, n: transformer.write_cache(c, n, index, axis, layer))(cache, new)
     writes = [
         e.invars[0].aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name in ("scatter", "dynamic_update_slice")
     ]
@@ -52,11 +52,11 @@ def test_the_kv_cache_is_written_as_bits_on_the_cpu(per_row, monkeypatch):
     index = jnp.asarray([1, 5, 7], jnp.int32) if per_row else 2
     writes, out = _write_dtypes(cache, new, index, 1)
     assert writes == [jnp.uint16] and out == jnp.bfloat16
-    got = transformer._write(cache, new, index, 1)
+    got = transformer.write_cache(cache, new, index, 1)
     monkeypatch.setattr(cpu_bits, "active", lambda: False)
     writes, _ = _write_dtypes(cache, new, index, 1)
     assert writes == [jnp.bfloat16]
-    want = transformer._write(cache, new, index, 1)
+    want = transformer.write_cache(cache, new, index, 1)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
     slots = np.asarray(index).reshape(-1) if per_row else [index] * b
     for r, slot in enumerate(slots):
