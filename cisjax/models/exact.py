@@ -33,7 +33,9 @@ from jax import lax
 from cisjax.models import cpu_bits, deepseek_v2, exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs, write_cache
 
-TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
+# rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step). 32, not 16: fewer loop
+# trips over larger matmuls (the benches' decode step of 128 rows and train forward measured faster; docs/results.md)
+TILE = 32
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
@@ -141,6 +143,7 @@ def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T, shared: bool = False):
     shared: every tile's queries in one row)."""
     if block is not None:
         return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block, shared=shared)
+    arrays = cpu_bits.from_bits(arrays, (jnp.dtype(layer.attn.cfg.dtype),) * len(arrays))  # a cache held as bits
     slots = arrays[0].shape[1 + exact_attention.slot_axes(layer.attn)[0]]
     mask_TxS = jnp.arange(slots)[None] <= pos_T[:, None]
     return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in arrays), mask_TxS)
@@ -184,11 +187,14 @@ def exact_forward(
 
 def init_cache(model: CausalLM, rows: int, slots: int):
     """Per layer, its attention's cache arrays [R, ...per-row] (attn.cache_shapes(), `slots` slots) in the compute
-    dtype: slot = position."""
+    dtype, held as bits (cpu_bits.to_bits: on the CPU a 16-bit cache stays uint16 between decode steps, else each
+    step's program would bitcast the whole cache in and out): slot = position."""
     return [
-        tuple(
-            jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
-            for shape in layer.attn.cache_shapes()
+        cpu_bits.to_bits(
+            tuple(
+                jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
+                for shape in layer.attn.cache_shapes()
+            )
         )
         for layer in _layers(model)
     ]
@@ -206,7 +212,7 @@ def exact_prefill(
 ):
     """The prompts [R, P] (left-aligned: slot = position) through the layers at once, as exact_forward lays them out
     -> (z [R, V] and logsumexp(z) [R] of each row's next token after its plen_R prompt tokens, the cache of `slots`
-    slots). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
+    slots, held as init_cache's). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
     Every per-token value is exact_step's (the same tiles): the samples' q do not depend on the prompts going in at
     once."""
     r, p = tokens_RxP.shape
@@ -217,7 +223,7 @@ def exact_prefill(
     for layer in _layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
-        lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
+        lay = cpu_bits.to_bits(tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes)))
         cache.append(lay)
         o = tiled(functools.partial(_attend, layer, lay, block, shared=p % TILE == 0), q, row, pos)
         x = _post_all(layer, moe_impl, x, o)
@@ -236,8 +242,8 @@ def exact_step(
     moe_impl: str = "gather",
     block: int | None = None,
 ):
-    """One token per row at its position pos_R (its slot) through the cache -> (z = logits / temperature [R, V] of the
-    next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
+    """One token per row at its position pos_R (its slot) through the cache (held as init_cache's) -> (z = logits /
+    temperature [R, V] of the next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
     own tile: `logprob`), the formula and program of exact_forward's head."""
     r = tok_R.shape[0]
     layers = _layers(model)
@@ -247,8 +253,10 @@ def exact_step(
     for layer, arrays in zip(layers, cache):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
         axes = exact_attention.slot_axes(layer.attn)
-        # each row's entry into its cache array at its own slot (the plain decode's per-row write: on the CPU as bits)
-        arrays = tuple(write_cache(c, e[:, None], pos_R, 1 + a) for c, e, a in zip(arrays, entries, axes))
+        # each row's entry into its cache array at its own slot (the plain decode's per-row write; the cache held as
+        # bits on the CPU stays bits)
+        dt = model.cfg.dtype
+        arrays = tuple(write_cache(c, e[:, None], pos_R, 1 + a, dtype=dt) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
         o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
         x = _post_all(layer, moe_impl, x, o)

@@ -17,7 +17,7 @@ import numpy as np
 
 from cisjax import runtime, sharding
 from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket, check_request
-from cisjax.engines.jax.sampling import key_data, sampling_logprobs
+from cisjax.engines.jax.sampling import draw, key_data, sampling_logprobs
 from cisjax.models import exact
 from cisjax.rollout.backend import SampleResult, sample_seed
 from cisjax.rollout.params import SamplingParams
@@ -176,10 +176,11 @@ def _decode(graphdef, mesh, rules, temperature, support, params, cache, state, t
 def _draw(state: dict, z_RxV, lse_R, t, support: bool) -> dict:
     """Response token t of every row that still samples, from z (logits / temperature) truncated by its top-k / top-p
     (greedy rows: the argmax), its q = exact.logprob (the trainer's formula and tile), its support kept."""
-    keep, has = sampling_support(z_RxV, state["top_k"], state["top_p"])
-    draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), t), zr)  # noqa: E731
-    tok = jax.vmap(draw)(state["keys"], jnp.where(keep, z_RxV, -jnp.inf)).astype(jnp.int32)
-    tok = jnp.where(state["greedy"], jnp.argmax(z_RxV, axis=-1).astype(jnp.int32), tok)
+    lp_RxV, keep, has = sampling_support(z_RxV, state["top_k"], state["top_p"])
+    keys_R = jax.vmap(jax.random.fold_in, in_axes=(0, None))(jax.random.wrap_key_data(state["keys"]), t)
+    # the plain engine's draw (two Gumbel-max draws of ~sqrt(V) each; greedy rows: the first argmax of z, as the
+    # truncation and the temperature-1 log-softmax keep the order)
+    tok = draw(keys_R, jnp.where(state["greedy"][:, None], z_RxV, lp_RxV), state["greedy"])
     q = exact.logprob(z_RxV, lse_R, tok, keep, has)
     on = (t < state["max_new"]) & ~state["done"]
     st = dict(state)
@@ -225,14 +226,15 @@ def _support(keep_MxV, m: int, params: SamplingParams) -> tuple[list, list]:
 
 
 def sampling_support(z_TxV, top_k_T, top_p_T):
-    """The sampler's truncation of z (already divided by the temperature): (keep [T, V] bool, has [T] bool), with the
+    """The sampler's truncation of z (already divided by the temperature): (its log-probabilities [T, V] fp32 with
+    -inf outside the support, keep [T, V] bool, has [T] bool), with the
     JAX engine's definition (sampling.sampling_logprobs: top-k with ties kept, then top-p); has where a row truncates
     (top_k > 0 or top_p < 1, even where that keeps every token: a truncating row's support always reaches the trainer,
     whose p subtracts its log mass where it has one)."""
     ones_T = jnp.ones(z_TxV.shape[:1], jnp.float32)
     lp_TxV = sampling_logprobs(z_TxV, ones_T, top_k_T, top_p_T, jnp.zeros(z_TxV.shape[:1], bool))
     has_T = (top_k_T > 0) | (top_p_T < 1.0)  # the engine's SamplingParams.truncates: it then sends the support
-    return (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T
+    return lp_TxV, (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T
 
 
 def sample(
@@ -269,7 +271,7 @@ def sample(
 
     @jax.jit
     def draw(z, lse, k):
-        keep, has = sampling_support(z, top_k_R, top_p_R)
+        _, keep, has = sampling_support(z, top_k_R, top_p_R)
         tok = jax.random.categorical(k, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
         return tok, exact.logprob(z, lse, tok, keep, has), keep
 
