@@ -195,23 +195,23 @@ def test_one_tile_of_rows_is_computed_as_in_many(tiny_hf_dir):
 
 @pytest.mark.slow
 def test_q_equals_p_in_the_optimised_code():
-    """The exact engine's q against the trainer's exact forward p (Qwen2-MoE's dense experts in bf16, Qwen3-MoE's
-    expert tiles in fp32: the engine's prefill and decode steps both) under XLA's default optimisation: the suite
-    compiles at -O0 with the old fused emitters (tests/support/xla_flags.py), where every loop body's code comes out
-    alike; a run's code may not. (The one-trip loops went unseen here too: these models' heads of 8-16 dims at
-    positions < 64; the test above has 32.)"""
+    """The exact engine's q against the trainer's exact forward p (Qwen3-MoE's expert tiles, the scalable MoE form, in
+    fp32, where an ulp of difference in any op shows in q, where bf16 rounding may hide it: the engine's prefill and
+    decode steps both) under XLA's default optimisation: the suite compiles at -O0 with the old fused emitters
+    (tests/support/xla_flags.py), where every loop body's code comes out alike; a run's code may not. (The one-trip
+    loops went unseen here too: these models' heads of 8-16 dims at positions < 64; the test above has 32.) One case:
+    each costs the suite about 35 s at -O2."""
     flags = ["--xla_backend_optimization_level=2"]
     if any(f.startswith("--xla_cpu_use_fusion_emitters") for f in xla_flags.COMPILE):
         flags.append("--xla_cpu_use_fusion_emitters=true")  # the flags the caller sets win over the suite's
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
     tests = [
-        "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen2_moe-bfloat16-dense]",
         "tests/engines/jax/test_exact_engine.py::test_engine_q_equals_the_exact_forward_p[qwen3_moe-float32-tiles]",
     ]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *tests]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "2 passed" in proc.stdout
+    assert "1 passed" in proc.stdout
 
 
 def _writes_into_half_floats(jaxpr) -> list[str]:

@@ -42,6 +42,10 @@ class ExactEngine:
         self.mesh, self.rules = mesh, (rules if mesh is not None else None)
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.device_kind = device.device_kind
+        # on a CPU the programs take the layers' weights sliced out of their stacks once per call (_split_layers);
+        # elsewhere they slice them (a second copy of the weights would cost a TPU or GPU its memory)
+        self._split = device.platform == "cpu"
+        self._split_fn, self._layer_graphdefs = None, ()
         self.version = 0
         self._programs: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -96,22 +100,43 @@ class ExactEngine:
         state = {k: jnp.asarray(a) for k, a in _initial(rows, width, new).items()}
         v = nnx.merge(self.graphdef, params).cfg.vocab_size
         state["keep"] = jnp.ones((width, new, v) if support else (width, 1, 1), bool)
-        on = (self.graphdef, self.mesh, self.rules, temperature, support)
+        layers = self._split_layers(params)
+        on = (self.graphdef, self._layer_graphdefs, self.mesh, self.rules, temperature, support)
         prefill = self._program(
             ("prefill", b, p, slots, width, new, temperature, support),
             functools.partial(_prefill, *on, slots),
-            (3,),
+            (4,),
         )
         decode = self._program(
-            ("decode", width, slots, new, temperature, support), functools.partial(_decode, *on), (1, 2)
+            ("decode", width, slots, new, temperature, support), functools.partial(_decode, *on), (2, 3)
         )
-        cache, state = prefill(params, jnp.asarray(tokens_BxP), jnp.asarray(plen_B), state)
+        cache, state = prefill(params, layers, jnp.asarray(tokens_BxP), jnp.asarray(plen_B), state)
         for t in range(1, new):
             if t % CHECK_EVERY == 0 and bool(jnp.all(state["done"])):
                 break
-            cache, state = decode(params, cache, state, jnp.int32(t))
+            cache, state = decode(params, layers, cache, state, jnp.int32(t))
         host = jax.tree.map(np.asarray, state)
         return _results(requests, host, version, support)
+
+    def _split_layers(self, params):
+        """On a CPU, the states of exact.layers(model) (each layer's weights sliced out of its stack: one copy per
+        call, where each decode step's program copied them all: a fifth of its time on the benches' fp32 model); else
+        None (the programs slice them)."""
+        if not self._split:
+            return None
+        if self._split_fn is None:
+            graphdefs = []
+
+            def states(params):
+                with _model(self.graphdef, params, self.mesh, self.rules) as model:
+                    out = [nnx.split(layer) for layer in exact.layers(model)]
+                graphdefs[:] = [g for g, _ in out]
+                return [st for _, st in out]
+
+            self._split_fn = jax.jit(states)
+            jax.eval_shape(self._split_fn, params)
+            self._layer_graphdefs = tuple(graphdefs)
+        return self._split_fn(params)
 
 
 def _initial(rows: list, width: int, new: int) -> dict:
@@ -153,22 +178,30 @@ def _model(graphdef, params, mesh, rules):
             yield model
 
 
-def _prefill(graphdef, mesh, rules, temperature, support, slots, params, tokens_BxP, plen_B, state):
+def _layers(layer_graphdefs, layers):
+    """ExactEngine._split_layers' states as the layers (None: the programs slice them: exact.layers)."""
+    return None if layers is None else [nnx.merge(g, st) for g, st in zip(layer_graphdefs, layers)]
+
+
+def _prefill(
+    graphdef, layer_graphdefs, mesh, rules, temperature, support, slots, params, layers, tokens_BxP, plen_B, state
+):
     """The prompts through exact.exact_prefill (each once), their cache rows and next-token logits taken by every
     sample row of theirs, and every row's first token drawn."""
     with _model(graphdef, params, mesh, rules) as model:
         kw = dict(slots=slots, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
-        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, **kw)
+        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, layers_=_layers(layer_graphdefs, layers), **kw)
         rows = state["prompt"]
         cache = [tuple(jnp.take(c, rows, axis=0) for c in arrays) for arrays in cache]
         return cache, _draw(state, jnp.take(z, rows, axis=0), jnp.take(lse, rows, axis=0), 0, support)
 
 
-def _decode(graphdef, mesh, rules, temperature, support, params, cache, state, t):
+def _decode(graphdef, layer_graphdefs, mesh, rules, temperature, support, params, layers, cache, state, t):
     """Decode step t of every row: its token t - 1 fed at position plen + t - 1, its token t drawn."""
     with _model(graphdef, params, mesh, rules) as model:
         pos_R = state["plen"] + t - 1
         kw = dict(temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
+        kw.update(layers_=_layers(layer_graphdefs, layers))
         z, lse, cache = exact.exact_step(model, cache, state["tokens"][:, t - 1], pos_R, **kw)
         return cache, _draw(state, z, lse, t, support)
 
@@ -304,9 +337,15 @@ def abstract_programs(graphdef, params, mesh, rules, *, batch: int, prompt_len: 
     width = bucket(batch * n, exact.TILE)
     state = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in _initial([], width, new_tokens).items()}
     state["keep"] = jax.ShapeDtypeStruct((width, 1, 1), jnp.bool_)
-    on = (graphdef, mesh, rules, 1.0, False)
-    prefill = jax.jit(functools.partial(_prefill, *on, slots), donate_argnums=(3,))
-    args = (params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    on = (graphdef, (), mesh, rules, 1.0, False)  # the layers sliced in the programs (a TPU's or GPU's engine)
+    prefill = jax.jit(functools.partial(_prefill, *on, slots), donate_argnums=(4,))
+    args = (
+        params,
+        None,
+        jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
     cache, state_after = jax.eval_shape(prefill, *args, state)
-    decode = jax.jit(functools.partial(_decode, *on), donate_argnums=(1, 2))
-    return (prefill, (*args, state)), (decode, (params, cache, state_after, jax.ShapeDtypeStruct((), jnp.int32)))
+    decode = jax.jit(functools.partial(_decode, *on), donate_argnums=(2, 3))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return (prefill, (*args, state)), (decode, (params, None, cache, state_after, scalar))
