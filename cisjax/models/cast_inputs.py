@@ -26,6 +26,14 @@ def _inner(params) -> object | None:
     return None
 
 
+def _scan_consts(params) -> int | None:
+    """A scan's number of constants (its first inputs): num_consts, or jax 0.11's ft_in (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"]
+    ft = params.get("ft_in")
+    return len(list(ft.elts[0].vals)) if ft is not None else None
+
+
 def _only_cast(jaxpr, var, dtype) -> bool:
     used = False
     if any(v is var for v in jaxpr.outvars):
@@ -44,7 +52,7 @@ def _only_cast(jaxpr, var, dtype) -> bool:
                 if sub is None or len(sub.invars) != len(eqn.invars) or not _only_cast(sub, sub.invars[i], dtype):
                     return False
             elif name == "scan":
-                consts = eqn.params.get("num_consts")
+                consts = _scan_consts(eqn.params)
                 sub = eqn.params["jaxpr"].jaxpr
                 if consts is None or i >= consts or not _only_cast(sub, sub.invars[i], dtype):
                     return False
