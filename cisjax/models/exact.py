@@ -33,7 +33,9 @@ from jax import lax
 from cisjax.models import cpu_bits, deepseek_v2, exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs, write_cache
 
-TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
+# rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step). 32, not 16: fewer loop
+# trips over larger matmuls (the benches' decode step of 128 rows and train forward measured faster; docs/results.md)
+TILE = 32
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32
@@ -88,7 +90,10 @@ def tiled(fn, *args, tile: int = TILE):
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
-def _layers(model: CausalLM):
+def layers(model: CausalLM) -> list:
+    """The model's decoder layers in order, each a plain DecoderLayer with its parameters sliced out of its stack
+    (transformer.layer_of). A program that takes them as its inputs (exact_prefill's and exact_step's `layers`) copies
+    no layer's weights out of the stacks: on a CPU that copy was a fifth of a decode step (the benches' model, fp32)."""
     return [layer_of(model.stacks[r], j) for r, run in enumerate(layer_runs(model.cfg)) for j in range(len(run))]
 
 
@@ -141,6 +146,7 @@ def _attend(layer, arrays, block, q_TxNxH, row_T, pos_T, shared: bool = False):
     shared: every tile's queries in one row)."""
     if block is not None:
         return exact_attention.attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, block=block, shared=shared)
+    arrays = cpu_bits.from_bits(arrays, (jnp.dtype(layer.attn.cfg.dtype),) * len(arrays))  # a cache held as bits
     slots = arrays[0].shape[1 + exact_attention.slot_axes(layer.attn)[0]]
     mask_TxS = jnp.arange(slots)[None] <= pos_T[:, None]
     return exact_attention.attend(layer, q_TxNxH, tuple(jnp.take(a, row_T, axis=0) for a in arrays), mask_TxS)
@@ -170,7 +176,7 @@ def exact_forward(
     pos = positions_BxT.reshape(-1).astype(jnp.int32)
     row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
     shared = t % TILE == 0  # each tile is one row's consecutive positions
-    for layer in _layers(model):
+    for layer in layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))
@@ -184,13 +190,16 @@ def exact_forward(
 
 def init_cache(model: CausalLM, rows: int, slots: int):
     """Per layer, its attention's cache arrays [R, ...per-row] (attn.cache_shapes(), `slots` slots) in the compute
-    dtype: slot = position."""
+    dtype, held as bits (cpu_bits.to_bits: on the CPU a 16-bit cache stays uint16 between decode steps, else each
+    step's program would bitcast the whole cache in and out): slot = position."""
     return [
-        tuple(
-            jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
-            for shape in layer.attn.cache_shapes()
+        cpu_bits.to_bits(
+            tuple(
+                jnp.zeros((rows, *(slots if d is None else d for d in shape)), model.cfg.dtype)
+                for shape in layer.attn.cache_shapes()
+            )
         )
-        for layer in _layers(model)
+        for layer in layers(model)
     ]
 
 
@@ -203,21 +212,22 @@ def exact_prefill(
     temperature: float = 1.0,
     moe_impl: str = "gather",
     block: int | None = None,
+    layers_: list | None = None,
 ):
     """The prompts [R, P] (left-aligned: slot = position) through the layers at once, as exact_forward lays them out
     -> (z [R, V] and logsumexp(z) [R] of each row's next token after its plen_R prompt tokens, the cache of `slots`
-    slots). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
+    slots, held as init_cache's). A row's slots past its prompt hold its padding's entries: the decode overwrites each before it reads it.
     Every per-token value is exact_step's (the same tiles): the samples' q do not depend on the prompts going in at
-    once."""
+    once. layers_: `layers(model)` computed apart (the program's inputs), else sliced here."""
     r, p = tokens_RxP.shape
     x = jnp.take(model.embed_VxD[...], tokens_RxP, axis=0).astype(model.cfg.dtype).reshape(r * p, -1)
     pos = jnp.tile(jnp.arange(p, dtype=jnp.int32), r)
     row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), p)
     cache = []
-    for layer in _layers(model):
+    for layer in layers_ or layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
-        lay = tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes))
+        lay = cpu_bits.to_bits(tuple(_layout(e, r, p, slots, a).astype(model.cfg.dtype) for e, a in zip(entries, axes)))
         cache.append(lay)
         o = tiled(functools.partial(_attend, layer, lay, block, shared=p % TILE == 0), q, row, pos)
         x = _post_all(layer, moe_impl, x, o)
@@ -235,20 +245,22 @@ def exact_step(
     temperature: float = 1.0,
     moe_impl: str = "gather",
     block: int | None = None,
+    layers_: list | None = None,
 ):
-    """One token per row at its position pos_R (its slot) through the cache -> (z = logits / temperature [R, V] of the
-    next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
-    own tile: `logprob`), the formula and program of exact_forward's head."""
+    """One token per row at its position pos_R (its slot) through the cache (held as init_cache's) -> (z = logits /
+    temperature [R, V] of the next token, logsumexp(z) [R], the cache). The sampled token's logprob is exact_head.renormalised of these (in its
+    own tile: `logprob`), the formula and program of exact_forward's head. layers_: as exact_prefill's."""
     r = tok_R.shape[0]
-    layers = _layers(model)
     x = jnp.take(model.embed_VxD[...], tok_R, axis=0).astype(model.cfg.dtype)
     rows = jnp.arange(r, dtype=jnp.int32)
     new = []
-    for layer, arrays in zip(layers, cache):
+    for layer, arrays in zip(layers_ or layers(model), cache):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos_R)
         axes = exact_attention.slot_axes(layer.attn)
-        # each row's entry into its cache array at its own slot (the plain decode's per-row write: on the CPU as bits)
-        arrays = tuple(write_cache(c, e[:, None], pos_R, 1 + a) for c, e, a in zip(arrays, entries, axes))
+        # each row's entry into its cache array at its own slot (the plain decode's per-row write; the cache held as
+        # bits on the CPU stays bits)
+        dt = model.cfg.dtype
+        arrays = tuple(write_cache(c, e[:, None], pos_R, 1 + a, dtype=dt) for c, e, a in zip(arrays, entries, axes))
         new.append(arrays)
         o = tiled(functools.partial(_attend, layer, arrays, block), q, rows, pos_R)
         x = _post_all(layer, moe_impl, x, o)

@@ -165,7 +165,8 @@ def attend_blocked(layer, arrays, q_TxNxH, row_T, pos_T, *, block: int, shared: 
     live = jnp.max(pos_T) // block + 1  # the tile's blocks holding a key
     x_shape = qs[0].shape[:-1]
     width = cfg.kv_lora_rank if is_mla(attn) else arrays[1].shape[-1]
-    kinds, bits = cpu_bits.dtypes_of(arrays), cpu_bits.to_bits(arrays)  # sliced as bits: XLA:CPU's bf16 cost
+    # sliced as bits (XLA:CPU's bf16 cost); arrays held as bits already (the sampler's cache) go in as they are
+    kinds, bits = (jnp.dtype(dt),) * len(arrays), cpu_bits.to_bits(arrays)
 
     def body(carry, j):
         def run(carry):

@@ -114,12 +114,14 @@ def slot_axis(shape: tuple) -> int:
     return shape.index(None)
 
 
-def write_cache(cache, new_BxLx, index, axis: int, layer=None):
+def write_cache(cache, new_BxLx, index, axis: int, layer=None, dtype=None):
     """new_BxLx (a layer's entries of L new tokens, token-major: kv()'s) into a cache array of a layer ([B, ...], its
     slots on `axis`; or, with `layer`, its stack's [n, B, ...]) at slots index..index+L-1: `index` one for all rows
     (a slice update), or a [B] array, each row's own slot for L = 1 (a scatter of one entry per row: rows of a
-    decode that entered at different steps)."""
-    dtype = cache.dtype
+    decode that entered at different steps). dtype: the cache's values' where it holds their bits already
+    (cpu_bits.to_bits: the exact sampler's cache between its steps); it is written and returned as bits."""
+    dtype = jnp.dtype(dtype or cache.dtype)
+    held = cache.dtype != dtype  # already bits: no bitcast of the whole cache on the way in or out
     # on the CPU a bf16 cache is written as its bits (cpu_bits: else a convert of the whole cache at every step)
     cache, new_BxLx = cpu_bits.to_bits((cache, new_BxLx.astype(dtype)))
     lead = () if layer is None else (layer,)
@@ -134,7 +136,7 @@ def write_cache(cache, new_BxLx, index, axis: int, layer=None):
             out = jax.lax.dynamic_update_slice(cache, new, start)
         else:
             out = jax.lax.dynamic_update_slice(cache, new[None], [layer, *start])
-    return cpu_bits.from_bits(out, dtype)
+    return out if held else cpu_bits.from_bits(out, dtype)
 
 
 def decoder_layers(cfg, rngs: nnx.Rngs, *, attention, moe_block=None) -> list[DecoderLayer]:

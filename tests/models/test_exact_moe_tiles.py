@@ -16,7 +16,7 @@ from cisjax.models import exact, exact_moe, hf_io
 
 def _moe(tiny_hf_dir, family, dtype):
     model, _, _ = hf_io.load(tiny_hf_dir(family), dtype=dtype, param_dtype="float32")
-    layer = next(layer for layer in exact._layers(model) if layer.is_moe)
+    layer = next(layer for layer in exact.layers(model) if layer.is_moe)
     return model, layer.mlp.moe
 
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from cisjax import runtime, sharding
 from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket, check_request
-from cisjax.engines.jax.sampling import key_data, sampling_logprobs
-from cisjax.models import exact
+from cisjax.engines.jax.sampling import draw, key_data, sampling_logprobs
+from cisjax.models import cast_inputs, exact
 from cisjax.rollout.backend import SampleResult, sample_seed
 from cisjax.rollout.params import SamplingParams
 
@@ -42,6 +42,12 @@ class ExactEngine:
         self.mesh, self.rules = mesh, (rules if mesh is not None else None)
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.device_kind = device.device_kind
+        # on a CPU the programs take the layers' weights sliced out of their stacks once per call (_split_layers);
+        # elsewhere they slice them (a second copy of the weights would cost a TPU or GPU its memory)
+        self._split = device.platform == "cpu"
+        self._split_fn, self._layer_graphdefs = None, ()
+        self._casts: dict = {}
+        self.cast_weights = 0  # the weights the last new program pair takes cast once per call (_cast)
         self.version = 0
         self._programs: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -94,24 +100,70 @@ class ExactEngine:
             tokens_BxP[i, : len(r.prompt)], plen_B[i] = r.prompt, len(r.prompt)
         version, params = self.version, self.params
         state = {k: jnp.asarray(a) for k, a in _initial(rows, width, new).items()}
-        v = nnx.merge(self.graphdef, params).cfg.vocab_size
+        cfg = nnx.merge(self.graphdef, params).cfg
+        v = cfg.vocab_size
         state["keep"] = jnp.ones((width, new, v) if support else (width, 1, 1), bool)
-        on = (self.graphdef, self.mesh, self.rules, temperature, support)
-        prefill = self._program(
+        layers = self._split_layers(params)
+        on = (self.graphdef, self._layer_graphdefs, self.mesh, self.rules, temperature, support)
+        keys = (
             ("prefill", b, p, slots, width, new, temperature, support),
-            functools.partial(_prefill, *on, slots),
-            (3,),
+            ("decode", width, slots, new, temperature, support),
         )
-        decode = self._program(
-            ("decode", width, slots, new, temperature, support), functools.partial(_decode, *on), (1, 2)
-        )
-        cache, state = prefill(params, jnp.asarray(tokens_BxP), jnp.asarray(plen_B), state)
+        fns = (functools.partial(_prefill, *on, slots), functools.partial(_decode, *on))
+        prefill, decode = self._program(keys[0], fns[0], (4,)), self._program(keys[1], fns[1], (2, 3))
+        args = (jnp.asarray(tokens_BxP), jnp.asarray(plen_B))
+        params, layers = self._cast(keys, fns, jnp.dtype(cfg.dtype), params, layers, args, state)
+        cache, state = prefill(params, layers, *args, state)
         for t in range(1, new):
             if t % CHECK_EVERY == 0 and bool(jnp.all(state["done"])):
                 break
-            cache, state = decode(params, cache, state, jnp.int32(t))
+            cache, state = decode(params, layers, cache, state, jnp.int32(t))
         host = jax.tree.map(np.asarray, state)
         return _results(requests, host, version, support)
+
+    def _cast(self, keys: tuple, fns: tuple, dtype, params, layers, args: tuple, state: dict):
+        """On a CPU in a 16-bit compute dtype: (params, layers) with the weights that both programs only ever cast to
+        it cast once per call (cast_inputs.only_cast, from the programs' jaxprs: the same values go in; each decode
+        step cast the fp32 master weights again, the head's [256, 8,192] alone 3.7 ms a step on the benches' model)."""
+        if layers is None or dtype.itemsize != 2:
+            return params, layers
+        if keys not in self._casts:
+            n = len(jax.tree.leaves((params, layers)))
+            prefill, decode = fns
+            pre = cast_inputs.only_cast(jax.make_jaxpr(prefill)(params, layers, *args, state), dtype)[:n]
+            cache, after = jax.eval_shape(prefill, params, layers, *args, state)
+            t = jax.ShapeDtypeStruct((), jnp.int32)
+            dec = cast_inputs.only_cast(jax.make_jaxpr(decode)(params, layers, cache, after, t), dtype)[:n]
+            mask = [a and b for a, b in zip(pre, dec)]
+
+            def cast(tree):
+                leaves, treedef = jax.tree.flatten(tree)
+                return jax.tree.unflatten(treedef, [x.astype(dtype) if m else x for x, m in zip(leaves, mask)])
+
+            self._casts[keys] = jax.jit(cast)
+            self.cast_weights = sum(mask)
+            log.info("exact sampler: %d of %d weights cast once per call", sum(mask), n)
+        return self._casts[keys]((params, layers))
+
+    def _split_layers(self, params):
+        """On a CPU, the states of exact.layers(model) (each layer's weights sliced out of its stack: one copy per
+        call, where each decode step's program copied them all: a fifth of its time on the benches' fp32 model); else
+        None (the programs slice them)."""
+        if not self._split:
+            return None
+        if self._split_fn is None:
+            graphdefs = []
+
+            def states(params):
+                with _model(self.graphdef, params, self.mesh, self.rules) as model:
+                    out = [nnx.split(layer) for layer in exact.layers(model)]
+                graphdefs[:] = [g for g, _ in out]
+                return [st for _, st in out]
+
+            self._split_fn = jax.jit(states)
+            jax.eval_shape(self._split_fn, params)
+            self._layer_graphdefs = tuple(graphdefs)
+        return self._split_fn(params)
 
 
 def _initial(rows: list, width: int, new: int) -> dict:
@@ -153,22 +205,30 @@ def _model(graphdef, params, mesh, rules):
             yield model
 
 
-def _prefill(graphdef, mesh, rules, temperature, support, slots, params, tokens_BxP, plen_B, state):
+def _layers(layer_graphdefs, layers):
+    """ExactEngine._split_layers' states as the layers (None: the programs slice them: exact.layers)."""
+    return None if layers is None else [nnx.merge(g, st) for g, st in zip(layer_graphdefs, layers)]
+
+
+def _prefill(
+    graphdef, layer_graphdefs, mesh, rules, temperature, support, slots, params, layers, tokens_BxP, plen_B, state
+):
     """The prompts through exact.exact_prefill (each once), their cache rows and next-token logits taken by every
     sample row of theirs, and every row's first token drawn."""
     with _model(graphdef, params, mesh, rules) as model:
         kw = dict(slots=slots, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
-        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, **kw)
+        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, layers_=_layers(layer_graphdefs, layers), **kw)
         rows = state["prompt"]
         cache = [tuple(jnp.take(c, rows, axis=0) for c in arrays) for arrays in cache]
         return cache, _draw(state, jnp.take(z, rows, axis=0), jnp.take(lse, rows, axis=0), 0, support)
 
 
-def _decode(graphdef, mesh, rules, temperature, support, params, cache, state, t):
+def _decode(graphdef, layer_graphdefs, mesh, rules, temperature, support, params, layers, cache, state, t):
     """Decode step t of every row: its token t - 1 fed at position plen + t - 1, its token t drawn."""
     with _model(graphdef, params, mesh, rules) as model:
         pos_R = state["plen"] + t - 1
         kw = dict(temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
+        kw.update(layers_=_layers(layer_graphdefs, layers))
         z, lse, cache = exact.exact_step(model, cache, state["tokens"][:, t - 1], pos_R, **kw)
         return cache, _draw(state, z, lse, t, support)
 
@@ -176,10 +236,11 @@ def _decode(graphdef, mesh, rules, temperature, support, params, cache, state, t
 def _draw(state: dict, z_RxV, lse_R, t, support: bool) -> dict:
     """Response token t of every row that still samples, from z (logits / temperature) truncated by its top-k / top-p
     (greedy rows: the argmax), its q = exact.logprob (the trainer's formula and tile), its support kept."""
-    keep, has = sampling_support(z_RxV, state["top_k"], state["top_p"])
-    draw = lambda k, zr: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(k), t), zr)  # noqa: E731
-    tok = jax.vmap(draw)(state["keys"], jnp.where(keep, z_RxV, -jnp.inf)).astype(jnp.int32)
-    tok = jnp.where(state["greedy"], jnp.argmax(z_RxV, axis=-1).astype(jnp.int32), tok)
+    lp_RxV, keep, has = sampling_support(z_RxV, state["top_k"], state["top_p"])
+    keys_R = jax.vmap(jax.random.fold_in, in_axes=(0, None))(jax.random.wrap_key_data(state["keys"]), t)
+    # the plain engine's draw (two Gumbel-max draws of ~sqrt(V) each; greedy rows: the first argmax of z, as the
+    # truncation and the temperature-1 log-softmax keep the order)
+    tok = draw(keys_R, jnp.where(state["greedy"][:, None], z_RxV, lp_RxV), state["greedy"])
     q = exact.logprob(z_RxV, lse_R, tok, keep, has)
     on = (t < state["max_new"]) & ~state["done"]
     st = dict(state)
@@ -225,14 +286,15 @@ def _support(keep_MxV, m: int, params: SamplingParams) -> tuple[list, list]:
 
 
 def sampling_support(z_TxV, top_k_T, top_p_T):
-    """The sampler's truncation of z (already divided by the temperature): (keep [T, V] bool, has [T] bool), with the
+    """The sampler's truncation of z (already divided by the temperature): (its log-probabilities [T, V] fp32 with
+    -inf outside the support, keep [T, V] bool, has [T] bool), with the
     JAX engine's definition (sampling.sampling_logprobs: top-k with ties kept, then top-p); has where a row truncates
     (top_k > 0 or top_p < 1, even where that keeps every token: a truncating row's support always reaches the trainer,
     whose p subtracts its log mass where it has one)."""
     ones_T = jnp.ones(z_TxV.shape[:1], jnp.float32)
     lp_TxV = sampling_logprobs(z_TxV, ones_T, top_k_T, top_p_T, jnp.zeros(z_TxV.shape[:1], bool))
     has_T = (top_k_T > 0) | (top_p_T < 1.0)  # the engine's SamplingParams.truncates: it then sends the support
-    return (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T
+    return lp_TxV, (lp_TxV > -jnp.inf) | ~has_T[:, None], has_T
 
 
 def sample(
@@ -269,7 +331,7 @@ def sample(
 
     @jax.jit
     def draw(z, lse, k):
-        keep, has = sampling_support(z, top_k_R, top_p_R)
+        _, keep, has = sampling_support(z, top_k_R, top_p_R)
         tok = jax.random.categorical(k, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
         return tok, exact.logprob(z, lse, tok, keep, has), keep
 
@@ -302,9 +364,15 @@ def abstract_programs(graphdef, params, mesh, rules, *, batch: int, prompt_len: 
     width = bucket(batch * n, exact.TILE)
     state = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in _initial([], width, new_tokens).items()}
     state["keep"] = jax.ShapeDtypeStruct((width, 1, 1), jnp.bool_)
-    on = (graphdef, mesh, rules, 1.0, False)
-    prefill = jax.jit(functools.partial(_prefill, *on, slots), donate_argnums=(3,))
-    args = (params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    on = (graphdef, (), mesh, rules, 1.0, False)  # the layers sliced in the programs (a TPU's or GPU's engine)
+    prefill = jax.jit(functools.partial(_prefill, *on, slots), donate_argnums=(4,))
+    args = (
+        params,
+        None,
+        jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
     cache, state_after = jax.eval_shape(prefill, *args, state)
-    decode = jax.jit(functools.partial(_decode, *on), donate_argnums=(1, 2))
-    return (prefill, (*args, state)), (decode, (params, cache, state_after, jax.ShapeDtypeStruct((), jnp.int32)))
+    decode = jax.jit(functools.partial(_decode, *on), donate_argnums=(2, 3))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return (prefill, (*args, state)), (decode, (params, None, cache, state_after, scalar))

@@ -17,7 +17,12 @@ TRUNCATION = ((0, 1.0), (8, 1.0), (40, 0.9), (0, 0.8), (5, 1.0))
 
 @pytest.mark.parametrize(
     "family,dtype,experts",
-    [("qwen2_moe", "bfloat16", "dense"), ("qwen3_moe", "float32", "tiles"), ("deepseek_v2", "float32", "gather")],
+    [
+        ("qwen2_moe", "bfloat16", "dense"),
+        ("qwen3_moe", "float32", "tiles"),
+        ("qwen3_moe", "bfloat16", "tiles"),
+        ("deepseek_v2", "float32", "gather"),
+    ],
 )
 def test_engine_q_equals_the_exact_forward_p(tiny_hf_dir, family, dtype, experts, monkeypatch):
     if experts == "tiles":  # the tiny models' 8 experts top-2 would take dense: expert tiles as at scale
@@ -54,6 +59,8 @@ def test_engine_q_equals_the_exact_forward_p(tiny_hf_dir, family, dtype, experts
             np.testing.assert_array_equal(trainer_p(model, r.prompt, s.token_ids, s.support), q)
             tokens += len(q)
     assert tokens > 40
+    # in bf16 the weights the programs only cast came in cast once per call (cast_inputs): the same q
+    assert (engine.cast_weights > 0) == (dtype == "bfloat16")
     # the same request alone: the same samples (a row's values do not depend on the batch)
     again = engine.generate_many([requests[2]])[0]
     assert [s.token_ids for s in again] == [s.token_ids for s in results[2]]
