@@ -33,9 +33,7 @@ from jax import lax
 from cisjax.models import cpu_bits, deepseek_v2, exact_attention, exact_head, exact_moe
 from cisjax.models.transformer import CausalLM, layer_of, layer_runs, write_cache
 
-# rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step). 32, not 16: fewer loop
-# trips over larger matmuls (the benches' decode step of 128 rows and train forward measured faster; docs/results.md)
-TILE = 32
+TILE = 16  # rows per tile: every per-token op runs on [TILE, ...] tiles (the CPU decode's width step)
 # rollout.exact's run constants, the same in the sampler and the train step: attention in key blocks of BLOCK slots
 # (then the trainer's key length need not be the cache's); the MoE experts: moe_impl
 BLOCK = 32

@@ -24,7 +24,7 @@ from cisjax.models.layers import dense
 from cisjax.models.routing import route
 
 IMPLS = ("gather", "dense")  # per row tile (routed, block); "tiles": expert tiles over all tokens (expert_tiles)
-EXPERT_TILE = 32  # rows per expert tile of impl="tiles": the same in the sampler and the train step (as TILE)
+EXPERT_TILE = 16  # rows per expert tile of impl="tiles": the same in the sampler and the train step
 
 
 def route_tile(moe, h_TxD):
