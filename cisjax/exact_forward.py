@@ -2,32 +2,36 @@
 
 from __future__ import annotations
 
-import flax.nnx as nnx
 import jax
 from jax import lax
 
-from cisjax import runtime, sharding
+from cisjax import exact_rows
 from cisjax.models import exact
 
 
 def exact_value(graphdef, mesh, rules, temperature: float, params, tokens_BxT, positions_BxT, targets_BxT, support):
     """exact.exact_forward's logprobs [B, T] (fp32) of the targets: keys in exact.BLOCK blocks over T rounded up to a
-    block, experts exact.moe_impl, renormalised over the support ids where a row has them: the exact sampler's q."""
+    block, experts exact.moe_impl, renormalised over the support ids where a row has them: the exact sampler's q. On a
+    mesh each device computes its own rows with the weights gathered whole (exact_rows), as the sampler does (one GSPMD
+    program over the sharded weights computes other bits than the sampler's: tests/test_exact_rows.py)."""
     t = tokens_BxT.shape[1]
-    with sharding.use_mesh(mesh, rules):
-        model = nnx.merge(graphdef, params)
-        with runtime.matmul_precision(model.cfg.dtype):
-            return exact.exact_forward(
-                model,
-                tokens_BxT,
-                positions_BxT,
-                targets_BxT,
-                slots=-(-t // exact.BLOCK) * exact.BLOCK,
-                temperature=temperature,
-                support_BxTxS=support,
-                moe_impl=exact.moe_impl(model),
-                block=exact.BLOCK,
-            )
+
+    def value(w, tokens_BxT, positions_BxT, targets_BxT, *support):
+        return exact.exact_forward(
+            w.model,
+            tokens_BxT,
+            positions_BxT,
+            targets_BxT,
+            slots=-(-t // exact.BLOCK) * exact.BLOCK,
+            temperature=temperature,
+            support_BxTxS=support[0] if support else None,
+            moe_impl=exact.moe_impl(w.model),
+            block=exact.BLOCK,
+            layers_=w.layers,
+        )
+
+    rows = (tokens_BxT, positions_BxT, targets_BxT) + (() if support is None else (support,))
+    return exact_rows.apply(value, graphdef, (), mesh, rules, params, None, rows)
 
 
 def exact_logprobs(graphdef, mesh, rules, plain, *, temperature: float):

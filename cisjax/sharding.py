@@ -213,6 +213,8 @@ def freeze(rules: Rules) -> FrozenRules:
 # A jax user context, not a plain contextvar: its value is part of jit's cache key, so a function
 # traced without (or under another) mesh or rules table is re-traced instead of silently reused.
 _CTX = jax.make_user_context(default_value=None)
+# inside a shard_map body (`manual`): the arrays are each device's own, so `constrain` is the identity there
+_MANUAL = jax.make_user_context(default_value=False)
 
 
 @contextlib.contextmanager
@@ -220,6 +222,14 @@ def use_mesh(mesh: Mesh, rules: Rules | None = None):
     """Make `constrain` active (inside jit traces) for this mesh and rules table."""
     with _CTX((mesh, freeze(rules if rules is not None else DEFAULT_TABLE))):
         yield mesh
+
+
+@contextlib.contextmanager
+def manual():
+    """A shard_map body's trace: `constrain` does nothing (the body's arrays are per device), while current_platform
+    still follows the active mesh."""
+    with _MANUAL(True):
+        yield
 
 
 def active() -> tuple[Mesh, FrozenRules] | None:
@@ -246,9 +256,9 @@ def mesh_platform(mesh: Mesh) -> str:
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; identity when no mesh is active."""
+    """Sharding constraint by logical names; identity when no mesh is active or inside a shard_map body (manual)."""
     ctx = _CTX.value
-    if ctx is None:
+    if ctx is None or _MANUAL.value:
         return x
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, named_sharding(axes, rules, mesh, x.shape))

@@ -212,6 +212,26 @@ def test_constrain_follows_mesh_context_through_jit_cache():
     assert len(traces) == 3
 
 
+def test_constrain_is_off_in_a_shard_map_body_where_the_platform_stays_the_meshs():
+    """sharding.manual: a shard_map body's arrays are per device, so constrain adds nothing there (a NamedSharding
+    constraint inside the body would be refused), while current_platform still follows the mesh."""
+    mesh = sharding.make_mesh({"fsdp": 8})
+
+    def body(x):
+        with sharding.use_mesh(mesh, sharding.rules_from_config()), sharding.manual():
+            assert sharding.active()[0] is mesh  # what current_platform reads
+            return sharding.constrain(x * 2, ("batch", "act_embed"))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+    jaxpr = str(jax.make_jaxpr(f)(jnp.ones((8, 16))))
+    assert "sharding_constraint" not in jaxpr and "shard_map" in jaxpr
+    np.testing.assert_array_equal(jax.jit(f)(jnp.ones((8, 16))), 2 * np.ones((8, 16)))
+    with sharding.use_mesh(mesh, sharding.rules_from_config()):  # outside manual: the constraint is there
+        assert "sharding_constraint" in str(
+            jax.make_jaxpr(lambda x: sharding.constrain(x, ("batch", None)))(jnp.ones((8, 16)))
+        )
+
+
 def test_place():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     rules = sharding.rules_from_config()

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cisjax"
 FLOORS = (
     ("errors", "files", "safetensors_io", "console", "records", "config", "rounding", "answers"),
     ("sharding", "distributed", "runtime", "logprobs", "rows", "tokenizer", "data", "rl", "models"),
-    ("forward", "exact_forward", "score", "rollout", "export"),
+    ("exact_rows", "forward", "exact_forward", "score", "rollout", "export"),
     ("evaluation", "engines"),
     ("train",),
     ("mismatch", "plan", "sweep", "bench", "demo"),

@@ -161,12 +161,13 @@ def exact_forward(
     support_BxTxS=None,
     moe_impl: str = "gather",
     block: int | None = None,
+    layers_=None,
 ):
     """The trainer's side: logprobs [B, T] of targets, rows left-aligned (position = slot), each query attending over
     its row's slots up to its own (one sequence per row). `slots` >= T: the fixed key length of the decode's cache.
     support_BxTxS: each target's sampling support (ids, -1 padded; a target without any: no truncation), over which
     its logprob is renormalised (exact_head.renormalised). moe_impl: exact_moe's; block: attention in key blocks of
-    that many slots (None: over all slots at once); the decode must use the same."""
+    that many slots (None: over all slots at once); the decode must use the same. layers_: as exact_prefill's."""
     b, t = tokens_BxT.shape
     if slots < t:
         raise ValueError(f"slots={slots} < T={t}")
@@ -174,7 +175,7 @@ def exact_forward(
     pos = positions_BxT.reshape(-1).astype(jnp.int32)
     row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
     shared = t % TILE == 0  # each tile is one row's consecutive positions
-    for layer in layers(model):
+    for layer in layers_ or layers(model):
         q, entries = tiled(functools.partial(exact_attention.project, layer), x, pos)
         axes = exact_attention.slot_axes(layer.attn)
         lay = tuple(_layout(e, b, t, slots, a) for e, a in zip(entries, axes))

@@ -100,7 +100,8 @@ def jaxpr_flops(jaxpr) -> float:
     """The matmul FLOPs of a (traced, unpartitioned: all chips together) jaxpr: 2 x out elements x contracted size
     of every dot_general, a scan's body times its length (lax.map's loops counted whole, where XLA's cost_analysis
     counts a loop body once), a while loop's body once (its trip count is a value), a cond's largest branch, a
-    custom_jvp / custom_vjp call's primal function only."""
+    custom_jvp / custom_vjp call's primal function only, a shard_map's body (one device's) times the devices of its
+    manual axes."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name, params = eqn.primitive.name, eqn.params
@@ -112,6 +113,12 @@ def jaxpr_flops(jaxpr) -> float:
             total += params["length"] * jaxpr_flops(params["jaxpr"].jaxpr)
         elif name == "cond":
             total += max(jaxpr_flops(b.jaxpr) for b in params["branches"])
+        elif name == "shard_map":
+            mesh = params["mesh"]
+            axes = params.get("newly_manual_axes", params.get("manual_axes", mesh.axis_names))
+            total += math.prod(mesh.shape[a] for a in axes) * jaxpr_flops(
+                getattr(params["jaxpr"], "jaxpr", params["jaxpr"])
+            )
         elif name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
             fun = params.get("call_jaxpr") or params.get("fun_jaxpr")
             total += jaxpr_flops(getattr(fun, "jaxpr", fun))

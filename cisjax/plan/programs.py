@@ -229,7 +229,8 @@ class StepPrograms:
     def exact_sampler(self, batch: int, prompt_len: int, n: int, new_tokens: int) -> list[Compiled]:
         """ExactEngine's programs (rollout.exact's sampler) of one bucket on this mesh, the trainer's params: the
         prefill of `batch` prompts and one decode step of their batch x n rows (the engine runs it new_tokens - 1
-        times). Their rows as ExactEngine puts them (unsharded arrays: each chip holds every row)."""
+        times). Their rows as ExactEngine puts them: over the mesh's batch axes (exact_rows: each chip its rows' KV cache),
+        the weights gathered whole a layer at a time."""
         (prefill, pargs), (decode, dargs) = exact_engine.abstract_programs(
             self.graphdef,
             self.params,

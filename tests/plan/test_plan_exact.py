@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from cisjax import sharding
 from cisjax.models import exact as exact_lib
 from cisjax.plan import flops
 from tests.plan.test_plan import narrow_plan
@@ -37,6 +39,12 @@ def test_jaxpr_flops_by_hand():
     assert _flops(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), jnp.zeros((2, 4, 3)), jnp.zeros((2, 3, 2))) == 96
     branches = (lambda a, b: (a @ b) @ jnp.ones((2, 2)), lambda a, b: a @ b)
     assert _flops(lambda p, a, b: lax.cond(p, *branches, a, b), True, a, b) == 48 + 32
+    # a shard_map over 8 devices, each [1, 3] x [3, 2] of its row: 8 x 12 (its body counted on every device)
+    mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
+    per_row = jax.shard_map(
+        lambda x, b: x @ b, mesh=mesh, in_specs=(P(("data", "fsdp")), P()), out_specs=P(("data", "fsdp"))
+    )
+    assert _flops(per_row, jnp.zeros((8, 3)), b) == 8 * 2 * 1 * 2 * 3
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cisjax import runtime, sharding
+from cisjax import exact_rows, sharding
 from cisjax.engines.jax.engine import STOP_SLOTS, Request, bucket, check_request
 from cisjax.engines.jax.sampling import draw, key_data, sampling_logprobs
 from cisjax.models import cast_inputs, exact
@@ -93,7 +93,9 @@ class ExactEngine:
         p = bucket(max(len(r.prompt) for r in requests), 16)
         new = bucket(max(r.params.max_new_tokens for r in requests), 16)
         slots = -(-(p + new) // exact.BLOCK) * exact.BLOCK
-        b, width = bucket(len(requests), 1), bucket(len(rows), exact.TILE)
+        # on a mesh the prompts and rows split over its batch axes (exact_rows), each device's rows whole tiles
+        shards = exact_rows.shards(self.mesh, self.rules)
+        b, width = bucket(len(requests), shards), bucket(len(rows), exact.TILE * shards)
         support = any(r.params.return_sampling_mask and r.params.truncates for r in requests)
         tokens_BxP, plen_B = np.zeros((b, p), np.int32), np.ones(b, np.int32)
         for i, r in enumerate(requests):
@@ -155,8 +157,8 @@ class ExactEngine:
             graphdefs = []
 
             def states(params):
-                with _model(self.graphdef, params, self.mesh, self.rules) as model:
-                    out = [nnx.split(layer) for layer in exact.layers(model)]
+                with sharding.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext():
+                    out = [nnx.split(layer) for layer in exact.layers(nnx.merge(self.graphdef, params))]
                 graphdefs[:] = [g for g, _ in out]
                 return [st for _, st in out]
 
@@ -197,40 +199,43 @@ def _initial(rows: list, width: int, new: int) -> dict:
     )
 
 
-@contextlib.contextmanager
-def _model(graphdef, params, mesh, rules):
-    with sharding.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext():
-        model = nnx.merge(graphdef, params)
-        with runtime.matmul_precision(model.cfg.dtype):
-            yield model
-
-
-def _layers(layer_graphdefs, layers):
-    """ExactEngine._split_layers' states as the layers (None: the programs slice them: exact.layers)."""
-    return None if layers is None else [nnx.merge(g, st) for g, st in zip(layer_graphdefs, layers)]
-
-
 def _prefill(
     graphdef, layer_graphdefs, mesh, rules, temperature, support, slots, params, layers, tokens_BxP, plen_B, state
 ):
-    """The prompts through exact.exact_prefill (each once), their cache rows and next-token logits taken by every
-    sample row of theirs, and every row's first token drawn."""
-    with _model(graphdef, params, mesh, rules) as model:
-        kw = dict(slots=slots, temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
-        z, lse, cache = exact.exact_prefill(model, tokens_BxP, plen_B, layers_=_layers(layer_graphdefs, layers), **kw)
-        rows = state["prompt"]
-        cache = [tuple(jnp.take(c, rows, axis=0) for c in arrays) for arrays in cache]
-        return cache, _draw(state, jnp.take(z, rows, axis=0), jnp.take(lse, rows, axis=0), 0, support)
+    """The prompts through exact.exact_prefill (each once; on a mesh each device its own prompts), their cache rows
+    and next-token logits taken by every sample row of theirs, and every row's first token drawn (each device its
+    own rows)."""
+
+    def prefill(w, tokens_BxP, plen_B):
+        kw = dict(slots=slots, temperature=temperature, moe_impl=exact.moe_impl(w.model), block=exact.BLOCK)
+        return exact.exact_prefill(w.model, tokens_BxP, plen_B, layers_=w.layers, **kw)
+
+    z, lse, cache = exact_rows.apply(
+        prefill, graphdef, layer_graphdefs, mesh, rules, params, layers, (tokens_BxP, plen_B)
+    )
+    rows = state["prompt"]
+    cache, z, lse = exact_rows.split_rows(
+        (
+            [tuple(jnp.take(c, rows, axis=0) for c in arrays) for arrays in cache],
+            *(jnp.take(a, rows, axis=0) for a in (z, lse)),
+        ),
+        mesh,
+        rules,
+    )
+    return cache, exact_rows.apply_rows(lambda st, z, lse: _draw(st, z, lse, 0, support), mesh, rules, (state, z, lse))
 
 
 def _decode(graphdef, layer_graphdefs, mesh, rules, temperature, support, params, layers, cache, state, t):
-    """Decode step t of every row: its token t - 1 fed at position plen + t - 1, its token t drawn."""
-    with _model(graphdef, params, mesh, rules) as model:
+    """Decode step t of every row (on a mesh each device its own rows): its token t - 1 fed at position plen + t - 1,
+    its token t drawn."""
+
+    def step(w, cache, state, t):
         pos_R = state["plen"] + t - 1
-        kw = dict(temperature=temperature, moe_impl=exact.moe_impl(model), block=exact.BLOCK)
-        kw.update(layers_=_layers(layer_graphdefs, layers))
-        z, lse, cache = exact.exact_step(model, cache, state["tokens"][:, t - 1], pos_R, **kw)
+        kw = dict(temperature=temperature, moe_impl=exact.moe_impl(w.model), block=exact.BLOCK, layers_=w.layers)
+        z, lse, cache = exact.exact_step(w.model, cache, state["tokens"][:, t - 1], pos_R, **kw)
         return cache, _draw(state, z, lse, t, support)
+
+    return exact_rows.apply(step, graphdef, layer_graphdefs, mesh, rules, params, layers, (cache, state), (t,))
 
 
 def _draw(state: dict, z_RxV, lse_R, t, support: bool) -> dict:
@@ -361,7 +366,10 @@ def abstract_programs(graphdef, params, mesh, rules, *, batch: int, prompt_len: 
     support kept), for compiling without running (cisjax plan): ((prefill, its args), (decode step, its args)).
     `batch` prompts of `prompt_len` tokens (buckets), n samples each, `new_tokens` new tokens."""
     slots = -(-(prompt_len + new_tokens) // exact.BLOCK) * exact.BLOCK
-    width = bucket(batch * n, exact.TILE)
+    shards = exact_rows.shards(mesh, rules)
+    if batch % shards:
+        raise ValueError(f"batch={batch} prompts: not a multiple of the mesh's {shards} row shards")
+    width = bucket(batch * n, exact.TILE * shards)
     state = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in _initial([], width, new_tokens).items()}
     state["keep"] = jax.ShapeDtypeStruct((width, 1, 1), jnp.bool_)
     on = (graphdef, (), mesh, rules, 1.0, False)  # the layers sliced in the programs (a TPU's or GPU's engine)
