@@ -43,13 +43,11 @@ def apply(fn: Callable, graphdef, layer_graphdefs, mesh, rules, params, layers, 
     the weights outside the layers at once, each layer's as the program reaches it (so that a chip holds one layer's
     whole weights at a time, as the FSDP train step's all-gathers do). A row's values do not depend on the other rows
     (cisjax.models.exact): the same bits as one program over all rows."""
-    if shards(mesh, rules) == 1:
-        with _context(params, mesh, rules) as ctx:
-            model = nnx.merge(graphdef, params)
-            with ctx(model):
-                split = None if layers is None else [nnx.merge(g, st) for g, st in zip(layer_graphdefs, layers)]
-                return fn(Weights(model, split), *rows, *same)
     n = shards(mesh, rules)
+    if n == 1:
+        with _model(graphdef, params, mesh, rules) as model:
+            split = None if layers is None else [nnx.merge(g, st) for g, st in zip(layer_graphdefs, layers)]
+            return fn(Weights(model, split), *rows, *same)
     r = jax.tree.leaves(rows)[0].shape[0]
     if r % n:  # rows of zeros up to a multiple of the shards (a row's values do not depend on the others)
         pad = lambda a: jnp.pad(a, [(0, n - r % n)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
@@ -60,14 +58,12 @@ def apply(fn: Callable, graphdef, layer_graphdefs, mesh, rules, params, layers, 
     row = rows_spec(mesh, rules)
 
     def body(params, layers, *args):
-        with _context(params, mesh, rules, manual=True) as ctx:
-            model = nnx.merge(graphdef, _gather(params, pspecs, skip="stacks"))
-            with ctx(model):
-                if layers is None:
-                    split = _stack_layers(model, pspecs)
-                else:
-                    split = (nnx.merge(g, _gather(st, sp)) for g, st, sp in zip(layer_graphdefs, layers, lspecs))
-                return fn(Weights(model, split), *args)
+        with _model(graphdef, _gather(params, pspecs, skip="stacks"), mesh, rules, manual=True) as model:
+            if layers is None:
+                split = _stack_layers(model, pspecs)
+            else:
+                split = (nnx.merge(g, _gather(st, sp)) for g, st, sp in zip(layer_graphdefs, layers, lspecs))
+            return fn(Weights(model, split), *args)
 
     in_specs = (pspecs, lspecs, *(jax.tree.map(lambda _: row, a) for a in rows), *(P() for _ in same))
     run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=row, check_vma=False)
@@ -81,7 +77,7 @@ def apply_rows(fn: Callable, mesh, rules, rows: tuple):
     row = rows_spec(mesh, rules)
 
     def body(*args):
-        with sharding.use_mesh(mesh, rules), sharding.manual():
+        with _trace(mesh, rules, manual=True):
             return fn(*args)
 
     in_specs = tuple(jax.tree.map(lambda _: row, a) for a in rows)
@@ -97,15 +93,23 @@ def split_rows(tree, mesh, rules):
 
 
 @contextlib.contextmanager
-def _context(params, mesh, rules, manual: bool = False):
-    """The model's trace context: the mesh and rules (constraints off inside a shard_map body), then, given the model,
-    its compute dtype's matmul precision."""
+def _trace(mesh, rules, manual: bool = False):
+    """A program body's trace context: the mesh and rules (with them, constraints off inside a shard_map body)."""
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(sharding.use_mesh(mesh, rules))
         if manual:
             stack.enter_context(sharding.manual())
-        yield lambda model: runtime.matmul_precision(model.cfg.dtype)
+        yield
+
+
+@contextlib.contextmanager
+def _model(graphdef, params, mesh, rules, manual: bool = False):
+    """The model of `params` under _trace, in its compute dtype's matmul precision."""
+    with _trace(mesh, rules, manual):
+        model = nnx.merge(graphdef, params)
+        with runtime.matmul_precision(model.cfg.dtype):
+            yield model
 
 
 def _is_var(x) -> bool:
