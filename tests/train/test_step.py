@@ -354,11 +354,12 @@ def test_step_traces_once_and_donates_the_state():
     ref, state = _fresh()
     step, mesh, rules = ref["step"], U.mesh_for("single"), ref["rules"]
     other = U.with_logprobs(U.host_batch(seed=5), ref["prox"], seed=7)  # same shapes, other values
+    traced = step.traces  # the step is shared: another module's tests may have traced it (or jax.clear_caches since)
     for batch in (ref["batch"], other, ref["batch"]):
         old = state
         state, _ = step(state, sharding.place(batch, mesh, rules, sharding.BATCH_AXES))
         assert all(x.is_deleted() for x in jax.tree.leaves(old.params))  # donated: buffers reused in place
-    assert step.traces == 1
+    assert step.traces - traced <= 1  # the three calls: one trace at most
     assert step.jitted._cache_size() == 1
 
 
