@@ -99,6 +99,7 @@ ONE_WORKER_MODULES = (
 # `item._nodeid` to add "@group", which pytest 9 no longer reads), so the scheduler below does the grouping itself.
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a run without it
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup`: tests go one at a time to the free worker, except that each module of ONE_WORKER_MODULES is
     one unit of work, on one worker (its module-scoped servers start once, not once per worker)."""
@@ -153,6 +154,7 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.cisjax_hung_dir, ignore_errors=True)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a run without it
 def pytest_configure_node(node):
     node.workerinput["cisjax_hung_dir"] = node.config.cisjax_hung_dir
 
@@ -175,6 +177,7 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a run without it
 def pytest_handlecrashitem(crashitem, report, sched):
     dump = Path(report.node.config.cisjax_hung_dir) / f"{report.node.gateway.id}.txt"
     stacks = dump.read_text() if dump.exists() else ""

@@ -67,3 +67,18 @@ def test_a_dead_or_hung_worker_fails_its_test_once_and_the_rest_run(tmp_path):
     # the hung test's report: the watchdog's stacks, down to the line it hung on; the killed one's: no stacks
     assert "ended by the suite's watchdog" in out and 'test_many.py", line 15 in test_hangs' in out, out[-3000:]
     assert "no stacks: the process was killed" in out, out[-3000:]
+
+
+def test_the_hooks_load_without_xdist(tmp_path):
+    """pytest without pytest-xdist (`-p no:xdist`, or not installed): its hooks are optional, the suite still runs."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "."],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
