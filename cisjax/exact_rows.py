@@ -77,7 +77,7 @@ def apply_rows(fn: Callable, mesh, rules, rows: tuple):
     row = rows_spec(mesh, rules)
 
     def body(*args):
-        with _trace(mesh, rules, manual=True):
+        with trace(mesh, rules, manual=True):
             return fn(*args)
 
     in_specs = tuple(jax.tree.map(lambda _: row, a) for a in rows)
@@ -93,7 +93,7 @@ def split_rows(tree, mesh, rules):
 
 
 @contextlib.contextmanager
-def _trace(mesh, rules, manual: bool = False):
+def trace(mesh, rules, manual: bool = False):
     """A program body's trace context: the mesh and rules (with them, constraints off inside a shard_map body)."""
     with contextlib.ExitStack() as stack:
         if mesh is not None:
@@ -105,8 +105,8 @@ def _trace(mesh, rules, manual: bool = False):
 
 @contextlib.contextmanager
 def _model(graphdef, params, mesh, rules, manual: bool = False):
-    """The model of `params` under _trace, in its compute dtype's matmul precision."""
-    with _trace(mesh, rules, manual):
+    """The model of `params` under trace, in its compute dtype's matmul precision."""
+    with trace(mesh, rules, manual):
         model = nnx.merge(graphdef, params)
         with runtime.matmul_precision(model.cfg.dtype):
             yield model

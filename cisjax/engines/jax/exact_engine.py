@@ -3,7 +3,6 @@ step's p bit for bit; the same generate_many -> SampleResults as engine.Engine."
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import secrets
@@ -157,7 +156,7 @@ class ExactEngine:
             graphdefs = []
 
             def states(params):
-                with sharding.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext():
+                with exact_rows.trace(self.mesh, self.rules):
                     out = [nnx.split(layer) for layer in exact.layers(nnx.merge(self.graphdef, params))]
                 graphdefs[:] = [g for g, _ in out]
                 return [st for _, st in out]
