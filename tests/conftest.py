@@ -112,6 +112,22 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::")[0]
             return module if module in ONE_WORKER_MODULES else nodeid
 
+        def _reschedule(self, node):
+            # xdist 3.8's LoadScopeScheduling after a worker died (pytest-xdist#1189, #1327, #1362), fixed here:
+            # - a worker started in place of a dead one takes work once it has collected the tests: schedule() runs
+            #   when any worker finishes collecting, and gave work to a replacement still collecting (KeyError, an
+            #   INTERNALERROR that ended the run: seen here when two workers died at once);
+            # - a worker runs a test only once it holds the next one (or was told to shut down): xdist gave a fresh
+            #   replacement one test and never called on it again, so it sat idle until the others had emptied the
+            #   queue (with one worker left: the run hung, #1327). Here a worker holds two tests or more while work is
+            #   left, and is shut down (runs what it holds, then exits) when none is.
+            if node.shutting_down or node not in self.registered_collections:
+                return
+            while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)
+            if not self.workqueue:
+                node.shutdown()
+
         def remove_node(self, node):
             # A worker that died (a crash, the OOM killer, or the watchdog below ending a hung test): xdist reports
             # the test it was running as failed, and LoadScopeScheduling would queue that test again with the rest of
@@ -138,8 +154,9 @@ def pytest_collection_modifyitems(config, items):
 
 # A test that runs past HUNG_S (set-up, call and tear-down) is ended: faulthandler's watchdog (a C thread: it needs no
 # GIL, so a test stuck in C code - a compile, a collective, a socket - is ended too) writes every thread's stack and
-# exits the process. Under xdist the worker's stderr is not shown, so the stacks go to a file per worker that
-# pytest_handlecrashitem puts in the test's failure report. The longest test takes ~3.5 minutes on a 2-core machine:
+# exits the process. A worker that crashes (a segfault or abort in XLA, say) writes its threads' stacks too
+# (faulthandler's fatal-signal handler). Under xdist the worker's stderr is not shown, so the stacks go to a file per
+# worker that pytest_handlecrashitem puts in the test's failure report. The longest test takes ~3.5 minutes on a 2-core machine:
 # a hang fails its test instead of holding CI to its time limit (tests/test_conftest.py sets a shorter one).
 HUNG_S = float(os.environ.get("CISJAX_TEST_HUNG_S", 900))
 
@@ -170,7 +187,9 @@ def _hung_file(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    faulthandler.dump_traceback_later(HUNG_S, exit=True, file=_hung_file(item.config))
+    dump = _hung_file(item.config)
+    faulthandler.enable(file=dump, all_threads=True)  # a fatal signal's stacks: there, not to the hidden stderr
+    faulthandler.dump_traceback_later(HUNG_S, exit=True, file=dump)
     try:
         return (yield)
     finally:
@@ -181,11 +200,14 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_handlecrashitem(crashitem, report, sched):
     dump = Path(report.node.config.cisjax_hung_dir) / f"{report.node.gateway.id}.txt"
     stacks = dump.read_text() if dump.exists() else ""
-    report.longrepr += (
-        f"\nover {HUNG_S} s: ended by the suite's watchdog (tests/conftest.py); the stacks then:\n{stacks}"
-        if stacks
-        else "\nno stacks: the process was killed (the kernel's OOM killer sends SIGKILL) or crashed"
-    )
+    if stacks.startswith("Timeout"):
+        report.longrepr += (
+            f"\nover {HUNG_S} s: ended by the suite's watchdog (tests/conftest.py); the stacks then:\n{stacks}"
+        )
+    elif stacks:
+        report.longrepr += f"\nthe worker crashed; faulthandler's report:\n{stacks}"
+    else:
+        report.longrepr += "\nno stacks: the process was killed (the kernel's OOM killer sends SIGKILL) or exited"
 
 
 @pytest.fixture(autouse=True, scope="module")
