@@ -78,9 +78,11 @@ def prepared(tmp_path_factory):
     return runs.prepare(tmp_path_factory.mktemp("demo"))
 
 
-# Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs): one
-# unit of work each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker, not on both.
+# Modules whose tests share an expensive module-scoped set-up (rollout servers, a vLLM engine, training runs, a bench
+# section's run): one unit of work each, so that under `--dist loadgroup` (Makefile) the set-up happens on one worker,
+# not on both.
 ONE_WORKER_MODULES = (
+    "tests/bench/test_gpu_sampler.py",  # its module fixture: the sampler section's run (~30 s)
     "tests/evaluation/test_command.py",
     "tests/mismatch/test_measure.py",
     "tests/rollout/test_fleet.py",
@@ -92,6 +94,7 @@ ONE_WORKER_MODULES = (
     "tests/train/test_loop.py",
     "tests/train/test_loop_multiprocess.py",
     "tests/train/test_loop_robustness.py",
+    "tests/train/test_offload.py",  # its module fixture: two steps of each optimizer placement (~15-20 s)
     "tests/train/test_publish.py",
     "tests/test_wheel.py",
 )
