@@ -29,9 +29,8 @@ SIZES = {
         prompts=32,
         group=8,
     ),
-    # gpu_local.sh's run on a CPU: 2 steps (its transformers server generates and reloads at ~30 s a step there)
     "small": dict(
-        warmup_steps=8, heldout=64, eval_size=0, steps=4, local_steps=2, exact_steps=3, window=2, prompts=4, group=4
+        warmup_steps=8, heldout=64, eval_size=0, steps=4, local_steps=4, exact_steps=3, window=2, prompts=4, group=4
     ),
 }
 # gpu_local.sh's engine dtype: bf16 as the demo serves it; float32 on a CPU's toy run (torch's CPU bf16 is slow)
