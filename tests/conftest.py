@@ -159,8 +159,9 @@ def pytest_collection_modifyitems(config, items):
 # GIL, so a test stuck in C code - a compile, a collective, a socket - is ended too) writes every thread's stack and
 # exits the process. A worker that crashes (a segfault or abort in XLA, say) writes its threads' stacks too
 # (faulthandler's fatal-signal handler). Under xdist the worker's stderr is not shown, so the stacks go to a file per
-# worker that pytest_handlecrashitem puts in the test's failure report. The longest test takes ~3.5 minutes on a 2-core machine:
-# a hang fails its test instead of holding CI to its time limit (tests/test_conftest.py sets a shorter one).
+# worker that pytest_handlecrashitem puts in the test's failure report. The longest test takes ~3.5 minutes on a
+# 2-core machine: a hang fails its test instead of holding CI to its time limit (tests/test_conftest.py sets a shorter
+# one).
 HUNG_S = float(os.environ.get("CISJAX_TEST_HUNG_S", 900))
 
 
