@@ -186,14 +186,14 @@ def _hung_file(config):
         config.cisjax_hung_file = (
             open(Path(worker["cisjax_hung_dir"]) / f"{worker['workerid']}.txt", "w") if worker else sys.stderr
         )
+        # a fatal signal's stacks go there too (pytest's own handler wrote them to the worker's hidden stderr)
+        faulthandler.enable(file=config.cisjax_hung_file, all_threads=True)
     return config.cisjax_hung_file
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    dump = _hung_file(item.config)
-    faulthandler.enable(file=dump, all_threads=True)  # a fatal signal's stacks: there, not to the hidden stderr
-    faulthandler.dump_traceback_later(HUNG_S, exit=True, file=dump)
+    faulthandler.dump_traceback_later(HUNG_S, exit=True, file=_hung_file(item.config))
     try:
         return (yield)
     finally:

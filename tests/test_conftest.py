@@ -114,7 +114,7 @@ class _Worker:
         self.shutting_down = True
 
     def can_run(self) -> bool:
-        return len(self.queue) >= 2 or (self.queue and self.shutting_down)
+        return len(self.queue) >= 2 or (len(self.queue) == 1 and self.shutting_down)
 
 
 def test_workers_that_replace_dead_ones_get_work_once_collected_and_never_wait_for_ever():
